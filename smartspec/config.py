@@ -1,0 +1,41 @@
+"""Engine configuration, validated where it enters."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str = "qwen2.5-coder-1.5b"
+    # KV cache: a number of blocks, or else a size in GiB.
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 16
+    # Tokens one step may run (decode tokens plus prefill chunks): bounds a step's latency.
+    max_num_batched_tokens: int = 256
+    max_model_len: int | None = None  # default: the model's context, capped at 4096
+    num_threads: int | None = None  # torch threads for this engine; default: torch's choice
+    seed: int = 0
+    # The batch-invariant CPU kernels (fp32). False runs transformers' own linears and a torch attention.
+    use_kernels: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must be a non-empty string (a bundled name, a directory or a hub id)")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.num_kv_blocks is None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

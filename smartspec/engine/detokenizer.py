@@ -1,0 +1,29 @@
+"""Incremental detokenisation and stop strings."""
+from __future__ import annotations
+
+from smartspec.engine.request import Request
+
+
+def append_text(tokenizer, req: Request) -> str:
+    """Decode the request's newest output tokens into req.text; return the new text.
+
+    Only the tokens since the last complete character are decoded again (a token may end inside a UTF-8
+    sequence, which decodes to U+FFFD until the rest arrives)."""
+    out = req.output_token_ids
+    prefix = tokenizer.decode(out[req.detok_prefix_offset:req.detok_read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(out[req.detok_prefix_offset:], skip_special_tokens=True)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""
+    delta = full[len(prefix):]
+    req.detok_prefix_offset, req.detok_read_offset = req.detok_read_offset, len(out)
+    req.text += delta
+    return delta
+
+
+def find_stop(req: Request, new_text: str) -> int | None:
+    """Where the earliest stop string starts in req.text, if one ends inside the new text."""
+    if not req.params.stop or not new_text:
+        return None
+    window_start = max(0, len(req.text) - len(new_text) - max(map(len, req.params.stop)) + 1)
+    hits = [i for s in req.params.stop if (i := req.text.find(s, window_start)) >= 0]
+    return min(hits) if hits else None

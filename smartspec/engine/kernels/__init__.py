@@ -1,0 +1,49 @@
+"""Batch-invariant CPU kernels, compiled on first use for the machine they run on (cached by torch)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def load():
+    """Return the compiled extension, or None (with the reason logged once) when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        if os.environ.get("SMARTSPEC_DISABLE_KERNELS") == "1":
+            _failed = "disabled by SMARTSPEC_DISABLE_KERNELS=1"
+            return None
+        try:
+            from torch.utils import cpp_extension
+
+            src = Path(__file__).with_name("batch_invariant.cpp")
+            build_dir = Path(os.environ.get("SMARTSPEC_KERNEL_CACHE", Path.home() / ".cache/smartspec/kernels"))
+            build_dir.mkdir(parents=True, exist_ok=True)
+            print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
+            _module = cpp_extension.load(
+                name="smartspec_kernels",
+                sources=[str(src)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as exc:  # a missing compiler must degrade to the torch path, not fail serving
+            _failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("smartspec CPU kernels unavailable, using the torch path: %s", _failed)
+        return _module
+
+
+def unavailable_reason() -> str | None:
+    return _failed

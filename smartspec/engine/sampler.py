@@ -1,0 +1,37 @@
+"""From logits to tokens: greedy, or temperature / top-k / top-p sampling with per-request generators."""
+from __future__ import annotations
+
+import torch
+
+from smartspec.sampling_params import SamplingParams
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: logits [..., V] -> probs after temperature, top-k, top-p.
+    Speculative acceptance applies the same function to target and draft logits."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep a token if the mass before it is below top_p (the most likely token is always kept)
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of logits [R, V]."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            out.append(greedy[row])
+        else:
+            out.append(int(torch.multinomial(target_probs(logits[row], p), 1, generator=gen)))
+    return out

@@ -1,0 +1,55 @@
+"""The offline API: LLM(model=...).generate(prompts, params)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from smartspec.config import EngineConfig
+from smartspec.engine.llm_engine import LLMEngine
+from smartspec.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float  # arrival to first token
+    latency_s: float  # arrival to finish
+
+
+class LLM:
+    def __init__(self, model: str = "qwen2.5-coder-1.5b", **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, object] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if progress:
+                        print(f"\rsmartspec: {len(done)}/{len(ids)} requests done", end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+        results = []
+        for rid, prompt in zip(ids, prompts):
+            out = done[rid]
+            m = out.metrics
+            results.append(CompletionOutput(
+                prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
+                m["first_token_time"] - m["arrival_time"], m["finish_time"] - m["arrival_time"]))
+        return results

