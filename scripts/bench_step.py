@@ -1,0 +1,158 @@
+"""Forward time per step shape: SmartSpec's engine vs plain transformers, same model, same run.
+
+Shapes: batch 1 with n = 1, 2, 4, 8, 16 new tokens (a verify step), and batch 1, 4, 8, 16 single-token decodes,
+each over a 200-token cached context. Prints a table, writes results/bench_step.parquet and a PNG.
+
+    python scripts/bench_step.py --models qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from smartspec import EngineConfig
+from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.model_runner import ForwardItem
+from smartspec.models import resolve
+
+CONTEXT = 200
+SHAPES = [(1, n) for n in (1, 2, 4, 8, 16)] + [(b, 1) for b in (4, 8, 16)]
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def measure_bandwidth() -> float:
+    """Read bandwidth of this machine in GB/s: the better of a 1 GiB fp32 sum and a 1 GiB matrix-vector
+    product through torch's BLAS (median of 5 each)."""
+    x = torch.ones(2**28)
+    a, v = x.view(2**14, 2**14), torch.ones(2**14)
+    return max(x.numel() * 4 / timed(lambda: x.sum(), 5), x.numel() * 4 / timed(lambda: a @ v, 5)) / 1e9
+
+
+def bench_engine(model: str, reps: int) -> tuple[dict, int]:
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_batched_tokens=4096))
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(16):  # 16 requests with a 200-token context already in the cache
+        engine.add_request(torch.randint(100, 5000, (CONTEXT,), generator=gen).tolist(), request_id=f"b{i}")
+    while any(r.num_computed_tokens < CONTEXT for r in engine.requests.values()):
+        batch = engine.scheduler.schedule()
+        engine.runner.forward([ForwardItem(s.request, s.request.token_ids[s.request.num_computed_tokens:][:s.num_tokens],
+                                           s.request.num_computed_tokens, 0) for s in batch])
+        for s in batch:
+            s.request.num_computed_tokens += s.num_tokens
+    reqs = [engine.requests[f"b{i}"] for i in range(16)]
+    for r in reqs:
+        engine.blocks.allocate(r, CONTEXT + 16)
+    out = {}
+    for b, n in SHAPES:
+        items = [ForwardItem(r, [7] * n, CONTEXT, n) for r in reqs[:b]]
+        out[(b, n)] = timed(lambda: engine.runner.forward(items), reps)
+    return out, weight_bytes
+
+
+def bench_transformers(model: str, reps: int) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve(model), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for b, n in SHAPES:
+            ctx = torch.randint(100, 5000, (b, CONTEXT), generator=gen)
+            cache = DynamicCache(config=hf.config)
+            hf(input_ids=ctx, past_key_values=cache, use_cache=True)
+            new = torch.full((b, n), 7)
+
+            def step():
+                hf(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                cache.crop(-n)  # transformers 5: a negative count of tokens to drop
+
+            out[(b, n)] = timed(step, reps)
+    del hf
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bandwidth = measure_bandwidth()
+    print(f"measured read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)", file=sys.stderr)
+    rows = []
+    for model in args.models:
+        print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
+        ours, weight_bytes = bench_engine(model, args.reps)
+        print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
+        theirs = bench_transformers(model, args.reps)
+        for (b, n), t in ours.items():
+            for impl, sec in (("smartspec", t), ("transformers", theirs[(b, n)])):
+                rows.append(dict(model=model, impl=impl, batch=b, new_tokens=n, ms=sec * 1e3,
+                                 tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
+                                 bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads))
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    for r in rows:
+        r["peak_rss_gib"] = peak_rss_gib
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out / "bench_step.parquet")
+
+    print(f"\n{'model':20s} {'batch':>5s} {'new':>4s} {'smartspec ms':>13s} {'tf ms':>9s} {'speedup':>8s} "
+          f"{'tok/s':>7s} {'GB/s':>6s} {'vs 1-tok':>8s}")
+    for model in args.models:
+        mine = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "smartspec"}
+        tf = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "transformers"}
+        base = mine[(1, 1)]["ms"]
+        for key in SHAPES:
+            a, t = mine[key], tf[key]
+            print(f"{model:20s} {key[0]:5d} {key[1]:4d} {a['ms']:13.1f} {t['ms']:9.1f} {t['ms'] / a['ms']:7.2f}x "
+                  f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x")
+    print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB")
+    _plot(rows, args.models, out / "bench_step.png")
+    return 0
+
+
+def _plot(rows, models, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    labels = [f"b{b}\nn{n}" for b, n in SHAPES]
+    for ax, model in zip(axes[0], models):
+        for off, impl in ((-0.2, "smartspec"), (0.2, "transformers")):
+            ms = [next(r["ms"] for r in rows if r["model"] == model and r["impl"] == impl
+                       and (r["batch"], r["new_tokens"]) == s) for s in SHAPES]
+            ax.bar([i + off for i in range(len(SHAPES))], ms, width=0.4, label=impl)
+        ax.set_xticks(range(len(SHAPES)), labels)
+        ax.set_ylabel("ms per forward (200-token context)")
+        ax.set_title(model)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
