@@ -28,7 +28,7 @@ def load():
             from torch.utils import cpp_extension
 
             src = Path(__file__).with_name("batch_invariant.cpp")
-            build_dir = Path(os.environ.get("SMARTSPEC_KERNEL_CACHE", Path.home() / ".cache/smartspec/kernels"))
+            build_dir = Path(os.environ.get("SMARTSPEC_CACHE", Path.home() / ".cache" / "smartspec")) / "kernels"
             build_dir.mkdir(parents=True, exist_ok=True)
             print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
             _module = cpp_extension.load(
