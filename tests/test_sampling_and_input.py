@@ -86,3 +86,18 @@ def test_async_engine_streams_and_abort_frees_blocks(llm):
     assert streamed == llm.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     assert not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_streamed_text_never_contains_a_stop_string(llm):
+    base = llm.generate("abc", SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    needle = base.text[10:13]
+    eng = llm.engine
+    rid = eng.add_request("abc", SamplingParams(max_tokens=30, stop=[needle], ignore_eos=True))
+    streamed = ""
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == rid
+            streamed += out.new_text
+            assert needle not in streamed
+            assert streamed == out.text[: len(streamed)]
+    assert streamed == base.text[: base.text.index(needle)]

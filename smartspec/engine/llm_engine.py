@@ -102,7 +102,7 @@ class LLMEngine:
             return None
         self.scheduler.remove(req)
         self._finish(req, "abort")
-        return self._output(req, [], "")
+        return self._output(req, [], self._take_text(req))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -129,17 +129,15 @@ class LLMEngine:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
-        added, new_text = [], ""
+        added = []
         for tok in tokens:
             req.token_ids.append(tok)
             added.append(tok)
             delta = append_text(self.tokenizer, req)
-            new_text += delta
             reason = None
             if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in self.stop_token_ids):
                 reason = "stop"
             elif (cut := find_stop(req, delta)) is not None:
-                new_text = new_text[: max(0, len(new_text) - (len(req.text) - cut))]
                 req.text = req.text[:cut]
                 reason = "stop"
             elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
@@ -149,7 +147,17 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 self._finish(req, reason)
                 break
-        return self._output(req, added, new_text)
+        return self._output(req, added, self._take_text(req))
+
+    @staticmethod
+    def _take_text(req: Request) -> str:
+        """Text not streamed yet. While a request runs, the last (longest stop - 1) chars are held back: they
+        may be the start of a stop string, which must never reach the client."""
+        end = len(req.text)
+        if not req.finished and req.params.stop:
+            end = max(req.num_text_sent, end - max(map(len, req.params.stop)) + 1)
+        new, req.num_text_sent = req.text[req.num_text_sent:end], end
+        return new
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED

@@ -34,6 +34,7 @@ class Request:
     finish_time: float | None = None
     # Output text, built incrementally; stop strings are cut from it.
     text: str = ""
+    num_text_sent: int = 0  # chars of text already streamed
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
 
