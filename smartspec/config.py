@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from smartspec.spec.config import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -21,6 +23,9 @@ class EngineConfig:
     use_kernels: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    # Speculative decoding: None, or {"method": "draft_model" | "ngram", "model": <draft>,
+    # "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "policy": "off" | "fixed"}
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -37,5 +42,6 @@ class EngineConfig:
                 positive(name)
         if self.num_kv_blocks is None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -55,3 +55,19 @@ def smollm(tmp_path_factory):
     from smartspec.models import fetch
 
     return str(fetch("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_draft(tmp_path_factory, tiny_qwen):
+    """tiny_qwen with noise on every weight: the same tokenizer, a draft that agrees often but not always."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-draft")
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.25 * p.std())
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_qwen).save_pretrained(path)
+    return str(path)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smartspec.sampling_params import SamplingParams
+from smartspec.spec.metrics import SpecDecodeMetrics
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +36,7 @@ class Request:
     # Output text, built incrementally; stop strings are cut from it.
     text: str = ""
     num_text_sent: int = 0  # chars of text already streamed
+    spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, lossless acceptance, metrics."""

@@ -1,0 +1,105 @@
+"""A smaller model with the same tokenizer drafts tokens, in k_max lockstep steps over the requests that want them.
+
+The draft keeps its own paged KV cache. Its per-request state is a `Request` mirroring the target's tokens; before
+proposing it catches up on every token it has not seen (the target's bonus token, tokens produced while the request
+ran at k = 0, everything after a preemption), found as the longest common prefix of what it holds and what the
+target committed. Rejected drafts are dropped by truncating to that prefix."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from smartspec.engine.block_manager import BlockManager
+from smartspec.engine.model_runner import ForwardItem, ModelRunner
+from smartspec.engine.request import Request
+from smartspec.engine.sampler import target_probs
+from smartspec.models import load_model
+from smartspec.spec.proposer import Proposal, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
+                 use_kernels: bool, dtype: str = "float32", device: str = "cpu") -> None:
+        loaded = load_model(model, dtype, device)
+        if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
+            raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
+                             "draft and target must use the same vocabulary")
+        self.model = loaded.model
+        self.target_vocab_size = target_vocab_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.runner = ModelRunner(self.model, self.blocks, use_kernels, device)
+        self.state: dict[str, Request] = {}
+
+    def _sync_state(self, req: Request) -> Request:
+        ds = self.state.get(req.request_id)
+        if ds is None:
+            ds = self.state[req.request_id] = Request(req.request_id, req.prompt_token_ids, req.params)
+        valid = min(ds.num_computed_tokens, _common_prefix(ds.token_ids, req.token_ids))
+        self.blocks.truncate(ds, valid)
+        ds.token_ids = list(req.token_ids)
+        return ds
+
+    def sync(self, request: Request) -> None:
+        if request.request_id in self.state:
+            self._sync_state(request)
+
+    def release(self, request_id: str) -> None:
+        ds = self.state.pop(request_id, None)
+        if ds is not None:
+            self.blocks.free(ds)
+
+    def _fit_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Models of one tokenizer may pad their vocabularies differently; q must cover the target's."""
+        v = self.target_vocab_size
+        if q.shape[-1] < v:
+            return torch.nn.functional.pad(q, (0, v - q.shape[-1]))
+        return q if q.shape[-1] == v else q[..., :v] / q[..., :v].sum()
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor] | None] = [None if r.params.greedy else [] for r in requests]
+        live = []
+        for i, (req, k) in enumerate(zip(requests, ks)):
+            if k <= 0:
+                continue
+            ds = self._sync_state(req)
+            # room for the catch-up tokens and k - 1 fed drafts; if the draft's cache is full, no speculation
+            if not self.blocks.can_hold(ds, req.num_tokens + k - 1):
+                continue
+            self.blocks.allocate(ds, req.num_tokens + k - 1)
+            live.append((i, ds, k))
+        depth = 0
+        while live:
+            items = []
+            for i, ds, k in live:
+                # first step: every unseen token (catch-up); later steps: the previous draft token
+                items.append(ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1))
+            logits = self.runner.forward(items)
+            for row, (i, ds, k) in enumerate(live):
+                ds.num_computed_tokens = ds.num_tokens
+                req = requests[i]
+                if req.params.greedy:
+                    tok = int(logits[row].argmax())
+                else:
+                    q = self._fit_vocab(target_probs(logits[row], req.params))
+                    tok = int(torch.multinomial(q, 1, generator=req.generator))
+                    probs[i].append(q)
+                tokens[i].append(tok)
+                ds.token_ids.append(tok)
+            depth += 1
+            live = [(i, ds, k) for i, ds, k in live if k > depth]
+        return Proposal(tokens, [torch.stack(p) if p else None for p in probs])

@@ -1,0 +1,38 @@
+"""Spec-decode counters, with the meanings vLLM's use: a draft is one step in which a request proposed >= 1
+token; mean acceptance length = 1 + accepted tokens / drafts (the tokens a verify step yields on average)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeMetrics:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts whose token j was accepted
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}

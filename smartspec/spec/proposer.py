@@ -1,0 +1,29 @@
+"""The narrow proposer interface, so a proposer can live in-process or behind a Ray actor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from smartspec.engine.request import Request
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # per request, up to its k draft tokens (fewer when the proposer has none)
+    # per request, the draft distribution [len(tokens), V] each token was drawn from; None = deterministic
+    # (greedy request, or a model-free proposer): q is then one-hot at the token.
+    probs: list[torch.Tensor | None]
+
+
+class Proposer:
+    method = "base"
+
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        raise NotImplementedError
+
+    def sync(self, request: Request) -> None:
+        """After the target committed: forget what the request's draft state holds past the agreed tokens."""
+
+    def release(self, request_id: str) -> None:
+        """The request ended: free its draft state."""

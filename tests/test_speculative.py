@@ -1,0 +1,165 @@
+"""Speculative decoding is lossless: greedy output equals non-speculative output token for token (the kernels are
+batch-invariant, so this is asserted bitwise, without a near-tie allowance)."""
+import pytest
+
+from smartspec import LLM, SamplingParams
+from smartspec.policy import Policy
+from smartspec.spec.ngram import lookup
+
+# repetitive prompts give prompt lookup something to find
+PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
+
+
+class MixedPolicy(Policy):
+    """Different k per request and per step, 0 included: k = (step + request index) % (K + 1)."""
+    name = "mixed"
+
+    def __init__(self):
+        self.step = 0
+
+    def choose(self, requests, k_max):
+        self.step += 1
+        return [(self.step + int(r.request_id.split("-")[-1])) % (k_max + 1) for r in requests]
+
+
+class AlternatingPolicy(Policy):
+    """k = K on even steps, 0 on odd ones: the draft must catch up on the tokens made at k = 0."""
+    name = "alternating"
+
+    def __init__(self):
+        self.step = 0
+
+    def choose(self, requests, k_max):
+        self.step += 1
+        return [k_max if self.step % 2 == 0 else 0 for _ in requests]
+
+
+def run_staggered(llm, prompts, params):
+    """Requests join at different steps (while others decode), and leave as they finish."""
+    eng = llm.engine
+    joins = {0: 0, 2: 1, 5: 2, 9: 3}
+    ids, got, step = {}, {i: [] for i in range(len(prompts))}, 0
+    while eng.has_unfinished() or step <= max(joins):
+        if step in joins:
+            i = joins[step]
+            ids[eng.add_request(prompts[i], params[i], request_id=f"r-{i}")] = i
+        for out in eng.step():
+            got[ids[out.request_id]].extend(out.new_token_ids)
+        step += 1
+    return [got[i] for i in range(len(prompts))]
+
+
+def make(path, spec=None, **kw):
+    return LLM(path, num_kv_blocks=128, block_size=4, max_model_len=256, speculative_config=spec, **kw)
+
+
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_qwen):
+    return [o.token_ids for o in make(tiny_qwen).generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tiny_qwen_draft, plain_outputs):
+    spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
+    if method == "draft_model":
+        spec["model"] = tiny_qwen_draft
+    llm = make(tiny_qwen, spec)
+    assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
+    m = llm.engine.spec_metrics
+    # the test must exercise both outcomes: accepted drafts and rejected ones
+    assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens, m
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+    if method == "draft_model":
+        draft = llm.engine.proposer
+        assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
+
+
+def test_self_draft_accepts_everything(tiny_qwen, plain_outputs):
+    k = 3
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": k})
+    # 1 token from the prefill, then m full steps of k + 1: no step is cut short by max_tokens
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1 + (k + 1) * 9, ignore_eos=True))[0]
+    m = llm.engine.spec_metrics
+    assert m.acceptance_rate == 1.0
+    assert m.mean_acceptance_length == k + 1
+    assert m.num_drafts == 9 and m.accepted_per_position == [9] * k
+    assert out.token_ids == make(tiny_qwen).generate(PROMPTS[0], SamplingParams(max_tokens=37, ignore_eos=True))[0].token_ids
+
+
+def test_draft_catches_up_after_k0_steps(tiny_qwen, plain_outputs):
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": 3,
+                           "policy": AlternatingPolicy()})
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == plain_outputs
+    # a self-draft that missed the tokens made at k = 0 would disagree with the target
+    assert llm.engine.spec_metrics.acceptance_rate == 1.0
+    assert llm.engine.spec_metrics.num_drafts > 10
+
+
+def test_stops_inside_an_accepted_run(tiny_qwen, plain_outputs):
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": 4})
+    base = plain_outputs[0]
+    stop_tok = base[6]
+    first = base.index(stop_tok)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base[:first + 1]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True))[0]  # 7 = 1 + 4 + 2: mid-run
+    assert out.finish_reason == "length" and out.token_ids == base[:7]
+    plain_text = make(tiny_qwen).generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    needle = plain_text[8:10]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=40, stop=[needle], ignore_eos=True))[0]
+    assert out.text == plain_text[: plain_text.index(needle)]
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_failing_proposer_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
+    llm = make(tiny_qwen, {"method": "ngram", "num_speculative_tokens": 4})
+
+    def broken(requests, ks):
+        raise RuntimeError("draft actor died")
+
+    llm.engine.proposer.propose = broken
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
+    assert llm.engine.spec_metrics.num_drafts == 0
+
+
+def test_policy_off_never_drafts(tiny_qwen, tiny_qwen_draft, plain_outputs):
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen_draft, "policy": "off"})
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
+    assert llm.engine.spec_metrics.num_drafts == 0 and not llm.engine.proposer.state
+
+
+def test_sampled_speculation_is_seeded_and_valid(tiny_qwen, tiny_qwen_draft):
+    spec = {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3}
+    p = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    a = make(tiny_qwen, spec).generate(PROMPTS, p)
+    b = make(tiny_qwen, spec).generate(PROMPTS, p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 30 for o in a)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"method": "medusa"}, "method"), ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
+    ({"method": "ngram", "policy": "sometimes"}, "unknown policy"), ({"method": "ngram", "k": 3}, "unknown"),
+])
+def test_bad_speculative_config_is_rejected(tiny_qwen, bad, message):
+    with pytest.raises(ValueError, match=message):
+        make(tiny_qwen, bad)
+
+
+def test_draft_with_another_tokenizer_is_rejected(tiny_qwen, smollm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        make(tiny_qwen, {"method": "draft_model", "model": smollm})
+
+
+def test_ngram_lookup():
+    assert lookup([1, 2, 3, 9, 1, 2, 3], 2, 3, 1) == [9, 1]
+    assert lookup([1, 2, 3, 9, 1, 2, 3], 5, 3, 1) == [9, 1, 2, 3]
+    assert lookup([5, 1, 7, 1, 8, 1], 1, 3, 1) == [8]  # the most recent match of the suffix [1]
+    assert lookup([1, 2, 3, 4], 3, 3, 1) == []
+    assert lookup([4, 2, 4], 3, 3, 2) == []  # no match of length >= 2
