@@ -163,3 +163,26 @@ def test_ngram_lookup():
     assert lookup([5, 1, 7, 1, 8, 1], 1, 3, 1) == [8]  # the most recent match of the suffix [1]
     assert lookup([1, 2, 3, 4], 3, 3, 1) == []
     assert lookup([4, 2, 4], 3, 3, 2) == []  # no match of length >= 2
+
+
+@pytest.mark.real_model
+def test_real_qwen_pair_greedy_speculation_equals_plain():
+    """The default pair: Qwen2.5-Coder-1.5B verified against drafts from the 0.5B, in one engine; policy "off"
+    (the draft never runs) is the non-speculative reference."""
+    from smartspec.models import fetch
+    from smartspec.policy import OffPolicy
+
+    target, draft = str(fetch("qwen2.5-coder-1.5b")), str(fetch("qwen2.5-coder-0.5b"))
+    llm = LLM(target, kv_cache_gib=0.5, max_model_len=1024, max_num_seqs=4,
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+    chat = [llm.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                              add_generation_prompt=True)
+            for c in ("Write a Python function is_palindrome(s).", "Explain what a mutex is in one sentence.")]
+    prompts = chat + ["def fibonacci(n):\n    "]
+    params = SamplingParams(max_tokens=24)
+    spec = [o.token_ids for o in llm.generate(prompts, params)]
+    m = llm.engine.spec_metrics
+    llm.engine.set_speculation(policy=OffPolicy())
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert spec == plain
+    assert m.num_drafts > 0 and m.num_accepted_tokens > 0

@@ -84,6 +84,18 @@ class LLMEngine:
                                   self.config.block_size, self.config.use_kernels, self.config.dtype,
                                   self.config.device)
 
+    def set_speculation(self, proposer: Proposer | None = None, policy=None, k_max: int | None = None) -> None:
+        """Swap the proposer, the policy or K between runs (benchmarks compare configurations on one loaded
+        target). Only while no request is in flight: a proposer holds per-request state."""
+        if self.has_unfinished():
+            raise RuntimeError("set_speculation needs an idle engine")
+        if k_max is not None:
+            self.k_max = k_max
+        if proposer is not None:
+            self.proposer = proposer
+        if policy is not None:
+            self.policy = make_policy(policy, self.k_max)
+
     # ---- requests -------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

