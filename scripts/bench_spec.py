@@ -24,13 +24,11 @@ from smartspec import EngineConfig, SamplingParams
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
-from smartspec.spec.metrics import SpecDecodeMetrics
 from smartspec.spec.ngram import NgramProposer
 from smartspec.workloads import humaneval_prompts
 
 
 def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
-    engine.spec_metrics = SpecDecodeMetrics()
     engine.timing = {k: 0 for k in engine.timing}
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -39,7 +37,7 @@ def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: Sam
         while engine.has_unfinished():
             tokens += sum(len(o.new_token_ids) for o in engine.step())
     wall = time.perf_counter() - t0
-    m, t = engine.spec_metrics, engine.timing
+    m, t = engine.speculator.metrics, engine.timing
     return dict(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, acceptance=m.acceptance_rate,
                 mean_accepted_length=m.mean_acceptance_length, drafts=m.num_drafts, steps=t["steps"],
                 draft_s=t["draft_s"], verify_s=t["verify_s"], other_s=t["other_s"])
@@ -49,7 +47,7 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
     engine = LLMEngine(EngineConfig(
         model=args.target, kv_cache_gib=1.0, max_num_seqs=max(args.batches), max_model_len=2048,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": 5}))
-    draft = engine.proposer
+    draft = engine.speculator.proposer
     ngram = NgramProposer(n_max=4, n_min=1)
     configs = [("off", draft, 0)] + [(f"{name} k={k}", prop, k) for name, prop in (("draft_model", draft),
                                                                                   ("ngram", ngram))

@@ -10,28 +10,26 @@ from smartspec.spec.ngram import lookup
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
 
 
-class MixedPolicy(Policy):
-    """Different k per request and per step, 0 included: k = (step + request index) % (K + 1)."""
-    name = "mixed"
+class StepPolicy(Policy):
+    """k from a function of (step, request index, K): lets a test give each request its own k, step by step."""
+    name = "step-function"
 
-    def __init__(self):
-        self.step = 0
+    def __init__(self, k_of):
+        self.k_of, self.step = k_of, 0
 
-    def choose(self, requests, k_max):
+    def choose(self, requests, k_max, **_):
         self.step += 1
-        return [(self.step + int(r.request_id.split("-")[-1])) % (k_max + 1) for r in requests]
+        return [self.k_of(self.step, int(r.request_id.split("-")[-1]), k_max) for r in requests]
 
 
-class AlternatingPolicy(Policy):
+def MixedPolicy():
+    """Different k per request and per step, 0 included."""
+    return StepPolicy(lambda step, i, k_max: (step + i) % (k_max + 1))
+
+
+def AlternatingPolicy():
     """k = K on even steps, 0 on odd ones: the draft must catch up on the tokens made at k = 0."""
-    name = "alternating"
-
-    def __init__(self):
-        self.step = 0
-
-    def choose(self, requests, k_max):
-        self.step += 1
-        return [k_max if self.step % 2 == 0 else 0 for _ in requests]
+    return StepPolicy(lambda step, i, k_max: k_max if step % 2 == 0 else 0)
 
 
 def run_staggered(llm, prompts, params):
@@ -68,21 +66,21 @@ def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tin
         spec["model"] = tiny_qwen_draft
     llm = make(tiny_qwen, spec)
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
-    m = llm.engine.spec_metrics
+    m = llm.engine.speculator.metrics
     # the test must exercise both outcomes: accepted drafts and rejected ones
     assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens, m
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     if method == "draft_model":
-        draft = llm.engine.proposer
+        draft = llm.engine.speculator.proposer
         assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
 
 
 def test_self_draft_accepts_everything(tiny_qwen, plain_outputs):
     k = 3
-    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": k})
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": k, "policy": "fixed"})
     # 1 token from the prefill, then m full steps of k + 1: no step is cut short by max_tokens
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1 + (k + 1) * 9, ignore_eos=True))[0]
-    m = llm.engine.spec_metrics
+    m = llm.engine.speculator.metrics
     assert m.acceptance_rate == 1.0
     assert m.mean_acceptance_length == k + 1
     assert m.num_drafts == 9 and m.accepted_per_position == [9] * k
@@ -95,12 +93,12 @@ def test_draft_catches_up_after_k0_steps(tiny_qwen, plain_outputs):
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain_outputs
     # a self-draft that missed the tokens made at k = 0 would disagree with the target
-    assert llm.engine.spec_metrics.acceptance_rate == 1.0
-    assert llm.engine.spec_metrics.num_drafts > 10
+    assert llm.engine.speculator.metrics.acceptance_rate == 1.0
+    assert llm.engine.speculator.metrics.num_drafts > 10
 
 
 def test_stops_inside_an_accepted_run(tiny_qwen, plain_outputs):
-    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": 4})
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": 4, "policy": "fixed"})
     base = plain_outputs[0]
     stop_tok = base[6]
     first = base.index(stop_tok)
@@ -121,15 +119,25 @@ def test_failing_proposer_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
     def broken(requests, ks):
         raise RuntimeError("draft actor died")
 
-    llm.engine.proposer.propose = broken
+    llm.engine.speculator.proposer.propose = broken
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
-    assert llm.engine.spec_metrics.num_drafts == 0
+    assert llm.engine.speculator.metrics.num_drafts == 0
+
+
+def test_failing_policy_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
+    def broken(step, i, k_max):
+        raise RuntimeError("policy bug")
+
+    for policy in (StepPolicy(broken), StepPolicy(lambda step, i, k_max: k_max + 7)):  # raises / out of range
+        llm = make(tiny_qwen, {"method": "ngram", "num_speculative_tokens": 4, "policy": policy})
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
+        assert llm.engine.speculator.metrics.num_drafts == 0
 
 
 def test_policy_off_never_drafts(tiny_qwen, tiny_qwen_draft, plain_outputs):
     llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen_draft, "policy": "off"})
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
-    assert llm.engine.spec_metrics.num_drafts == 0 and not llm.engine.proposer.state
+    assert llm.engine.speculator.metrics.num_drafts == 0 and not llm.engine.speculator.proposer.state
 
 
 def test_sampled_speculation_is_seeded_and_valid(tiny_qwen, tiny_qwen_draft):
@@ -167,8 +175,9 @@ def test_ngram_lookup():
 
 @pytest.mark.real_model
 def test_real_qwen_pair_greedy_speculation_equals_plain():
-    """The default pair: Qwen2.5-Coder-1.5B verified against drafts from the 0.5B, in one engine; policy "off"
-    (the draft never runs) is the non-speculative reference."""
+    """The default pair: Qwen2.5-Coder-1.5B verified against drafts from the 0.5B, under the default policy
+    (smartspec, seeded by the warm-up profile), in one engine; policy "off" (the draft never runs) is the
+    non-speculative reference."""
     from smartspec.models import fetch
     from smartspec.policy import OffPolicy
 
@@ -181,7 +190,7 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
     prompts = chat + ["def fibonacci(n):\n    "]
     params = SamplingParams(max_tokens=24)
     spec = [o.token_ids for o in llm.generate(prompts, params)]
-    m = llm.engine.spec_metrics
+    m = llm.engine.speculator.metrics
     llm.engine.set_speculation(policy=OffPolicy())
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert spec == plain

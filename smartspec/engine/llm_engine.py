@@ -13,14 +13,13 @@ from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request, RequestStatus
-from smartspec.engine.sampler import sample_tokens
 from smartspec.engine.scheduler import Scheduler
+from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
-from smartspec.policy.base import OffPolicy, StepRecord, make_policy
+from smartspec.policy.base import FixedPolicy, StepRecord
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.metrics import SpecDecodeMetrics
-from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.rejection_sampler import accept
+from smartspec.spec.proposer import Proposer
+from smartspec.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +60,28 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.blocks, config.use_kernels, config.device)
-        self.spec = config.speculative_config
-        self.k_max = self.spec.num_speculative_tokens if self.spec else 0
-        self.proposer: Proposer | None = self._make_proposer(num_blocks) if self.spec else None
-        self.policy = make_policy(self.spec.policy, self.k_max) if self.spec else OffPolicy()
-        self.spec_metrics = SpecDecodeMetrics()
+        spec = config.speculative_config
+        self.speculator = (Speculator(self._make_proposer(spec, num_blocks), spec.policy, spec.num_speculative_tokens,
+                                      batch_table=spec.batch_table, key=spec.key, options=spec.policy_options)
+                           if spec else Speculator(None, "off", 0))
+        self.trace = StepTraceWriter(config.trace_path, self.speculator.policy.name) if config.trace_path else None
         self.timing = {"steps": 0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
         self.last_step: StepRecord | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
+        if config.warmup_profile and self.speculator.policy.wants_profile:
+            self.profile_steps()
 
-    def _make_proposer(self, num_blocks: int) -> Proposer:
-        if self.spec.method == "ngram":
+    def _make_proposer(self, spec, num_blocks: int) -> Proposer:
+        if spec.method == "ngram":
             from smartspec.spec.ngram import NgramProposer
-            return NgramProposer(self.spec.prompt_lookup_max, self.spec.prompt_lookup_min)
+            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
         from smartspec.spec.draft_model import DraftModelProposer
         # the draft holds what the target holds, plus k drafts per running request
-        extra = self.config.max_num_seqs * self.blocks.blocks_for(self.k_max + 1)
-        return DraftModelProposer(self.spec.model, self.tokenizer, self.vocab_size, num_blocks + extra,
+        extra = self.config.max_num_seqs * self.blocks.blocks_for(spec.num_speculative_tokens + 1)
+        return DraftModelProposer(spec.model, self.tokenizer, self.vocab_size, num_blocks + extra,
                                   self.config.block_size, self.config.use_kernels, self.config.dtype,
                                   self.config.device)
 
@@ -89,12 +90,37 @@ class LLMEngine:
         target). Only while no request is in flight: a proposer holds per-request state."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation needs an idle engine")
-        if k_max is not None:
-            self.k_max = k_max
-        if proposer is not None:
-            self.proposer = proposer
-        if policy is not None:
-            self.policy = make_policy(policy, self.k_max)
+        sp = self.speculator
+        self.speculator = Speculator(proposer or sp.proposer, policy or sp.policy,
+                                     sp.k_max if k_max is None else k_max)
+
+    def profile_steps(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
+        """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
+        only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
+        spec, policy = self.speculator, self.speculator.policy
+        pattern = [(17 + 13 * i) % self.vocab_size for i in range(8)]  # repetitive: prompt lookup finds drafts
+        prompt = (pattern * (context // len(pattern) + 1))[:context]
+        records, trace, self.trace = [], self.trace, None
+        for batch in batches:
+            for k in sorted({0, 1, 2, spec.k_max}):
+                self.speculator = Speculator(spec.proposer, FixedPolicy(k), max(spec.k_max, 1))
+                for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
+                    self.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
+                                     request_id=f"__profile-{batch}-{k}-{i}")
+                while self.has_unfinished():
+                    self.step()
+                    if self.last_step.num_prefill_tokens == 0:
+                        records.append(self.last_step)
+        self.speculator, self.trace = spec, trace
+        for r in records:
+            policy.observe_cost(r)
+        self.timing = {key: 0 for key in self.timing}
+        self.num_steps = 0
+        return records
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -148,10 +174,13 @@ class LLMEngine:
         if not batch:
             return []
         decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
-        ks = self._choose_k(decoding, self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch))
+        prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
+        spec = self.speculator
+        ks = spec.choose(decoding, self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch),
+                         self.blocks, self.max_model_len, base_tokens=sum(s.num_tokens for s in prefill),
+                         base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill))
         t_draft = time.perf_counter()
-        proposal = self._propose(decoding, ks)
-        drafts = {r.request_id: (t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs)}
+        drafts = spec.propose(decoding, ks)
         items = []
         for s in batch:
             req, c = s.request, s.request.num_computed_tokens
@@ -161,86 +190,34 @@ class LLMEngine:
         t_verify = time.perf_counter()
         logits = self.runner.forward(items)
         t_accept = time.perf_counter()
-        new_tokens = self._accept(items, logits, drafts)
-        outputs = []
+        new_tokens = spec.accept(items, logits, drafts)
         for it in items:
             it.request.num_computed_tokens += len(it.tokens)
+        outputs = []
         for it in items:
             req = it.request
             if req.request_id not in new_tokens:
                 continue
             new = new_tokens[req.request_id]
             proposed = len(drafts.get(req.request_id, ((), None))[0])
-            if proposed:
-                # keep the KV of the accepted drafts; the rejected ones' slots are simply reused
-                self.blocks.truncate(req, req.num_tokens + len(new) - 1)
-            req.spec.record(proposed, len(new) - 1)
-            self.spec_metrics.record(proposed, len(new) - 1)
+            # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the
+            # proposer did not make, go back
+            self.blocks.truncate(req, req.num_tokens + len(new) - 1)
+            spec.record(req, proposed, len(new) - 1)
             outputs.append(self._commit(req, new))
-            if self.proposer is not None and not req.finished:
-                self.proposer.sync(req)
+            spec.sync(req)
         t_end = time.perf_counter()
-        self._record_step(batch, items, decoding, ks, proposal, new_tokens,
+        self._record_step(batch, items, decoding, ks, drafts, new_tokens,
                           t_verify - t_draft, t_accept - t_verify, t_end - t_start)
         return outputs
 
-    def _choose_k(self, decoding: list[Request], budget: int) -> list[int]:
-        if self.proposer is None or not decoding:
-            return [0] * len(decoding)
-        ks = self.policy.choose(decoding, self.k_max)
-        if len(ks) != len(decoding) or any(not isinstance(k, int) or not 0 <= k <= self.k_max for k in ks):
-            raise RuntimeError(f"policy {self.policy.name!r} returned invalid k {ks!r} (K={self.k_max})")
-        out = []
-        for req, k in zip(decoding, ks):
-            # no drafting past max_tokens or the context, nor past the step's token budget or the free blocks
-            k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
-                    budget)
-            room = (len(req.block_table) + self.blocks.num_free) * self.blocks.block_size - req.num_tokens
-            k = max(0, min(k, room))
-            if k:
-                self.blocks.allocate(req, req.num_tokens + k)
-            budget -= k
-            out.append(k)
-        return out
-
-    def _propose(self, decoding: list[Request], ks: list[int]) -> Proposal:
-        empty = Proposal([[] for _ in decoding], [None] * len(decoding))
-        if self.proposer is None or not any(ks):
-            return empty
-        try:
-            return self.proposer.propose(decoding, ks)
-        except Exception:  # a failed proposer costs speed, never a request
-            logger.exception("proposer failed; this step runs without speculation")
-            return empty
-
-    def _accept(self, items: list[ForwardItem], logits, drafts) -> dict[str, list[int]]:
-        """Per request due a token: the tokens this step yields (accepted drafts + one from the target)."""
-        out, plain_rows, plain = {}, [], []
-        row = 0
-        for it in items:
-            if not it.num_logits:
-                continue
-            req = it.request
-            draft, q = drafts.get(req.request_id, ((), None))
-            if draft:
-                out[req.request_id] = accept(logits[row:row + it.num_logits], list(draft), q, req.params,
-                                             req.generator)
-            else:
-                plain_rows.append(row)
-                plain.append(req)
-            row += it.num_logits
-        if plain:
-            tokens = sample_tokens(logits[plain_rows], [r.params for r in plain], [r.generator for r in plain])
-            out.update((r.request_id, [t]) for r, t in zip(plain, tokens))
-        return out
-
-    def _record_step(self, batch, items, decoding, ks, proposal, new_tokens, draft_s, verify_s, total_s) -> None:
+    def _record_step(self, batch, items, decoding, ks, drafts, new_tokens, draft_s, verify_s, total_s) -> None:
         self.num_steps += 1
         self.timing["steps"] += 1
         self.timing["draft_s"] += draft_s
         self.timing["verify_s"] += verify_s
         self.timing["other_s"] += total_s - draft_s - verify_s
-        proposed = [len(t) for t in proposal.tokens]
+        proposed = [len(drafts.get(r.request_id, ((), None))[0]) for r in decoding]
         record = StepRecord(
             step=self.num_steps, batch_size=len(items), ks=list(ks), proposed=proposed,
             accepted=[len(new_tokens.get(r.request_id, [None])) - 1 if p else 0 for r, p in zip(decoding, proposed)],
@@ -248,9 +225,12 @@ class LLMEngine:
             num_batched_tokens=sum(len(it.tokens) for it in items),
             num_prefill_tokens=sum(s.num_tokens for s in batch if not (s.completes and s.num_tokens == 1)),
             num_context_tokens=sum(it.start + len(it.tokens) for it in items),
-            draft_s=draft_s, verify_s=verify_s, total_s=total_s)
+            draft_s=draft_s, verify_s=verify_s, total_s=total_s,
+            predicted_s=self.speculator.policy.last_prediction if decoding else None)
         self.last_step = record
-        self.policy.observe(record)
+        self.speculator.policy.observe(record)
+        if self.trace is not None:
+            self.trace.add(record)
 
     def _commit(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append tokens to a request, ending it at the first stop (nothing past a stop is kept)."""
@@ -289,9 +269,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str) -> None:
         """End a request: its target and draft KV blocks go back, the policy forgets it."""
         self.scheduler.remove(req)
-        if self.proposer is not None:
-            self.proposer.release(req.request_id)
-        self.policy.release(req)
+        self.speculator.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()

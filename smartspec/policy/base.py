@@ -20,14 +20,22 @@ class StepRecord:
     draft_s: float
     verify_s: float
     total_s: float
+    predicted_s: float | None = None  # the policy's prediction of total_s, when it makes one
     extra: dict = field(default_factory=dict)
 
 
 class Policy:
     name = "base"
+    wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_cost
+    last_prediction: float | None = None  # predicted time of the step last chosen, if the policy predicts
 
-    def choose(self, requests: list[Request], k_max: int) -> list[int]:
+    def choose(self, requests: list[Request], k_max: int, *, base_tokens: int = 0, base_context: int = 0) -> list[int]:
+        """k in [0, k_max] per decoding request. base_tokens / base_context: the rest of the step (prefill
+        chunks), which the verify forward carries anyway."""
         raise NotImplementedError
+
+    def observe_cost(self, record: StepRecord) -> None:
+        """A measured step shape that says nothing about acceptance (the warm-up profile)."""
 
     def observe(self, record: StepRecord) -> None:
         """Called after every step; a policy that learns overrides it."""
@@ -40,7 +48,7 @@ class OffPolicy(Policy):
     """Never speculate: the draft never runs."""
     name = "off"
 
-    def choose(self, requests, k_max):
+    def choose(self, requests, k_max, **_):
         return [0] * len(requests)
 
 
@@ -50,13 +58,44 @@ class FixedPolicy(Policy):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, requests, k_max):
+    def choose(self, requests, k_max, **_):
         return [min(self.k, k_max)] * len(requests)
 
 
-def make_policy(policy: str | Policy, k_max: int) -> Policy:
+class BatchTablePolicy(Policy):
+    """k by batch size from a table {batch size: k}: the static scheme other servers use. A batch uses the
+    entry of the largest size not above it."""
+    name = "batch_table"
+
+    def __init__(self, table: dict[int, int]) -> None:
+        if not table or any(int(b) < 1 or int(k) < 0 for b, k in table.items()):
+            raise ValueError(f"batch_table needs {{batch size >= 1: k >= 0}}, got {table!r}")
+        self.table = sorted((int(b), int(k)) for b, k in table.items())
+
+    def k_for(self, batch: int) -> int:
+        k = 0
+        for size, value in self.table:
+            if size <= batch:
+                k = value
+        return k
+
+    def choose(self, requests, k_max, **_):
+        return [min(self.k_for(len(requests)), k_max)] * len(requests)
+
+
+def default_batch_table(k_max: int) -> dict[int, int]:
+    return {1: k_max, 2: max(1, k_max - 1), 4: max(1, k_max // 2), 8: 1, 16: 0}
+
+
+def make_policy(policy: str | Policy, k_max: int, batch_table: dict[int, int] | None = None,
+                key: str = "default", options: dict | None = None) -> Policy:
     if isinstance(policy, Policy):
         return policy
+    if policy == "smartspec":
+        from smartspec.policy.smartspec_policy import SmartSpecPolicy
+        return SmartSpecPolicy(key=key, **(options or {}))
+    if policy == "batch_table":
+        return BatchTablePolicy(batch_table or default_batch_table(k_max))
     if policy == "off":
         return OffPolicy()
     if policy == "fixed":
@@ -69,4 +108,4 @@ def make_policy(policy: str | Policy, k_max: int) -> Policy:
         if not 0 <= k <= k_max:
             raise ValueError(f"policy {policy!r}: k must be an integer in [0, {k_max}]")
         return FixedPolicy(k)
-    raise ValueError(f"unknown policy {policy!r}: use 'off', 'fixed' or 'fixed:K'")
+    raise ValueError(f"unknown policy {policy!r}: use 'smartspec', 'off', 'fixed', 'fixed:K' or 'batch_table'")

@@ -15,8 +15,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # K: the most any request speculates in one step
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    policy: str | Policy = "fixed"  # "off", "fixed" (k = K), "fixed:K", or a Policy instance
-    draft_num_threads: int | None = None
+    # "smartspec" (goodput), "off", "fixed" (k = K), "fixed:K", "batch_table", or a Policy instance
+    policy: str | Policy = "smartspec"
+    batch_table: dict[int, int] | None = None  # for policy "batch_table": {batch size: k}
+    policy_options: dict | None = None  # for policy "smartspec": prior_alpha, explore_interval, ...
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,6 +33,13 @@ class SpeculativeConfig:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
         if not isinstance(self.policy, (str, Policy)):
             raise ValueError(f"policy must be a name or a Policy, got {type(self.policy).__name__}")
+        from smartspec.policy.base import make_policy
+        make_policy(self.policy, k, self.batch_table, options=self.policy_options)  # names and options checked now
+
+    @property
+    def key(self) -> str:
+        """What acceptance priors are shared by: the proposer and, for a draft model, which one."""
+        return f"{self.method}:{self.model}" if self.method == "draft_model" else self.method
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -1,0 +1,114 @@
+"""The SmartSpec policy: per request, per step, the k that maximises the batch's goodput."""
+from __future__ import annotations
+
+from smartspec.engine.request import Request
+from smartspec.policy.acceptance import AcceptanceEstimator
+from smartspec.policy.base import Policy, StepRecord
+from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.goodput import select_k
+
+
+class SmartSpecPolicy(Policy):
+    name = "smartspec"
+    wants_profile = True  # the engine seeds the cost model with a short warm-up profile
+
+    def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
+                 explore_fraction: float = 0.1, max_explore_interval: int = 256) -> None:
+        self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
+        self.acceptance = AcceptanceEstimator(prior_alpha=prior_alpha)
+        self.cost = StepCostModel()
+        self.explore_interval = explore_interval
+        self.explore_fraction = explore_fraction
+        self.max_explore_interval = max_explore_interval
+        self._probe_due: dict[str, int] = {}  # request -> step at which a probe is next allowed
+        self._probe_wait: dict[str, int] = {}  # request -> current back-off between probes
+        self._probing: set[str] = set()
+        self.step = 0
+        self.last_prediction: float | None = None
+
+    def choose(self, requests: list[Request], k_max: int, base_tokens: int = 0, base_context: int = 0) -> list[int]:
+        self.step += 1
+        self.acceptance.tick(r.request_id for r in requests)
+        if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
+            self.last_prediction = None
+            return [0] * len(requests)
+        alphas = [self.acceptance.alpha(r.request_id) for r in requests]
+        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1)) for r in requests]
+        ks, predicted = select_k(alphas, caps, self.cost.predict, base_tokens + len(requests),
+                                 base_context + sum(r.num_tokens for r in requests))
+        self._probing = set()
+        budget = max(1, int(self.explore_fraction * len(requests)))
+        for i, r in enumerate(requests):
+            if budget and ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0):
+                ks[i] = 1  # a bounded probe: a request at k = 0 would otherwise never show it improved
+                self._probing.add(r.request_id)
+                budget -= 1
+        if self._probing:
+            depth, sum_k = max(ks), sum(ks)
+            predicted = self.cost.predict(base_tokens + len(requests) + sum_k,
+                                          base_context + sum(r.num_tokens for r in requests) + sum_k, depth, sum_k)
+        self.last_prediction = predicted
+        return ks
+
+    def observe(self, record: StepRecord) -> None:
+        for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
+            self.acceptance.observe(rid, proposed, accepted)
+            if rid in self._probing:
+                # a failed probe waits twice as long for the next; a successful one resets the wait
+                wait = self.explore_interval if accepted else min(
+                    self.max_explore_interval, 2 * self._probe_wait.get(rid, self.explore_interval))
+                self._probe_wait[rid] = wait
+                self._probe_due[rid] = self.step + wait
+            elif k > 0:
+                self._probe_due[rid] = self.step + self._probe_wait.get(rid, self.explore_interval)
+        self.observe_cost(record)
+
+    def observe_cost(self, record: StepRecord) -> None:
+        depth = max(record.proposed, default=0)
+        self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),
+                          record.draft_s, record.total_s - record.draft_s, record.predicted_s)
+
+    def release(self, request: Request) -> None:
+        self.acceptance.forget(request.request_id)
+        for d in (self._probe_due, self._probe_wait):
+            d.pop(request.request_id, None)
+
+    # ---- state shared across replicas ----------------------------------------------------------------------
+    def export_state(self) -> dict:
+        c = self.acceptance.prior_counts
+        return {"key": self.key, "prior": {"accepted": c.accepted, "rejected": c.rejected},
+                "alpha_prior": self.acceptance.prior, "cost": self.cost.export_state(), "steps": self.step}
+
+    def import_state(self, state: dict) -> None:
+        if state.get("key") == self.key and "prior" in state:
+            self.acceptance.prior_counts.accepted = float(state["prior"]["accepted"])
+            self.acceptance.prior_counts.rejected = float(state["prior"]["rejected"])
+        if state.get("cost"):
+            self.cost.import_state(state["cost"])
+
+    def stats(self) -> dict:
+        return {"alpha_prior": self.acceptance.prior, "cost_coefficients": self.cost.v,
+                "draft_coefficients": self.cost.d, "fits_refused": self.cost.refused,
+                "mean_relative_error": self.cost.mean_relative_error, "steps": self.step}
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One state from several replicas' (same key): acceptance evidence summed; cost coefficients averaged,
+    weighted by each replica's measured steps."""
+    if not states:
+        return {}
+    key = states[0]["key"]
+    same = [s for s in states if s.get("key") == key]
+    accepted = sum(s["prior"]["accepted"] for s in same)
+    rejected = sum(s["prior"]["rejected"] for s in same)
+    fitted = [s["cost"] for s in same if s.get("cost", {}).get("verify")]
+    cost = {}
+    if fitted:
+        weights = [max(1, c["samples"]) for c in fitted]
+        total = sum(weights)
+        cost = {"verify": [sum(w * c["verify"][j] for w, c in zip(weights, fitted)) / total
+                           for j in range(len(fitted[0]["verify"]))],
+                "draft": [sum(w * c["draft"][j] for w, c in zip(weights, fitted)) / total for j in range(2)],
+                "samples": total}
+    return {"key": key, "prior": {"accepted": accepted, "rejected": rejected}, "cost": cost,
+            "replicas": len(same)}

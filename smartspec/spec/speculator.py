@@ -1,0 +1,96 @@
+"""The speculative stages of a step: choose k, propose, accept. The engine orchestrates; this holds the swappable
+parts (proposer, policy, K) and the spec-decode counters."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from smartspec.engine.block_manager import BlockManager
+from smartspec.engine.model_runner import ForwardItem
+from smartspec.engine.request import Request
+from smartspec.engine.sampler import sample_tokens
+from smartspec.policy.base import OffPolicy, Policy, make_policy
+from smartspec.spec.metrics import SpecDecodeMetrics
+from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec.rejection_sampler import accept
+
+logger = logging.getLogger(__name__)
+
+Drafts = dict[str, tuple[list[int], torch.Tensor | None]]
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer | None, policy: str | Policy, k_max: int, **policy_args) -> None:
+        self.proposer = proposer
+        self.k_max = k_max
+        self.policy = make_policy(policy, k_max, **policy_args) if proposer is not None else OffPolicy()
+        self.metrics = SpecDecodeMetrics()
+
+    def choose(self, decoding: list[Request], budget: int, blocks: BlockManager, max_model_len: int,
+               base_tokens: int = 0, base_context: int = 0) -> list[int]:
+        """k per decoding request, capped so no draft goes past max_tokens, the context, the step's token budget
+        or the free KV blocks; the blocks for the drafts are reserved here. A policy that fails or answers
+        nonsense costs speculation for this step, never a request."""
+        if self.proposer is None or not decoding:
+            return [0] * len(decoding)
+        try:
+            ks = self.policy.choose(decoding, self.k_max, base_tokens=base_tokens, base_context=base_context)
+            if len(ks) != len(decoding) or any(not isinstance(k, int) or not 0 <= k <= self.k_max for k in ks):
+                raise ValueError(f"invalid k {ks!r} for {len(decoding)} requests (K={self.k_max})")
+        except Exception:
+            logger.exception("policy %r failed; this step runs without speculation", self.policy.name)
+            return [0] * len(decoding)
+        out = []
+        for req, k in zip(decoding, ks):
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
+            room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
+            k = max(0, min(k, room))
+            if k:
+                blocks.allocate(req, req.num_tokens + k)
+            budget -= k
+            out.append(k)
+        return out
+
+    def propose(self, decoding: list[Request], ks: list[int]) -> Drafts:
+        if self.proposer is None or not any(ks):
+            return {}
+        try:
+            proposal: Proposal = self.proposer.propose(decoding, ks)
+        except Exception:  # a failed proposer (a dead draft actor) costs speed, never a request
+            logger.exception("proposer failed; this step runs without speculation")
+            return {}
+        return {r.request_id: (t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs) if t}
+
+    def accept(self, items: list[ForwardItem], logits: torch.Tensor, drafts: Drafts) -> dict[str, list[int]]:
+        """Per request due a token: the tokens the step yields (accepted drafts + one from the target)."""
+        out, plain_rows, plain = {}, [], []
+        row = 0
+        for it in items:
+            if not it.num_logits:
+                continue
+            req = it.request
+            if req.request_id in drafts:
+                draft, q = drafts[req.request_id]
+                out[req.request_id] = accept(logits[row:row + it.num_logits], draft, q, req.params, req.generator)
+            else:
+                plain_rows.append(row)
+                plain.append(req)
+            row += it.num_logits
+        if plain:
+            tokens = sample_tokens(logits[plain_rows], [r.params for r in plain], [r.generator for r in plain])
+            out.update((r.request_id, [t]) for r, t in zip(plain, tokens))
+        return out
+
+    def record(self, req: Request, proposed: int, accepted: int) -> None:
+        req.spec.record(proposed, accepted)
+        self.metrics.record(proposed, accepted)
+
+    def sync(self, req: Request) -> None:
+        if self.proposer is not None and not req.finished:
+            self.proposer.sync(req)
+
+    def release(self, req: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+        self.policy.release(req)

@@ -1,0 +1,186 @@
+import itertools
+import random
+
+import pyarrow.parquet as pq
+import pytest
+
+from smartspec import LLM, SamplingParams
+from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, merge_states
+from smartspec.policy.acceptance import AcceptanceEstimator
+from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.goodput import goodput, select_k
+
+
+def geometric_accepted(rng, alpha, k):
+    a = 0
+    while a < k and rng.random() < alpha:
+        a += 1
+    return a
+
+
+# ---- acceptance ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9])
+def test_estimator_converges_on_bernoulli_streams(alpha):
+    rng = random.Random(0)
+    est = AcceptanceEstimator(prior_alpha=0.5)
+    per_request = []
+    for step in range(400):
+        rids = [f"r{i}" for i in range(8)]
+        est.tick(rids)
+        for rid in rids:
+            est.observe(rid, 4, geometric_accepted(rng, alpha, 4))
+        if step >= 100:
+            per_request.append(est.alpha("r0"))
+    assert abs(est.prior - alpha) < 0.04, est.prior
+    assert abs(sum(per_request) / len(per_request) - alpha) < 0.06
+
+
+def test_request_without_evidence_drifts_to_the_prior():
+    est = AcceptanceEstimator(prior_alpha=0.5)
+    for _ in range(50):  # the prior learns from other requests: about 0.8
+        est.observe("other", 4, 4)
+        est.observe("other", 4, 2)
+    for _ in range(20):
+        est.observe("bad", 4, 0)
+    assert est.alpha("bad") < 0.3
+    for _ in range(100):  # "bad" runs at k = 0: no evidence, only time
+        est.tick(["bad"])
+    assert abs(est.alpha("bad") - est.prior) < 0.02 and est.prior > 0.6
+
+
+# ---- cost model ------------------------------------------------------------------------------------------------
+def true_verify(n, c):
+    return 0.05 + 0.002 * n + 1e-5 * c + 0.004 * max(0, n - 16)
+
+
+def test_cost_model_recovers_known_coefficients_from_noisy_timings():
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(300):
+        n, c = rng.randint(1, 64), rng.randint(100, 2000)
+        depth = rng.randint(0, 5)
+        sum_k = depth * rng.randint(1, 4) if depth else 0
+        draft = 0.02 * depth + 0.003 * sum_k
+        model.observe(n, c, depth, sum_k, draft * rng.uniform(0.98, 1.02), true_verify(n, c) * rng.uniform(0.98, 1.02))
+    for n in (1, 4, 8, 16, 24, 48, 64):
+        for c in (200, 1500):
+            assert model.predict_verify(n, c) == pytest.approx(true_verify(n, c), rel=0.03)
+    assert model.d == pytest.approx([0.02, 0.003], rel=0.05)
+
+
+def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():
+    model = StepCostModel(window=16)
+    for n in (1, 2, 4, 8, 12, 16):
+        model.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
+    good = list(model.v)
+    for n in (1, 2, 4, 8, 12, 16, 20, 24) * 2:  # cost falling with more tokens: not a cost
+        model.observe(n, 100, 0, 0, 0.0, 1.0 - 0.04 * n)
+    assert model.v == good and model.refused > 0
+    assert model.predict_verify(8, 100) == pytest.approx(true_verify(8, 100), rel=0.01)
+
+
+def test_cost_model_reports_prediction_error():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8):
+        model.observe(n, 100, 0, 0, 0.0, 0.1, predicted_s=0.11)
+    assert model.mean_relative_error == pytest.approx(0.1)
+
+
+# ---- selection -------------------------------------------------------------------------------------------------
+def linear_cost(v0, v1, d0=0.0, d1=0.0):
+    """n counts every token of the step: the decodes and the drafts."""
+    return lambda n, c, depth, sum_k: v0 + v1 * n + d0 * depth + d1 * sum_k
+
+
+def test_steep_verification_or_low_alpha_means_no_speculation():
+    ks, _ = select_k([0.9] * 4, [5] * 4, linear_cost(0.0, 0.1), 4, 400)  # compute-bound: cost per token
+    assert ks == [0, 0, 0, 0]
+    ks, _ = select_k([0.05] * 4, [5] * 4, linear_cost(0.1, 0.002), 4, 400)
+    assert ks == [0, 0, 0, 0]
+
+
+def test_cheap_verification_and_high_alpha_speculate():
+    ks, t = select_k([0.9] * 4, [5] * 4, linear_cost(0.1, 0.001), 4, 400)
+    assert all(k >= 3 for k in ks)
+    assert t == pytest.approx(0.1 + 0.001 * (4 + sum(ks)))
+
+
+def test_mixed_alpha_gives_longer_drafts_to_better_accepted_requests():
+    ks, _ = select_k([0.95, 0.5, 0.2, 0.75], [6] * 4, linear_cost(0.1, 0.004, d0=0.002), 4, 400)
+    assert ks[0] >= ks[3] >= ks[1] >= ks[2] and ks[0] > ks[2]
+
+
+def test_caps_are_respected():
+    ks, _ = select_k([0.99] * 3, [0, 2, 5], linear_cost(0.1, 0.0001), 3, 400)
+    assert ks[0] == 0 and ks[1] <= 2 and ks[2] <= 5
+
+
+def test_greedy_is_within_a_few_percent_of_brute_force():
+    rng = random.Random(3)
+    worst = 1.0
+    for _ in range(300):
+        b, k_max = rng.randint(1, 4), 4
+        alphas = [rng.uniform(0.05, 0.98) for _ in range(b)]
+        cost = linear_cost(rng.uniform(0.02, 0.3), rng.uniform(0.0, 0.05), rng.uniform(0, 0.05), rng.uniform(0, 0.02))
+        ks, t = select_k(alphas, [k_max] * b, cost, b, 0)  # k = 0: b decode tokens
+        mine = goodput(ks, alphas, t)
+
+        def gp(combo):
+            return goodput(list(combo), alphas, cost(b + sum(combo), sum(combo), max(combo), sum(combo)))
+
+        best = max(gp(c) for c in itertools.product(range(k_max + 1), repeat=b))
+        assert mine >= gp([0] * b) - 1e-12  # never worse than not speculating
+        worst = min(worst, mine / best)
+    assert worst > 0.97, worst
+
+
+# ---- baselines, state, engine ----------------------------------------------------------------------------------
+def test_batch_table_policy():
+    p = BatchTablePolicy({1: 4, 4: 2, 16: 0})
+    assert [p.k_for(b) for b in (1, 2, 4, 8, 16, 64)] == [4, 4, 2, 2, 0, 0]
+    assert make_policy("batch_table", 5).k_for(1) == 5
+    with pytest.raises(ValueError, match="batch_table"):
+        BatchTablePolicy({0: 1})
+
+
+def test_state_export_merge_import():
+    a, b = SmartSpecPolicy(key="ngram"), SmartSpecPolicy(key="ngram")
+    for _ in range(40):
+        a.acceptance.observe("x", 4, 4)
+        b.acceptance.observe("y", 4, 0)
+    for n in (1, 2, 4, 8, 16):
+        a.cost.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
+        b.cost.observe(n, 100, 0, 0, 0.0, 2 * true_verify(n, 100))
+    merged = merge_states([a.export_state(), b.export_state(), {"key": "draft_model:x", "prior": {
+        "accepted": 1e6, "rejected": 0}, "cost": {}}])
+    assert merged["replicas"] == 2  # another proposer's evidence is not mixed in
+    fresh = SmartSpecPolicy(key="ngram")
+    fresh.import_state(merged)
+    assert a.acceptance.prior > fresh.acceptance.prior > b.acceptance.prior
+    assert fresh.cost.predict_verify(4, 100) == pytest.approx(1.5 * true_verify(4, 100), rel=0.02)
+
+
+PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_engine_under_smartspec_equals_off(method, tiny_qwen, tiny_qwen_draft, tmp_path):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12)]
+    spec = {"method": method, "num_speculative_tokens": 4, "policy": "smartspec"}
+    if method == "draft_model":
+        spec["model"] = tiny_qwen_draft
+    trace = tmp_path / "trace.parquet"
+    llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, speculative_config=spec,
+              trace_path=str(trace))
+    policy = llm.engine.speculator.policy
+    assert isinstance(policy, SmartSpecPolicy) and policy.cost.ready  # seeded by the warm-up profile
+    outs = llm.generate(PROMPTS, params)
+    off = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]
+    llm.engine.close()
+    rows = pq.read_table(trace).to_pylist()
+    assert len(rows) == llm.engine.num_steps
+    assert {"ks", "accepted", "num_batched_tokens", "num_context_tokens", "predicted_s", "draft_s", "verify_s",
+            "total_s", "batch_size"} <= set(rows[0])
+    assert any(r["predicted_s"] for r in rows)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
