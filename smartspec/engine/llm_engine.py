@@ -18,10 +18,30 @@ from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
 from smartspec.policy.base import FixedPolicy, StepRecord
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.proposer import Proposer
+from smartspec.spec.proposer import Proposal, Proposer
 from smartspec.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+
+
+class _PaddedProposer(Proposer):
+    """For the warm-up profile: the real proposer's drafts, padded to k with filler, so that every profiled step
+    verifies exactly the planned number of tokens (prompt lookup may find nothing in a synthetic prompt)."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+
+    def propose(self, requests, ks):
+        proposal = self.inner.propose(requests, ks)
+        self.last_catchup_tokens = self.inner.last_catchup_tokens
+        tokens = [t + [r.token_ids[-1]] * (k - len(t)) for r, t, k in zip(requests, proposal.tokens, ks)]
+        return Proposal(tokens, [None] * len(tokens))  # profile requests are greedy: no draft distributions
+
+    def sync(self, request):
+        self.inner.sync(request)
+
+    def release(self, request_id):
+        self.inner.release(request_id)
 
 
 @dataclass
@@ -103,7 +123,7 @@ class LLMEngine:
         records, trace, self.trace = [], self.trace, None
         for batch in batches:
             for k in sorted({0, 1, 2, spec.k_max}):
-                self.speculator = Speculator(spec.proposer, FixedPolicy(k), max(spec.k_max, 1))
+                self.speculator = Speculator(_PaddedProposer(spec.proposer), FixedPolicy(k), max(spec.k_max, 1))
                 for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
                     self.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
                                      request_id=f"__profile-{batch}-{k}-{i}")
@@ -173,6 +193,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # classified now: `completes` reads request state that the commit below changes
         decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
         prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
         spec = self.speculator
@@ -207,11 +228,12 @@ class LLMEngine:
             outputs.append(self._commit(req, new))
             spec.sync(req)
         t_end = time.perf_counter()
-        self._record_step(batch, items, decoding, ks, drafts, new_tokens,
+        self._record_step(items, decoding, sum(s.num_tokens for s in prefill), ks, drafts, new_tokens,
                           t_verify - t_draft, t_accept - t_verify, t_end - t_start)
         return outputs
 
-    def _record_step(self, batch, items, decoding, ks, drafts, new_tokens, draft_s, verify_s, total_s) -> None:
+    def _record_step(self, items, decoding, num_prefill, ks, drafts, new_tokens, draft_s, verify_s,
+                     total_s) -> None:
         self.num_steps += 1
         self.timing["steps"] += 1
         self.timing["draft_s"] += draft_s
@@ -223,10 +245,11 @@ class LLMEngine:
             accepted=[len(new_tokens.get(r.request_id, [None])) - 1 if p else 0 for r, p in zip(decoding, proposed)],
             request_ids=[r.request_id for r in decoding],
             num_batched_tokens=sum(len(it.tokens) for it in items),
-            num_prefill_tokens=sum(s.num_tokens for s in batch if not (s.completes and s.num_tokens == 1)),
+            num_prefill_tokens=num_prefill,
             num_context_tokens=sum(it.start + len(it.tokens) for it in items),
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,
-            predicted_s=self.speculator.policy.last_prediction if decoding else None)
+            predicted_s=self.speculator.policy.last_prediction if decoding else None,
+            draft_catchup_tokens=self.speculator.proposer.last_catchup_tokens if drafts else 0)
         self.last_step = record
         self.speculator.policy.observe(record)
         if self.trace is not None:

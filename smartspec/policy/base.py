@@ -21,6 +21,7 @@ class StepRecord:
     verify_s: float
     total_s: float
     predicted_s: float | None = None  # the policy's prediction of total_s, when it makes one
+    draft_catchup_tokens: int = 0  # tokens the draft model fed to catch up (beyond one per request)
     extra: dict = field(default_factory=dict)
 
 

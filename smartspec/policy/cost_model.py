@@ -2,7 +2,11 @@
 
     T = T_verify(N, C) + T_draft(depth, sum_k)
     T_verify = v0 + v1 N + v2 C + sum_j h_j max(0, N - knot_j)    N: batched tokens, C: context tokens
-    T_draft  = d0 depth + d1 sum_k                                 depth: max k, sum_k: draft tokens
+    T_draft  = d0 depth + d1 sum_k (+ d2 catch-up tokens)          depth: max k, sum_k: draft tokens
+
+Catch-up (a draft model reading a request's tokens it has not seen, its whole prompt the first time) is fitted as
+its own term, so that it does not inflate the per-step draft cost; predictions for choosing k leave it out: it is
+paid once per request, whatever k is chosen afterwards.
 
 The hinge terms let the fit follow what is measured where cost is not linear in N (a CPU's GEMV fast path, a
 kernel's row tile, a GPU's compute roof). T_verify here is everything in a step but drafting (verify forward,
@@ -31,9 +35,9 @@ class StepCostModel:
         self.max_tokens = max_tokens
         self.min_samples = min_samples
         self.verify_samples: deque = deque(maxlen=window)  # (n, c, seconds)
-        self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, seconds)
+        self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, catch-up tokens, seconds)
         self.v: list[float] | None = None  # last good verify coefficients
-        self.d: list[float] = [0.0, 0.0]  # draft coefficients (zero until drafting is measured)
+        self.d: list[float] = [0.0, 0.0, 0.0]  # draft coefficients (zero until drafting is measured)
         self.refused = 0
         self.errors: deque = deque(maxlen=window)  # relative prediction errors of whole steps
 
@@ -51,20 +55,20 @@ class StepCostModel:
                 t = t + h * np.maximum(0.0, n - k)
         return t
 
-    def predict_draft(self, depth, sum_k):
-        return self.d[0] * depth + self.d[1] * sum_k
+    def predict_draft(self, depth, sum_k, catchup=0):
+        return self.d[0] * depth + self.d[1] * sum_k + self.d[2] * catchup
 
     def predict(self, n, c, depth=0, sum_k=0):
         return self.predict_verify(n, c) + self.predict_draft(depth, sum_k)
 
     # ---- fitting --------------------------------------------------------------------------------------------
     def observe(self, n: int, c: int, depth: int, sum_k: int, draft_s: float, rest_s: float,
-                predicted_s: float | None = None) -> None:
+                predicted_s: float | None = None, catchup: int = 0) -> None:
         if predicted_s is not None and rest_s + draft_s > 0:
             self.errors.append(abs(predicted_s - (rest_s + draft_s)) / (rest_s + draft_s))
         self.verify_samples.append((n, c, rest_s))
         if depth > 0:
-            self.draft_samples.append((depth, sum_k, draft_s))
+            self.draft_samples.append((depth, sum_k, catchup, draft_s))
             self._fit_draft()
         self._fit_verify()
 
@@ -94,22 +98,30 @@ class StepCostModel:
             self.refused += 1
         if self.v is None:  # nothing good yet: the simplest model that is a cost
             slopes = self._solve(x[:, :3], y, w)
-            if slopes is not None:
-                v1, v2 = max(0.0, float(slopes[1])), max(0.0, float(slopes[2]))
-                v0 = float(np.average(y - v1 * x[:, 1] - v2 * x[:, 2], weights=w))
-                if v0 > 0:
-                    self.v = [v0, v1, v2] + [0.0] * len(KNOTS)
+            v1, v2 = (max(0.0, float(slopes[1])), max(0.0, float(slopes[2]))) if slopes is not None else (0.0, 0.0)
+            v0 = float(np.average(y - v1 * x[:, 1] - v2 * x[:, 2], weights=w))
+            if v0 <= 0:  # a constant: the mean step time
+                v0, v1, v2 = float(np.average(y, weights=w)), 0.0, 0.0
+            if v0 > 0:
+                self.v = [v0, v1, v2] + [0.0] * len(KNOTS)
 
     def _fit_draft(self) -> None:
+        """Non-negative coefficients: terms that fit negative are dropped and the rest refitted."""
         if len(self.draft_samples) < 2:
             return
         data = np.array(self.draft_samples, dtype=np.float64)
-        coef = self._solve(data[:, :2], data[:, 2], self._weights(len(data)))
-        if coef is not None and (coef >= 0).all():
-            self.d = coef.tolist()
-        elif coef is not None:  # one term negative: fit the other alone (cost per draft step, or per token)
-            per_step = float((data[:, 2] @ data[:, 0]) / max(data[:, 0] @ data[:, 0], 1e-12))
-            self.d = [max(0.0, per_step), 0.0]
+        x, y, w = data[:, :3], data[:, 3], self._weights(len(data))
+        cols = [True, True, bool(data[:, 2].any())]
+        while any(cols):
+            coef = self._solve(x[:, cols], y, w)
+            if coef is None:
+                return
+            full = np.zeros(3)
+            full[np.array(cols)] = coef
+            if (full >= 0).all():
+                self.d = full.tolist()
+                return
+            cols[int(np.argmin(full))] = False
 
     def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray | None:
         """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens)."""
@@ -151,4 +163,4 @@ class StepCostModel:
         if state.get("verify") and len(self.verify_samples) < self.min_samples:
             self.v = list(state["verify"])
         if state.get("draft") and len(self.draft_samples) < 2:
-            self.d = list(state["draft"])
+            self.d = (list(state["draft"]) + [0.0, 0.0, 0.0])[:3]

@@ -66,7 +66,8 @@ class SmartSpecPolicy(Policy):
     def observe_cost(self, record: StepRecord) -> None:
         depth = max(record.proposed, default=0)
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),
-                          record.draft_s, record.total_s - record.draft_s, record.predicted_s)
+                          record.draft_s, record.total_s - record.draft_s, record.predicted_s,
+                          catchup=record.draft_catchup_tokens)
 
     def release(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
@@ -108,7 +109,7 @@ def merge_states(states: list[dict]) -> dict:
         total = sum(weights)
         cost = {"verify": [sum(w * c["verify"][j] for w, c in zip(weights, fitted)) / total
                            for j in range(len(fitted[0]["verify"]))],
-                "draft": [sum(w * c["draft"][j] for w, c in zip(weights, fitted)) / total for j in range(2)],
+                "draft": [sum(w * c["draft"][j] for w, c in zip(weights, fitted)) / total for j in range(3)],
                 "samples": total}
     return {"key": key, "prior": {"accepted": accepted, "rejected": rejected}, "cost": cost,
             "replicas": len(same)}

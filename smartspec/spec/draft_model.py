@@ -83,6 +83,7 @@ class DraftModelProposer(Proposer):
             self.blocks.allocate(ds, req.num_tokens + k - 1)
             live.append((i, ds, k))
         depth = 0
+        self.last_catchup_tokens = sum(ds.num_tokens - ds.num_computed_tokens - 1 for _, ds, _ in live)
         while live:
             items = []
             for i, ds, k in live:

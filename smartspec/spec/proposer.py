@@ -18,6 +18,9 @@ class Proposal:
 
 class Proposer:
     method = "base"
+    # tokens the last propose() fed beyond one per request (a draft model catching up): a one-time cost per
+    # request that the cost model fits apart from the per-step draft cost
+    last_catchup_tokens = 0
 
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
         raise NotImplementedError

@@ -53,6 +53,8 @@ class Speculator:
         return out
 
     def propose(self, decoding: list[Request], ks: list[int]) -> Drafts:
+        if self.proposer is not None:
+            self.proposer.last_catchup_tokens = 0
         if self.proposer is None or not any(ks):
             return {}
         try:

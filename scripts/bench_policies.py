@@ -1,0 +1,159 @@
+"""Latency vs request rate per speculation policy: Poisson arrivals fed straight into the engine (no Ray).
+
+HumanEval prompts (chat template, the shortest problems first so a run fits in minutes on a CPU) go to the target
+Qwen2.5-Coder-1.5B with each proposer (the 0.5B draft model, prompt lookup) and each policy: off, fixed 1/3/5,
+batch_table, smartspec. Per rate: mean / p50 / p99 latency, TTFT, TPOT, throughput; and for smartspec the
+policy's step-time prediction error. Latency counts from the scheduled arrival, so time spent waiting for a
+running step is included. Prints a table; writes results/bench_policies.parquet (one row per request),
+results/bench_policies_summary.parquet and results/bench_policies.png.
+
+    python scripts/bench_policies.py                        # the full sweep (about an hour on 2 cores)
+    python scripts/bench_policies.py --rates 0.1 --requests 3 --max-tokens 16 --policies off smartspec
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from smartspec import EngineConfig, SamplingParams
+from smartspec.engine.llm_engine import LLMEngine
+from smartspec.policy import make_policy
+from smartspec.policy.base import default_batch_table
+from smartspec.spec.ngram import NgramProposer
+from smartspec.workloads import humaneval_prompts
+
+POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
+
+
+def run_rate(engine: LLMEngine, prompts: list[str], rate: float, max_tokens: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    t, schedule = 0.0, []
+    for p in prompts:  # Poisson arrivals: exponential gaps
+        t += rng.expovariate(rate)
+        schedule.append((t, p))
+    params = SamplingParams(max_tokens=max_tokens)
+    start = time.monotonic()
+    arrival, done, pending = {}, {}, list(enumerate(schedule))
+    while pending or engine.has_unfinished():
+        now = time.monotonic() - start
+        while pending and pending[0][1][0] <= now:
+            i, (at, prompt) = pending.pop(0)
+            rid = engine.add_request(prompt, params, request_id=f"q{i}")
+            arrival[rid] = start + at
+        if engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        elif pending:
+            time.sleep(max(0.0, pending[0][1][0] - (time.monotonic() - start)))
+    rows = []
+    for rid, out in done.items():
+        m, n = out.metrics, len(out.token_ids)
+        rows.append(dict(request=rid, latency_s=m["finish_time"] - arrival[rid],
+                         ttft_s=m["first_token_time"] - arrival[rid],
+                         tpot_s=(m["finish_time"] - m["first_token_time"]) / max(1, n - 1), output_tokens=n,
+                         prompt_tokens=out.num_prompt_tokens, **{f"spec_{k}": v for k, v in
+                                                                 m["spec_decode"].items() if k != "accepted_per_position"}))
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    lat = sorted(r["latency_s"] for r in rows)
+    return dict(mean_latency_s=statistics.mean(lat), p50_latency_s=statistics.median(lat),
+                p99_latency_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                mean_ttft_s=statistics.mean(r["ttft_s"] for r in rows),
+                mean_tpot_s=statistics.mean(r["tpot_s"] for r in rows),
+                output_tokens=sum(r["output_tokens"] for r in rows))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--proposers", nargs="+", default=["draft_model", "ngram"], choices=["draft_model", "ngram"])
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.05, 0.15, 0.3], help="requests per second")
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--k-max", type=int, default=5)
+    ap.add_argument("--variant", default="chat", choices=["raw", "chat"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(
+        model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
+        speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k_max,
+                            "policy": "off"}))
+    proposers = {"draft_model": engine.speculator.proposer, "ngram": NgramProposer(4, 1)}
+    problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
+    prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
+    requests, summary = [], []
+    for proposer_name in args.proposers:
+        for policy_name in args.policies:
+            if policy_name == "off" and proposer_name != args.proposers[0]:
+                continue  # off never runs a proposer: measured once
+            policy = make_policy(policy_name, args.k_max, default_batch_table(args.k_max),
+                                 key=f"{proposer_name}:{args.draft}")
+            engine.set_speculation(proposers[proposer_name], policy, args.k_max)
+            if policy.wants_profile:
+                engine.profile_steps()
+            label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"
+            for rate in args.rates:
+                print(f"[{label}] rate {rate} req/s ...", file=sys.stderr, flush=True)
+                t0 = time.monotonic()
+                rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed)
+                wall = time.monotonic() - t0
+                stats = getattr(policy, "stats", lambda: {})()
+                for r in rows:
+                    requests.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate, **r))
+                summary.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate,
+                                    wall_s=wall, throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
+                                    step_time_rel_error=stats.get("mean_relative_error"), **summarize(rows)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(requests), out / "bench_policies.parquet")
+    pq.write_table(pa.Table.from_pylist(summary), out / "bench_policies_summary.parquet")
+    print(f"\n{'config':26s} {'rate':>5s} {'mean s':>7s} {'p50 s':>6s} {'p99 s':>6s} {'TTFT s':>7s} "
+          f"{'TPOT s':>7s} {'tok/s':>6s} {'pred err':>8s}")
+    for s in summary:
+        err = f"{s['step_time_rel_error']:.1%}" if s["step_time_rel_error"] is not None else "-"
+        print(f"{s['config']:26s} {s['rate']:5.2f} {s['mean_latency_s']:7.2f} {s['p50_latency_s']:6.2f} "
+              f"{s['p99_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
+              f"{s['throughput_tok_s']:6.2f} {err:>8s}")
+    _plot(summary, out / "bench_policies.png")
+    return 0
+
+
+def _plot(summary, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    proposers = sorted({s["proposer"] for s in summary if s["policy"] != "off"})
+    fig, axes = plt.subplots(1, len(proposers), figsize=(6 * len(proposers), 4.5), squeeze=False)
+    for ax, prop in zip(axes[0], proposers):
+        for label in dict.fromkeys(s["config"] for s in summary if s["proposer"] == prop or s["policy"] == "off"):
+            pts = sorted((s["rate"], s["mean_latency_s"]) for s in summary if s["config"] == label)
+            style = dict(lw=3, color="black") if "smartspec" in label else {}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **style)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("mean request latency (s)")
+        ax.set_title(f"target Qwen2.5-Coder-1.5B, proposer: {prop}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
