@@ -68,3 +68,14 @@ def test_real_model_matches_transformers_generate(smollm):
         assert_greedy_equal(out.token_ids, ref, out.prompt_token_ids, hf)
     alone = llm.generate(prompts[1], SamplingParams(max_tokens=32))[0]
     assert alone.token_ids == outs[1].token_ids
+
+
+def test_torch_fallback_path_matches_transformers(tiny_qwen):
+    """Without the compiled kernels (no compiler, or a GPU) the engine runs transformers' linears and a torch paged
+    attention: still transformers' greedy output, up to proven near-ties."""
+    llm = LLM(tiny_qwen, num_kv_blocks=64, block_size=4, max_model_len=256, use_kernels=False)
+    assert not llm.engine.runner.use_kernels
+    hf = _hf(tiny_qwen)
+    for out in llm.generate(PROMPTS[:3], SamplingParams(max_tokens=30)):
+        assert_greedy_equal(out.token_ids, hf_greedy(hf, out.prompt_token_ids, 30), out.prompt_token_ids, hf)
+    assert llm.engine.blocks.num_free == 64

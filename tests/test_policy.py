@@ -73,17 +73,27 @@ def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():
     for n in (1, 2, 4, 8, 12, 16):
         model.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
     good = list(model.v)
-    for n in (1, 2, 4, 8, 12, 16, 20, 24) * 2:  # cost falling with more tokens: not a cost
-        model.observe(n, 100, 0, 0, 0.0, 1.0 - 0.04 * n)
+    for n in (1, 2, 4, 8, 12, 16, 20, 24) * 2:  # a broken clock: no positive base cost fits these
+        model.observe(n, 100, 0, 0, 0.0, -0.5)
     assert model.v == good and model.refused > 0
     assert model.predict_verify(8, 100) == pytest.approx(true_verify(8, 100), rel=0.01)
 
 
-def test_cost_model_reports_prediction_error():
+def test_cost_model_stays_a_cost_whatever_it_is_fed():
     model = StepCostModel()
-    for n in (1, 2, 4, 8):
-        model.observe(n, 100, 0, 0, 0.0, 0.1, predicted_s=0.11)
-    assert model.mean_relative_error == pytest.approx(0.1)
+    for n in (1, 2, 4, 8, 12, 16, 20, 24, 100, 200):  # timings that fall with more tokens
+        model.observe(n, 100 + n, 0, 0, 0.0, 1.0 - 0.004 * n)
+    grid = [model.predict_verify(n, 1000) for n in range(1, 400)]
+    assert grid[0] > 0 and all(b >= a for a, b in zip(grid, grid[1:]))
+
+
+def test_cost_model_reports_prediction_error_on_the_shape_that_ran():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8, 1, 2, 4, 8):
+        model.observe(n, 100, 0, 0, 0.0, 0.1 + 0.01 * n)
+    assert model.mean_relative_error < 1e-6  # the fit is exact for these shapes
+    model.observe(4, 100, 0, 0, 0.0, 1.1 * (0.1 + 0.01 * 4))
+    assert model.errors[-1] == pytest.approx(0.1 / 1.1, rel=1e-3)
 
 
 # ---- selection -------------------------------------------------------------------------------------------------

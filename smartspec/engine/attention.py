@@ -6,6 +6,7 @@ step's packed tokens, and it writes k/v into the paged cache and attends through
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +27,11 @@ class StepAttention:
     use_kernels: bool
 
 
-_step: StepAttention | None = None
+_local = threading.local()  # per thread: two engines stepping on two threads must not see each other's step
 
 
 def set_step(step: StepAttention | None) -> None:
-    global _step
-    _step = step
+    _local.step = step
 
 
 def _torch_paged_attention(q, k_cache, v_cache, step: StepAttention, scale: float, window: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _torch_paged_attention(q, k_cache, v_cache, step: StepAttention, scale: floa
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    step = _step
+    step = getattr(_local, "step", None)
     if step is None:
         raise RuntimeError("smartspec paged attention called outside an engine step")
     k_cache, v_cache = step.kv_caches[module.layer_idx]

@@ -16,32 +16,12 @@ from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
-from smartspec.policy.base import FixedPolicy, StepRecord
+from smartspec.policy.base import StepRecord
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec.proposer import Proposer
 from smartspec.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
-
-
-class _PaddedProposer(Proposer):
-    """For the warm-up profile: the real proposer's drafts, padded to k with filler, so that every profiled step
-    verifies exactly the planned number of tokens (prompt lookup may find nothing in a synthetic prompt)."""
-
-    def __init__(self, inner: Proposer) -> None:
-        self.inner = inner
-
-    def propose(self, requests, ks):
-        proposal = self.inner.propose(requests, ks)
-        self.last_catchup_tokens = self.inner.last_catchup_tokens
-        tokens = [t + [r.token_ids[-1]] * (k - len(t)) for r, t, k in zip(requests, proposal.tokens, ks)]
-        return Proposal(tokens, [None] * len(tokens))  # profile requests are greedy: no draft distributions
-
-    def sync(self, request):
-        self.inner.sync(request)
-
-    def release(self, request_id):
-        self.inner.release(request_id)
 
 
 @dataclass
@@ -115,28 +95,9 @@ class LLMEngine:
                                      sp.k_max if k_max is None else k_max)
 
     def profile_steps(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
-        """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
-        only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
-        spec, policy = self.speculator, self.speculator.policy
-        pattern = [(17 + 13 * i) % self.vocab_size for i in range(8)]  # repetitive: prompt lookup finds drafts
-        prompt = (pattern * (context // len(pattern) + 1))[:context]
-        records, trace, self.trace = [], self.trace, None
-        for batch in batches:
-            for k in sorted({0, 1, 2, spec.k_max}):
-                self.speculator = Speculator(_PaddedProposer(spec.proposer), FixedPolicy(k), max(spec.k_max, 1))
-                for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
-                    self.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
-                                     request_id=f"__profile-{batch}-{k}-{i}")
-                while self.has_unfinished():
-                    self.step()
-                    if self.last_step.num_prefill_tokens == 0:
-                        records.append(self.last_step)
-        self.speculator, self.trace = spec, trace
-        for r in records:
-            policy.observe_cost(r)
-        self.timing = {key: 0 for key in self.timing}
-        self.num_steps = 0
-        return records
+        """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py)."""
+        from smartspec.engine.profile import profile_steps
+        return profile_steps(self, batches, context)
 
     def close(self) -> None:
         if self.trace is not None:

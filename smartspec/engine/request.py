@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not equal fields
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -1,45 +1,61 @@
 """Step time predicted from the step's shape, fitted online on measured steps.
 
     T = T_verify(N, C) + T_draft(depth, sum_k)
-    T_verify = v0 + v1 N + v2 C + sum_j h_j max(0, N - knot_j)    N: batched tokens, C: context tokens
-    T_draft  = d0 depth + d1 sum_k (+ d2 catch-up tokens)          depth: max k, sum_k: draft tokens
+    T_verify = v0 + sum_j s_j clip(N - a_j, 0, b_j - a_j) + v_c C     N: batched tokens, C: context tokens
+    T_draft  = d0 depth + d1 sum_k (+ d2 catch-up tokens)             depth: max k, sum_k: draft tokens
 
-Catch-up (a draft model reading a request's tokens it has not seen, its whole prompt the first time) is fitted as
-its own term, so that it does not inflate the per-step draft cost; predictions for choosing k leave it out: it is
-paid once per request, whatever k is chosen afterwards.
-
-The hinge terms let the fit follow what is measured where cost is not linear in N (a CPU's GEMV fast path, a
-kernel's row tile, a GPU's compute roof). T_verify here is everything in a step but drafting (verify forward,
-sampling, bookkeeping), so that T predicts the whole step. Windowed weighted least squares with exponential
-forgetting, refitted on every step; a fit that predicts a non-positive or decreasing cost anywhere on the
-operating range is refused and the last good one kept."""
+T_verify is piecewise linear in N over the segments [0, 8], [8, 16], [16, 32], [32, 64], [64, 128], [128, inf):
+s_j is the cost of a token within segment j, so the fit follows what is measured where cost is not linear in N
+(a CPU's GEMV fast path, a kernel's row tile, a GPU's compute roof; prefill chunks of hundreds of tokens next to
+decodes of a few). All coefficients are fitted non-negative, so the model is a cost by construction: positive and
+non-decreasing in N and C. A segment the data never reached takes the slope of the last one it did.
+T_verify here is everything in a step but drafting (verify forward, sampling, bookkeeping), so T predicts the
+whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
+fitted as its own term so that it does not inflate the per-step draft cost; predictions for choosing k leave it
+out, as it is paid once per request whatever k is chosen. Windowed weighted least squares with exponential
+forgetting, refitted on every step; a degenerate fit is refused and the last good one kept."""
 from __future__ import annotations
 
 from collections import deque
 
 import numpy as np
 
-KNOTS = (8, 16, 32, 64, 128)
+SEGMENTS = ((0, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, float("inf")))
 
 
 def verify_features(n: float, c: float) -> list[float]:
-    return [1.0, n, c] + [max(0.0, n - k) for k in KNOTS]
+    return [1.0] + [min(max(n - a, 0.0), b - a) for a, b in SEGMENTS] + [c]
+
+
+def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set)."""
+    cols = list(usable)
+    while any(cols):
+        coef = solve(x[:, cols], y, w)
+        if coef is None:
+            return None
+        full = np.zeros(len(cols))
+        full[np.array(cols)] = coef
+        if (full >= 0).all():
+            return full
+        cols[int(np.argmin(full))] = False
+    return None
 
 
 class StepCostModel:
-    def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, max_tokens: int = 256,
-                 min_samples: int = 4) -> None:
+    def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4) -> None:
         self.window = window
         self.forget = forget
         self.ridge = ridge
-        self.max_tokens = max_tokens
         self.min_samples = min_samples
         self.verify_samples: deque = deque(maxlen=window)  # (n, c, seconds)
         self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, catch-up tokens, seconds)
-        self.v: list[float] | None = None  # last good verify coefficients
+        self.v: list[float] | None = None  # last good verify coefficients: [v0, s_1..s_6, v_c]
         self.d: list[float] = [0.0, 0.0, 0.0]  # draft coefficients (zero until drafting is measured)
         self.refused = 0
-        self.errors: deque = deque(maxlen=window)  # relative prediction errors of whole steps
+        # relative errors of the fit's prediction of each step, for the shape that step really had (made before
+        # the step is added to the fit)
+        self.errors: deque = deque(maxlen=window)
 
     # ---- prediction ---------------------------------------------------------------------------------------
     @property
@@ -49,10 +65,10 @@ class StepCostModel:
     def predict_verify(self, n, c):
         """n, c: numbers or numpy arrays."""
         v = self.v
-        t = v[0] + v[1] * n + v[2] * c
-        for h, k in zip(v[3:], KNOTS):
-            if h:
-                t = t + h * np.maximum(0.0, n - k)
+        t = v[0] + v[-1] * c
+        for slope, (a, b) in zip(v[1:-1], SEGMENTS):
+            if slope:
+                t = t + slope * np.clip(n - a, 0.0, b - a)
         return t
 
     def predict_draft(self, depth, sum_k, catchup=0):
@@ -63,9 +79,10 @@ class StepCostModel:
 
     # ---- fitting --------------------------------------------------------------------------------------------
     def observe(self, n: int, c: int, depth: int, sum_k: int, draft_s: float, rest_s: float,
-                predicted_s: float | None = None, catchup: int = 0) -> None:
-        if predicted_s is not None and rest_s + draft_s > 0:
-            self.errors.append(abs(predicted_s - (rest_s + draft_s)) / (rest_s + draft_s))
+                catchup: int = 0) -> None:
+        if self.v is not None and rest_s + draft_s > 0:  # how well the current fit predicts this step's shape
+            predicted = self.predict(n, c, depth, sum_k) + self.d[2] * catchup
+            self.errors.append(abs(predicted - (rest_s + draft_s)) / (rest_s + draft_s))
         self.verify_samples.append((n, c, rest_s))
         if depth > 0:
             self.draft_samples.append((depth, sum_k, catchup, draft_s))
@@ -76,52 +93,29 @@ class StepCostModel:
         return self.forget ** np.arange(count - 1, -1, -1, dtype=np.float64)
 
     def _fit_verify(self) -> None:
-        """The hinge model if it is sane; else a plain linear one; else linear with non-negative slopes (always
-        sane once its intercept is positive): timing noise can bend a flexible fit, never stall the policy."""
         if len(self.verify_samples) < self.min_samples:
             return
         data = np.array(self.verify_samples, dtype=np.float64)
         x = np.array([verify_features(n, c) for n, c, _ in data])
-        y, w = data[:, 2], self._weights(len(data))
-        c_max = float(data[:, 1].max())
-        # hinges the data never reaches carry no information: leave them out (coefficient 0)
-        hinges = [bool((data[:, 0] > k).any()) for k in KNOTS]
-        for cols in ([True, True, True] + hinges, [True, True, True] + [False] * len(KNOTS)):
-            coef = self._solve(x[:, cols], y, w)
-            if coef is None:
-                continue
-            full = np.zeros(len(cols))
-            full[np.array(cols)] = coef
-            if self._sane(full.tolist(), c_max):
-                self.v = full.tolist()
-                return
+        reached = [bool((data[:, 0] > a).any()) for a, _ in SEGMENTS]
+        coef = nonnegative_lstsq(self._solve, x, data[:, 2], self._weights(len(data)), [True] + reached + [True])
+        if coef is None or coef[0] <= 0:  # no positive base cost: not a fit to trust
             self.refused += 1
-        if self.v is None:  # nothing good yet: the simplest model that is a cost
-            slopes = self._solve(x[:, :3], y, w)
-            v1, v2 = (max(0.0, float(slopes[1])), max(0.0, float(slopes[2]))) if slopes is not None else (0.0, 0.0)
-            v0 = float(np.average(y - v1 * x[:, 1] - v2 * x[:, 2], weights=w))
-            if v0 <= 0:  # a constant: the mean step time
-                v0, v1, v2 = float(np.average(y, weights=w)), 0.0, 0.0
-            if v0 > 0:
-                self.v = [v0, v1, v2] + [0.0] * len(KNOTS)
+            return
+        last = 0.0
+        for j, hit in enumerate(reached, start=1):  # beyond the data: the last measured slope goes on
+            last = coef[j] if hit else last
+            coef[j] = coef[j] if hit else last
+        self.v = coef.tolist()
 
     def _fit_draft(self) -> None:
-        """Non-negative coefficients: terms that fit negative are dropped and the rest refitted."""
         if len(self.draft_samples) < 2:
             return
         data = np.array(self.draft_samples, dtype=np.float64)
-        x, y, w = data[:, :3], data[:, 3], self._weights(len(data))
-        cols = [True, True, bool(data[:, 2].any())]
-        while any(cols):
-            coef = self._solve(x[:, cols], y, w)
-            if coef is None:
-                return
-            full = np.zeros(3)
-            full[np.array(cols)] = coef
-            if (full >= 0).all():
-                self.d = full.tolist()
-                return
-            cols[int(np.argmin(full))] = False
+        coef = nonnegative_lstsq(self._solve, data[:, :3], data[:, 3], self._weights(len(data)),
+                                 [True, True, bool(data[:, 2].any())])
+        if coef is not None:
+            self.d = coef.tolist()
 
     def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray | None:
         """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens)."""
@@ -136,18 +130,6 @@ class StepCostModel:
         except np.linalg.LinAlgError:
             return None
         return coef if np.isfinite(coef).all() else None
-
-    def _sane(self, v: list[float], c_max: float) -> bool:
-        """Positive and non-decreasing in N over the operating range, and non-decreasing in C."""
-        if v[2] < 0:
-            return False
-        saved, self.v = self.v, v
-        try:
-            grid = [self.predict_verify(n, c_max) for n in range(1, self.max_tokens + 1)]
-            low = self.predict_verify(1, 0.0)
-        finally:
-            self.v = saved
-        return low > 0 and all(b >= a - 1e-9 for a, b in zip(grid, grid[1:]))
 
     # ---- state exchange -------------------------------------------------------------------------------------
     @property

@@ -66,8 +66,7 @@ class SmartSpecPolicy(Policy):
     def observe_cost(self, record: StepRecord) -> None:
         depth = max(record.proposed, default=0)
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),
-                          record.draft_s, record.total_s - record.draft_s, record.predicted_s,
-                          catchup=record.draft_catchup_tokens)
+                          record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens)
 
     def release(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)

@@ -1,0 +1,53 @@
+"""The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs."""
+from __future__ import annotations
+
+from smartspec.policy.base import FixedPolicy, StepRecord
+from smartspec.sampling_params import SamplingParams
+from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec.speculator import Speculator
+
+
+class _PaddedProposer(Proposer):
+    """For the warm-up profile: the real proposer's drafts, padded to k with filler, so that every profiled step
+    verifies exactly the planned number of tokens (prompt lookup may find nothing in a synthetic prompt)."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+
+    def propose(self, requests, ks):
+        proposal = self.inner.propose(requests, ks)
+        self.last_catchup_tokens = self.inner.last_catchup_tokens
+        tokens = [t + [r.token_ids[-1]] * (k - len(t)) for r, t, k in zip(requests, proposal.tokens, ks)]
+        return Proposal(tokens, [None] * len(tokens))  # profile requests are greedy: no draft distributions
+
+    def sync(self, request):
+        self.inner.sync(request)
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+
+
+def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]:
+    """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
+    only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
+    spec, policy = engine.speculator, engine.speculator.policy
+    prompt = [(17 + 13 * i) % engine.vocab_size for i in range(context)]  # any valid tokens: only cost counts
+    records, trace, engine.trace = [], engine.trace, None
+    for batch in batches:
+        for k in sorted({0, 1, 2, spec.k_max}):
+            engine.speculator = Speculator(_PaddedProposer(spec.proposer), FixedPolicy(k), max(spec.k_max, 1))
+            for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
+                engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
+                                   request_id=f"__profile-{batch}-{k}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+                if engine.last_step.num_prefill_tokens == 0:
+                    records.append(engine.last_step)
+    engine.speculator, engine.trace = spec, trace
+    for r in records:
+        policy.observe_cost(r)
+    engine.timing = {key: 0 for key in engine.timing}
+    engine.num_steps = 0
+    return records
+
