@@ -154,7 +154,6 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # classified now: `completes` reads request state that the commit below changes
         decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
         prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
         spec = self.speculator

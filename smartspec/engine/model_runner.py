@@ -14,6 +14,13 @@ from smartspec.engine.request import Request
 logger = logging.getLogger(__name__)
 
 
+def _kv_geometry(cfg) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
 @dataclass
 class ForwardItem:
     """One request's part of a step: `tokens` at positions start.. (the cache grows by them), and logits wanted
@@ -29,10 +36,7 @@ class ModelRunner:
         self.model = model
         self.blocks = blocks
         self.device = torch.device(device)
-        cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = _kv_geometry(model.config)
         self.dtype = next(model.parameters()).dtype
         ext = kernels.load() if use_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.use_kernels = ext is not None
@@ -48,11 +52,8 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
-        cfg = model.config
-        kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        elem = next(model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * kvh * hd * elem
+        layers, kv_heads, head_dim = _kv_geometry(model.config)
+        return 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:

@@ -12,11 +12,12 @@ from smartspec.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens from request.num_computed_tokens on that run in this step
+    # this chunk reaches the request's last token, so the step yields its next token (fixed when scheduled: the
+    # commit changes the request's counters)
+    completes: bool = False
 
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the request's last token, so the step yields its next token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
 class Scheduler:

@@ -34,8 +34,8 @@ class SmartSpecPolicy(Policy):
             return [0] * len(requests)
         alphas = [self.acceptance.alpha(r.request_id) for r in requests]
         caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1)) for r in requests]
-        ks, predicted = select_k(alphas, caps, self.cost.predict, base_tokens + len(requests),
-                                 base_context + sum(r.num_tokens for r in requests))
+        tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
+        ks, predicted = select_k(alphas, caps, self.cost.predict, tokens, context)
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
         for i, r in enumerate(requests):
@@ -44,9 +44,8 @@ class SmartSpecPolicy(Policy):
                 self._probing.add(r.request_id)
                 budget -= 1
         if self._probing:
-            depth, sum_k = max(ks), sum(ks)
-            predicted = self.cost.predict(base_tokens + len(requests) + sum_k,
-                                          base_context + sum(r.num_tokens for r in requests) + sum_k, depth, sum_k)
+            sum_k = sum(ks)
+            predicted = self.cost.predict(tokens + sum_k, context + sum_k, max(ks), sum_k)
         self.last_prediction = predicted
         return ks
 
