@@ -47,7 +47,6 @@ def bench_engine(model: str, reps: int) -> tuple[dict, int]:
     engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_batched_tokens=4096))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(0)
-    reqs = []
     for i in range(16):  # 16 requests with a 200-token context already in the cache
         engine.add_request(torch.randint(100, 5000, (CONTEXT,), generator=gen).tolist(), request_id=f"b{i}")
     while any(r.num_computed_tokens < CONTEXT for r in engine.requests.values()):
@@ -84,7 +83,6 @@ def bench_transformers(model: str, reps: int) -> dict:
                 cache.crop(-n)  # transformers 5: a negative count of tokens to drop
 
             out[(b, n)] = timed(step, reps)
-    del hf
     return out
 
 

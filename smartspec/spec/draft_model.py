@@ -85,12 +85,11 @@ class DraftModelProposer(Proposer):
         depth = 0
         self.last_catchup_tokens = sum(ds.num_tokens - ds.num_computed_tokens - 1 for _, ds, _ in live)
         while live:
-            items = []
-            for i, ds, k in live:
-                # first step: every unseen token (catch-up); later steps: the previous draft token
-                items.append(ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1))
+            # first step: every unseen token (catch-up); later steps: the previous draft token
+            items = [ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1)
+                     for _, ds, _ in live]
             logits = self.runner.forward(items)
-            for row, (i, ds, k) in enumerate(live):
+            for row, (i, ds, _) in enumerate(live):
                 ds.num_computed_tokens = ds.num_tokens
                 req = requests[i]
                 if req.params.greedy:
