@@ -17,7 +17,11 @@ def _byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    # a minimal chat template, so the serving tests can exercise /v1/chat/completions
+    fast.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant] {% endif %}")
+    return fast
 
 
 def build_tiny_model(path, arch: str = "qwen2", seed: int = 0, tie: bool = False):
@@ -71,3 +75,21 @@ def tiny_qwen_draft(tmp_path_factory, tiny_qwen):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_qwen).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One Ray instance (and Serve, on a free port) for the whole test session; stopped at its end."""
+    import socket
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()

@@ -7,6 +7,8 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine, RequestOutput
 from smartspec.sampling_params import SamplingParams
@@ -20,7 +22,10 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig())
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartspec-step")
+        # torch (and OpenMP in the kernels) keep thread counts per thread: give the step thread this one's
+        threads = torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartspec-step",
+                                            initializer=torch.set_num_threads, initargs=(threads,))
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[tuple[str, object]] = []  # ("add", args) / ("abort", request_id)
         self._lock = threading.Lock()
@@ -31,10 +36,18 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has finished=True. Leaving early (a client gone) aborts it."""
+        _, stream = self.submit(prompt, params, request_id)
+        async for out in stream:
+            yield out
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None,
+               request_id: str) -> tuple[int, AsyncIterator[RequestOutput]]:
+        """Validate and queue a request now (bad input raises ValueError here, before any waiting); return its
+        prompt length and its output stream. Must run on the event loop's thread; iterate the stream to the end
+        or leave it early (which aborts the request)."""
         if self.errored is not None:
             raise RuntimeError(f"engine stopped after an error: {self.errored!r}")
         params = params or SamplingParams()
-        # Validate now, in the caller's task, so bad input raises here rather than inside the step loop.
         ids = self.engine.tokenize(prompt)
         if len(ids) >= self.engine.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.engine.max_model_len}")
@@ -45,6 +58,16 @@ class AsyncEngine:
         with self._lock:
             self._pending.append(("add", (ids, params, request_id)))
         self._ensure_loop()
+        return len(ids), self._stream(request_id, queue)
+
+    def discard(self, request_id: str) -> None:
+        """Abort a submitted request whose stream may never have been iterated (a no-op once it has ended)."""
+        if self._queues.pop(request_id, None) is not None:
+            with self._lock:
+                self._pending.append(("abort", request_id))
+            self._ensure_loop()
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -61,6 +84,20 @@ class AsyncEngine:
                 with self._lock:
                     self._pending.append(("abort", request_id))
                 self._ensure_loop()
+
+    async def call(self, fn):
+        """Run fn(engine) on the step thread between two steps (reading or changing engine state safely)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._pending.append(("call", (fn, fut, loop)))
+        self._ensure_loop()
+        return await fut
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished (queued, waiting or running)."""
+        return len(self._queues)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -85,6 +122,13 @@ class AsyncEngine:
                     self.engine.add_request(ids, params, rid)
                 except Exception as exc:  # reported to that request alone
                     outputs.append((rid, exc))
+            elif kind == "call":
+                fn, fut, loop = arg
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as exc:
+                    result, error = None, exc
+                loop.call_soon_threadsafe(_resolve, fut, result, error)
             else:
                 out = self.engine.abort_request(arg)
                 if out is not None:
@@ -112,3 +156,12 @@ class AsyncEngine:
                 idle = not self._pending and not self.engine.has_unfinished()
             if idle:
                 await self._wakeup.wait()
+
+
+def _resolve(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if fut.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

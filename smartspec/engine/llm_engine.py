@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,10 +15,13 @@ from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler
+from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
 from smartspec.policy.base import StepRecord
 from smartspec.sampling_params import SamplingParams
+from smartspec.models.loader import LoadedModel
+from smartspec.spec.config import SpeculativeConfig
 from smartspec.spec.proposer import Proposer
 from smartspec.spec.speculator import Speculator
 
@@ -37,20 +41,26 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
+# Hooks for where the parts run (the serving layer puts them in Ray actors); the defaults run them in-process.
+RunnerFactory = Callable[[LoadedModel, BlockManager], "ModelRunner"]  # loaded without weights -> a runner
+ProposerFactory = Callable[[SpeculativeConfig, "LLMEngine", int], Proposer]  # (spec, engine, draft KV blocks)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner_factory: RunnerFactory | None = None,
+                 proposer_factory: ProposerFactory | None = None) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, config.device)
+        loaded = load_model(config.model, config.dtype, config.device, weights=runner_factory is None)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
-        self.vocab_size = self.model.config.vocab_size
+        self.vocab_size = loaded.config.vocab_size
         if config.max_model_len and config.max_model_len > loaded.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
                              f"({loaded.max_position_embeddings} positions)")
         self.max_model_len = config.max_model_len or min(loaded.max_position_embeddings, 4096)
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size)
+        per_block = ModelRunner.bytes_per_block(loaded.config, getattr(torch, config.dtype), config.block_size)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -59,10 +69,16 @@ class LLMEngine:
                 f"{self.max_model_len} tokens; raise kv_cache_gib / num_kv_blocks or lower max_model_len")
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.blocks, config.use_kernels, config.device)
+        self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
+                       else ModelRunner(self.model, self.blocks, config.use_kernels, config.device))
         spec = config.speculative_config
-        self.speculator = (Speculator(self._make_proposer(spec, num_blocks), spec.policy, spec.num_speculative_tokens,
-                                      batch_table=spec.batch_table, key=spec.key, options=spec.policy_options)
+        proposer = None
+        if spec:
+            # the draft holds what the target holds, plus k drafts per running request
+            draft_blocks = num_blocks + config.max_num_seqs * self.blocks.blocks_for(spec.num_speculative_tokens + 1)
+            proposer = (proposer_factory or _make_proposer)(spec, self, draft_blocks)
+        self.speculator = (Speculator(proposer, spec.policy, spec.num_speculative_tokens, batch_table=spec.batch_table,
+                                      key=spec.key, options=spec.policy_options)
                            if spec else Speculator(None, "off", 0))
         self.trace = StepTraceWriter(config.trace_path, self.speculator.policy.name) if config.trace_path else None
         self.timing = {"steps": 0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
@@ -71,19 +87,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
+        self.stats = StepStats()
         if config.warmup_profile and self.speculator.policy.wants_profile:
             self.profile_steps()
-
-    def _make_proposer(self, spec, num_blocks: int) -> Proposer:
-        if spec.method == "ngram":
-            from smartspec.spec.ngram import NgramProposer
-            return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        from smartspec.spec.draft_model import DraftModelProposer
-        # the draft holds what the target holds, plus k drafts per running request
-        extra = self.config.max_num_seqs * self.blocks.blocks_for(spec.num_speculative_tokens + 1)
-        return DraftModelProposer(spec.model, self.tokenizer, self.vocab_size, num_blocks + extra,
-                                  self.config.block_size, self.config.use_kernels, self.config.dtype,
-                                  self.config.device)
 
     def set_speculation(self, proposer: Proposer | None = None, policy=None, k_max: int | None = None) -> None:
         """Swap the proposer, the policy or K between runs (benchmarks compare configurations on one loaded
@@ -102,6 +108,9 @@ class LLMEngine:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        for part in (self.runner, self.speculator.proposer):
+            if hasattr(part, "close"):
+                part.close()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -211,6 +220,7 @@ class LLMEngine:
             predicted_s=self.speculator.policy.last_prediction if decoding else None,
             draft_catchup_tokens=self.speculator.proposer.last_catchup_tokens if drafts else 0)
         self.last_step = record
+        self.stats.add(record, sum(len(t) for t in new_tokens.values()))
         self.speculator.policy.observe(record)
         if self.trace is not None:
             self.trace.add(record)
@@ -263,3 +273,13 @@ class LLMEngine:
                    "spec_decode": req.spec.as_dict()}
         return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
                              req.finish_reason, req.num_prompt_tokens, metrics)
+
+
+def _make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
+    if spec.method == "ngram":
+        from smartspec.spec.ngram import NgramProposer
+        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    from smartspec.spec.draft_model import DraftModelProposer
+    c = engine.config
+    return DraftModelProposer(spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size,
+                              c.use_kernels, c.dtype, c.device)

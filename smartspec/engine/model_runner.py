@@ -31,12 +31,52 @@ class ForwardItem:
     num_logits: int
 
 
+@dataclass
+class StepInputs:
+    """A step's packed inputs, as plain CPU tensors: what a tensor-parallel rank needs to run the same step."""
+    ids: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] cache slot of each token's k/v
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_of: torch.Tensor  # [T] row of block_tables each token belongs to
+    kv_len: torch.Tensor  # [T] a token sees its sequence's positions [0, kv_len)
+    keep: torch.Tensor  # rows whose logits are returned
+
+
+def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
+    ids, positions, slots, seq_of, kv_len, keep = [], [], [], [], [], []
+    offset = 0
+    for row, item in enumerate(items):
+        n = len(item.tokens)
+        ids.extend(item.tokens)
+        pos = range(item.start, item.start + n)
+        positions.extend(pos)
+        slots.extend(blocks.slot(item.request, p) for p in pos)
+        seq_of.extend([row] * n)
+        kv_len.extend(p + 1 for p in pos)
+        keep.extend(range(offset + n - item.num_logits, offset + n))
+        offset += n
+    max_blocks = max(len(item.request.block_table) for item in items)
+    tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
+    for row, item in enumerate(items):
+        tables[row, : len(item.request.block_table)] = torch.tensor(item.request.block_table, dtype=torch.int32)
+    return StepInputs(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), tables,
+                      torch.tensor(seq_of, dtype=torch.int32), torch.tensor(kv_len, dtype=torch.int32),
+                      torch.tensor(keep, dtype=torch.long))
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, blocks: BlockManager, use_kernels: bool, device: str) -> None:
+    """Runs steps of one model (or one tensor-parallel shard of it: `tp_size` ranks split its KV heads)."""
+
+    def __init__(self, model: torch.nn.Module, blocks: BlockManager, use_kernels: bool, device: str,
+                 tp_size: int = 1) -> None:
         self.model = model
         self.blocks = blocks
         self.device = torch.device(device)
         self.num_layers, self.num_kv_heads, self.head_dim = _kv_geometry(model.config)
+        if self.num_kv_heads % tp_size:
+            raise ValueError(f"{self.num_kv_heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
+        self.num_kv_heads //= tp_size
         self.dtype = next(model.parameters()).dtype
         ext = kernels.load() if use_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.use_kernels = ext is not None
@@ -51,44 +91,31 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
 
     @staticmethod
-    def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
-        layers, kv_heads, head_dim = _kv_geometry(model.config)
-        return 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
+    def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
+        layers, kv_heads, head_dim = _kv_geometry(model_config)
+        return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run all items in one forward; return logits [sum(num_logits), vocab] in item order (fp32)."""
-        ids, positions, slots, seq_of, kv_len, keep = [], [], [], [], [], []
-        offset = 0
-        for row, item in enumerate(items):
-            n = len(item.tokens)
-            ids.extend(item.tokens)
-            pos = range(item.start, item.start + n)
-            positions.extend(pos)
-            slots.extend(self.blocks.slot(item.request, p) for p in pos)
-            seq_of.extend([row] * n)
-            kv_len.extend(p + 1 for p in pos)
-            keep.extend(range(offset + n - item.num_logits, offset + n))
-            offset += n
-        max_blocks = max(len(item.request.block_table) for item in items)
-        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-        for row, item in enumerate(items):
-            tables[row, : len(item.request.block_table)] = torch.tensor(item.request.block_table, dtype=torch.int32)
+        return self.execute(prepare_step(items, self.blocks))
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device
         attention.set_step(attention.StepAttention(
             kv_caches=self.kv_caches,
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            seq_of=torch.tensor(seq_of, dtype=torch.int32, device=dev),
-            kv_len=torch.tensor(kv_len, dtype=torch.int32, device=dev),
+            slots=inputs.slots.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            seq_of=inputs.seq_of.to(dev),
+            kv_len=inputs.kv_len.to(dev),
             use_kernels=self.use_kernels,
         ))
         try:
             out = self.model(
-                input_ids=torch.tensor([ids], device=dev),
-                position_ids=torch.tensor([positions], device=dev),
+                input_ids=inputs.ids.to(dev)[None],
+                position_ids=inputs.positions.to(dev)[None],
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+                logits_to_keep=inputs.keep.to(dev),
             )
         finally:
             attention.set_step(None)

@@ -49,5 +49,6 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
         policy.observe_cost(r)
     engine.timing = {key: 0 for key in engine.timing}
     engine.num_steps = 0
+    engine.stats = type(engine.stats)()
     return records
 

@@ -10,27 +10,44 @@ from smartspec.models.registry import resolve
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None when loaded without weights (they live in tensor-parallel workers)
+    config: object  # the transformers config
     tokenizer: object
     path: str
     stop_token_ids: frozenset[int]
     max_position_embeddings: int
 
 
-def stop_token_ids_of(model, tokenizer) -> frozenset[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+def stop_token_ids_of(generation_config, tokenizer) -> frozenset[int]:
+    eos = generation_config.eos_token_id if generation_config is not None else None
     ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(i for i in ids if i is not None)
 
 
-def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # a model directory without generation_config.json
+        return None
+
+
+def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights: bool = True,
+               **from_pretrained) -> LoadedModel:
+    """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    lm.requires_grad_(False)
-    return LoadedModel(lm, tokenizer, path, stop_token_ids_of(lm, tokenizer),
-                       int(getattr(lm.config, "max_position_embeddings", 4096)))
+    if weights:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **from_pretrained)
+        lm = lm.eval() if from_pretrained.get("tp_plan") else lm.to(device).eval()
+        lm.requires_grad_(False)
+        config, generation = lm.config, lm.generation_config
+    else:
+        lm, config, generation = None, AutoConfig.from_pretrained(path), _generation_config(path)
+    return LoadedModel(lm, config, tokenizer, path, stop_token_ids_of(generation, tokenizer),
+                       int(getattr(config, "max_position_embeddings", 4096)))

@@ -31,15 +31,17 @@ class AcceptanceEstimator:
         self.request_decay = request_decay
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
-        self.prior_counts = Counts()
+        self.prior_counts = Counts()  # this engine's own evidence (what it exports)
+        self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
         self.requests: dict[str, Counts] = {}
 
     @property
     def prior(self) -> float:
-        c = self.prior_counts
+        accepted = self.prior_counts.accepted + self.shared_counts.accepted
+        rejected = self.prior_counts.rejected + self.shared_counts.rejected
         # the initial prior is itself worth prior_strength observations, so one lucky request cannot swing it
-        a = c.accepted + self.initial_prior * self.prior_strength
-        return min(self.max_alpha, a / (c.accepted + c.rejected + self.prior_strength))
+        a = accepted + self.initial_prior * self.prior_strength
+        return min(self.max_alpha, a / (accepted + rejected + self.prior_strength))
 
     def alpha(self, request_id: str) -> float:
         c = self.requests.get(request_id)

@@ -33,7 +33,9 @@ class SmartSpecPolicy(Policy):
             self.last_prediction = None
             return [0] * len(requests)
         alphas = [self.acceptance.alpha(r.request_id) for r in requests]
-        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1)) for r in requests]
+        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1,
+                           k_max if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens))
+                for r in requests]
         tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
         ks, predicted = select_k(alphas, caps, self.cost.predict, tokens, context)
         self._probing = set()
@@ -79,9 +81,11 @@ class SmartSpecPolicy(Policy):
                 "alpha_prior": self.acceptance.prior, "cost": self.cost.export_state(), "steps": self.step}
 
     def import_state(self, state: dict) -> None:
+        """Adopt other replicas' merged state: their acceptance evidence joins this one's own (which stays apart,
+        so exporting never sends others' evidence back); their cost fit is used until this one has its own."""
         if state.get("key") == self.key and "prior" in state:
-            self.acceptance.prior_counts.accepted = float(state["prior"]["accepted"])
-            self.acceptance.prior_counts.rejected = float(state["prior"]["rejected"])
+            self.acceptance.shared_counts.accepted = float(state["prior"]["accepted"])
+            self.acceptance.shared_counts.rejected = float(state["prior"]["rejected"])
         if state.get("cost"):
             self.cost.import_state(state["cost"])
 

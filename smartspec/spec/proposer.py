@@ -22,6 +22,11 @@ class Proposer:
     # request that the cost model fits apart from the per-step draft cost
     last_catchup_tokens = 0
 
+    @property
+    def available(self) -> bool:
+        """False while the proposer cannot propose (a draft actor being restarted): steps then plan k = 0."""
+        return True
+
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
         raise NotImplementedError
 

@@ -32,7 +32,7 @@ class Speculator:
         """k per decoding request, capped so no draft goes past max_tokens, the context, the step's token budget
         or the free KV blocks; the blocks for the drafts are reserved here. A policy that fails or answers
         nonsense costs speculation for this step, never a request."""
-        if self.proposer is None or not decoding:
+        if self.proposer is None or not decoding or not self.proposer.available:
             return [0] * len(decoding)
         try:
             ks = self.policy.choose(decoding, self.k_max, base_tokens=base_tokens, base_context=base_context)
@@ -44,6 +44,8 @@ class Speculator:
         out = []
         for req, k in zip(decoding, ks):
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
+            if req.params.max_speculative_tokens is not None:
+                k = min(k, req.params.max_speculative_tokens)
             room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
             k = max(0, min(k, room))
             if k:

@@ -1,0 +1,99 @@
+"""The application's configuration: the `args:` of config.yaml, validated where it enters (pydantic)."""
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from smartspec.config import EngineConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationConfig(Strict):
+    method: Literal["draft_model", "ngram", "none"] = "draft_model"
+    model: str | None = "qwen2.5-coder-0.5b"  # the draft, for method draft_model
+    num_speculative_tokens: int = Field(4, ge=1, le=32)  # K
+    policy: str = "smartspec"  # smartspec | off | fixed | fixed:K | batch_table
+    batch_table: dict[int, int] | None = None
+    prompt_lookup_max: int = Field(4, ge=1)
+    prompt_lookup_min: int = Field(1, ge=1)
+    # the draft model runs in its own Ray actor (restarted if it dies); false: inside the replica
+    draft_actor: bool = True
+    draft_num_cpus: float = Field(0.25, gt=0)
+    draft_num_threads: int | None = Field(None, ge=1)
+
+    def engine_dict(self) -> dict | None:
+        if self.method == "none":
+            return None
+        keys = ("method", "num_speculative_tokens", "policy", "batch_table", "prompt_lookup_max", "prompt_lookup_min")
+        out = {k: getattr(self, k) for k in keys}
+        if self.method == "draft_model":
+            out["model"] = self.model
+        return out
+
+
+class AutoscalingConfig(Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+
+
+class AppConfig(Strict):
+    model: str = "qwen2.5-coder-1.5b"  # bundled name, local HF directory or hub id
+    served_model_name: str | None = None  # the name clients send as "model"; default: `model`
+    speculation: SpeculationConfig = SpeculationConfig()
+    tensor_parallel_size: int = Field(1, ge=1)
+    tp_num_cpus: float = Field(0.25, gt=0)  # per tensor-parallel worker actor
+    kv_cache_gib: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    # torch threads of the engine (and of the draft actor, each TP worker). Default: the node's cores, since Ray
+    # sets OMP_NUM_THREADS=1 in actors with fractional CPUs; with several replicas per node, set it.
+    num_threads: int | None = Field(None, ge=1)
+    use_kernels: bool = True
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: torch attention, no CPU kernels
+    replica_num_gpus: float = Field(0, ge=0)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingConfig | None = None  # set: replicas scale by ongoing requests, num_replicas ignored
+    replica_num_cpus: float = Field(0.5, gt=0)
+    # admission: a replica takes at most max_ongoing_requests; beyond that Serve queues up to max_queued_requests
+    # per caller and then refuses (503); a replica whose engine already holds max_waiting requests not yet
+    # running answers 429
+    max_ongoing_requests: int = Field(32, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    max_waiting: int = Field(64, ge=1)
+    controller_interval_s: float = Field(1.0, gt=0)
+    warmup_profile: bool = True
+
+    @field_validator("model")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model must be a non-empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.speculation.method == "draft_model" and not self.speculation.model:
+            raise ValueError("speculation.method draft_model needs speculation.model")
+        self.engine_config()  # the engine's own checks, now, with a clear message
+        return self
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            num_threads=self.threads, use_kernels=self.use_kernels, device=self.device,
+                            speculative_config=self.speculation.engine_dict(), warmup_profile=self.warmup_profile)

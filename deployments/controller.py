@@ -1,0 +1,51 @@
+"""GoodputController: one per application. Replicas report their policy state and load every ~1 s; it merges the
+acceptance evidence and cost-model state of the *other* replicas for each reporter (so no replica counts its own
+evidence twice) and serves a status view. If it is gone, replicas keep their last parameters."""
+from __future__ import annotations
+
+import time
+
+from ray import serve
+
+from smartspec.policy.smartspec_policy import merge_states
+
+
+class ControllerState:
+    """The merging logic, apart from Ray (unit-testable)."""
+
+    def __init__(self, stale_after_s: float = 15.0) -> None:
+        self.stale_after_s = stale_after_s
+        self.reports: dict[str, tuple[float, dict]] = {}
+
+    def report(self, replica_id: str, report: dict) -> dict:
+        now = time.monotonic()
+        self.reports[replica_id] = (now, report)
+        for rid in [r for r, (t, _) in self.reports.items() if now - t > self.stale_after_s]:
+            del self.reports[rid]  # a replica gone (scaled down, crashed) stops counting
+        own = report.get("policy")
+        if not own:
+            return {}
+        others = [r["policy"] for rid, (_, r) in self.reports.items()
+                  if rid != replica_id and r.get("policy") and r["policy"].get("key") == own.get("key")]
+        return merge_states(others) if others else {}
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        replicas = {rid: {"age_s": round(now - t, 2), **{k: v for k, v in r.items() if k != "policy"},
+                          "alpha_prior": (r.get("policy") or {}).get("alpha_prior")}
+                    for rid, (t, r) in self.reports.items()}
+        policies = [r["policy"] for _, r in self.reports.values() if r.get("policy")]
+        return {"replicas": replicas, "merged_policy": merge_states(policies) if policies else None}
+
+
+@serve.deployment(name="GoodputController", num_replicas=1, ray_actor_options={"num_cpus": 0.05},
+                  max_ongoing_requests=1000, logging_config={"enable_access_log": False})
+class GoodputController:
+    def __init__(self, stale_after_s: float = 15.0) -> None:
+        self.state = ControllerState(stale_after_s)
+
+    def report(self, replica_id: str, report: dict) -> dict:
+        return self.state.report(replica_id, report)
+
+    def status(self) -> dict:
+        return self.state.status()

@@ -1,0 +1,160 @@
+"""The draft model in its own Ray actor, behind the engine's narrow Proposer interface.
+
+The replica sends, per step, each speculating request's new target tokens (a delta against what the actor has
+seen) and k; the actor mirrors the requests, runs the in-process DraftModelProposer on the mirrors and returns
+the drafts. If the actor dies, Ray restarts it (max_restarts=-1); meanwhile `available` is False and the engine
+plans k = 0, so requests keep going, unchanged, at plain-decoding speed. A restarted actor knows no request: it
+says so, and the replica resends those requests whole."""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+import torch
+
+from smartspec.engine.request import Request
+from smartspec.sampling_params import SamplingParams
+from smartspec.spec.proposer import Proposal, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+class DraftWorker:
+    def __init__(self, draft_model: str, target_model: str, target_vocab_size: int, num_blocks: int,
+                 block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None) -> None:
+        from smartspec.models import load_model
+        from smartspec.spec.draft_model import DraftModelProposer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        target_tokenizer = load_model(target_model, weights=False).tokenizer
+        self.proposer = DraftModelProposer(draft_model, target_tokenizer, target_vocab_size, num_blocks, block_size,
+                                           use_kernels, dtype, device)
+        self.incarnation = uuid.uuid4().hex  # a restarted actor is a new incarnation with no request state
+        self.mirrors: dict[str, Request] = {}
+
+    def ready(self) -> str:
+        return self.incarnation
+
+    def propose(self, batch: list[tuple], released: list[str]) -> dict:
+        """batch: (request_id, offset, new_tokens, prompt_len, params, k) per request; new_tokens continue the
+        request's tokens from offset (offset 0: the whole request)."""
+        self.release_many(released)
+        requests, ks, unknown = [], [], []
+        for rid, offset, new_tokens, prompt_len, params, k in batch:
+            mirror = self.mirrors.get(rid)
+            if offset == 0:
+                if mirror is None:
+                    mirror = self.mirrors[rid] = self._mirror(rid, new_tokens[:prompt_len], params)
+            elif mirror is None or offset > mirror.num_tokens:
+                unknown.append(rid)
+                continue
+            mirror.token_ids = mirror.token_ids[:offset] + list(new_tokens)
+            requests.append(mirror)
+            ks.append(k)
+        proposal = self.proposer.propose(requests, ks) if requests else Proposal([], [])
+        drafts = {r.request_id: (t, q) for r, t, q in zip(requests, proposal.tokens, proposal.probs)}
+        return {"incarnation": self.incarnation, "drafts": drafts, "unknown": unknown,
+                "catchup": self.proposer.last_catchup_tokens}
+
+    @staticmethod
+    def _mirror(rid: str, prompt: list[int], params: SamplingParams) -> Request:
+        generator = None
+        if not params.greedy:  # any randomness keeps the output lossless; a seed keeps it reproducible
+            generator = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                      else torch.seed() % 2**63)
+        return Request(rid, list(prompt), params, generator)
+
+    def release(self, request_id: str) -> None:
+        self.mirrors.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def release_many(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.release(rid)
+
+    def num_free_blocks(self) -> int:
+        return self.proposer.blocks.num_free
+
+
+class RemoteDraftProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, actor, timeout_s: float = 120.0, startup_timeout_s: float = 900.0) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self._sent: dict[str, int] = {}  # request -> target tokens the actor has been sent
+        self._released: list[str] = []
+        self._alive = False
+        self.failures = 0
+        self._ready_ref = actor.ready.remote()
+        try:  # the replica is ready when its draft is; a draft that fails to start only costs speculation
+            self.incarnation = ray.get(self._ready_ref, timeout=startup_timeout_s)
+            self._alive = True
+        except Exception:
+            logger.exception("draft actor did not start; running without speculation until it does")
+            self.incarnation = None
+
+    @property
+    def available(self) -> bool:
+        if self._alive:
+            return True
+        ready, _ = ray.wait([self._ready_ref], timeout=0)
+        if not ready:
+            return False
+        try:
+            self.incarnation = ray.get(self._ready_ref)
+        except Exception:  # still down: ask again (Ray queues the call until the restarted actor is up)
+            self._ready_ref = self.actor.ready.remote()
+            return False
+        logger.warning("draft actor is back (incarnation %s); speculation resumes", self.incarnation)
+        self._sent.clear()
+        self._alive = True
+        return True
+
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        batch = []
+        for req, k in zip(requests, ks):
+            if k <= 0:
+                continue
+            offset = self._sent.get(req.request_id, 0)
+            batch.append((req.request_id, offset, req.token_ids[offset:], req.num_prompt_tokens, req.params, k))
+        released, self._released = self._released, []
+        try:
+            reply = ray.get(self.actor.propose.remote(batch, released), timeout=self.timeout_s)
+        except Exception:
+            self._alive = False
+            self.failures += 1
+            self._sent.clear()
+            self._ready_ref = self.actor.ready.remote()
+            raise
+        if reply["incarnation"] != self.incarnation:  # restarted between two calls: it knows only full sends
+            self.incarnation = reply["incarnation"]
+            self._sent.clear()
+        for rid in reply["unknown"]:
+            self._sent.pop(rid, None)
+        drafts = reply["drafts"]
+        for req in requests:
+            if req.request_id in drafts:
+                self._sent[req.request_id] = req.num_tokens
+        self.last_catchup_tokens = reply["catchup"]
+        tokens = [drafts.get(r.request_id, ([], None))[0] for r in requests]
+        probs = [drafts.get(r.request_id, ([], None))[1] for r in requests]
+        return Proposal(tokens, probs)
+
+    def release(self, request_id: str) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self._released.append(request_id)
+            if len(self._released) >= 64:  # idle speculation: do not let finished requests pile up in the draft
+                try:
+                    self.actor.release_many.remote(self._released)
+                    self._released = []
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except Exception:
+            pass

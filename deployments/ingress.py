@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP front (FastAPI through @serve.ingress): validation and status codes here, tokens
+from the LLMServer replicas through a streaming handle."""
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+
+from deployments import openai_protocol as proto
+from deployments.metrics import IngressMetrics, render_replica_metrics
+
+api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with goodput-chosen speculation")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(proto.error_body(status, message, param), status_code=status)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    extra = f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{loc}: {first['msg']}{extra}", loc or None
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, server, controller, model_name: str, max_tokens_default: int = 16) -> None:
+        self.server = server
+        self.controller = controller
+        self.model_name = model_name
+        self.max_tokens_default = max_tokens_default
+        self.metrics = IngressMetrics()
+        self.created = int(time.time())
+
+    # ---- plain routes --------------------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        """200 once a model replica answers (loading the models takes minutes), 503 before."""
+        try:
+            await asyncio.wait_for(self.server.ping.remote(), 5)
+        except Exception as exc:
+            return _error_response(503, f"no model replica ready yet ({type(exc).__name__})")
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "smartspec"}]}
+
+    @api.get("/v1/smartspec/status")
+    async def status(self):
+        try:
+            return await asyncio.wait_for(self.controller.status.remote(), 10)
+        except Exception as exc:
+            return _error_response(503, f"goodput controller unavailable: {exc!r}")
+
+    @api.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        text = self.metrics.render()
+        try:
+            text += render_replica_metrics(await asyncio.wait_for(self.controller.status.remote(), 5))
+        except Exception:
+            pass  # the controller is away: ingress metrics alone
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, proto.CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, proto.ChatCompletionRequest, chat=True)
+
+    async def _serve(self, request: Request, schema, chat: bool):
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self.metrics.request_done("chat" if chat else "completions", 400)
+            return _error_response(400, f"request body is not valid JSON: {exc}")
+        result = await self._begin(data, schema, chat)
+        if isinstance(result, HTTPError):
+            return _error_response(result.status, result.message, result.param)
+        rid, body, streams, prompt_tokens = result
+        if body.stream:
+            return StreamingResponse(self._sse(rid, streams, prompt_tokens, chat), media_type="text/event-stream")
+        return await self._collect(rid, streams, prompt_tokens, chat)
+
+    # ---- the same API for Python callers (serve.get_app_handle) --------------------------------------------
+    async def create(self, body: dict, chat: bool = False) -> dict:
+        """A completion (chat=False) or chat completion as an OpenAI response dict, or {"error": {...}}."""
+        result = await self._begin({**body, "stream": False}, proto.ChatCompletionRequest if chat
+                                   else proto.CompletionRequest, chat)
+        if isinstance(result, HTTPError):
+            return proto.error_body(result.status, result.message, result.param)
+        rid, _, streams, prompt_tokens = result
+        return await self._collect(rid, streams, prompt_tokens, chat)
+
+    async def create_stream(self, body: dict, chat: bool = False):
+        """Call with handle.options(stream=True): OpenAI stream chunks as dicts (no [DONE]), or one error dict."""
+        result = await self._begin({**body, "stream": True}, proto.ChatCompletionRequest if chat
+                                   else proto.CompletionRequest, chat)
+        if isinstance(result, HTTPError):
+            yield proto.error_body(result.status, result.message, result.param)
+            return
+        rid, _, streams, prompt_tokens = result
+        async for chunk in self._sse(rid, streams, prompt_tokens, chat):
+            if chunk != proto.sse("[DONE]"):
+                yield json.loads(chunk[len("data: "):])
+
+    async def _begin(self, data, schema, chat: bool):
+        """Validate, submit, wait for acceptance: (id, body, streams, prompt tokens), or the HTTPError to answer."""
+        try:
+            body = self._parse(data, schema)
+            streams, prompt_tokens = await self._start(body, chat)
+        except HTTPError as exc:
+            self.metrics.request_done("chat" if chat else "completions", exc.status)
+            return exc
+        return proto.new_id("chatcmpl" if chat else "cmpl"), body, streams, prompt_tokens
+
+    def _parse(self, data, schema):
+        if not isinstance(data, dict):
+            raise HTTPError(400, "request body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as exc:
+            raise HTTPError(422, *_validation_message(exc)) from None
+        if body.model != self.model_name:
+            raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves "
+                                 f"`{self.model_name}`", "model")
+        return body
+
+    async def _start(self, body, chat: bool):
+        """Submit n generations; wait until each is accepted (or refused) so errors get their status code."""
+        try:
+            # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
+            params = body.sampling_params(None if chat else self.max_tokens_default)
+        except ValueError as exc:
+            raise HTTPError(422, str(exc)) from None
+        if body.speculation is not None:
+            params["max_speculative_tokens"] = body.speculation.max_k
+        payload = ({"messages": [m.model_dump() for m in body.messages]} if chat else {"prompt": body.prompt})
+        streams = []
+        try:
+            for i in range(body.n):
+                p = dict(params)
+                if p["seed"] is not None:
+                    p["seed"] += i  # n samples from one seed: distinct, and reproducible
+                streams.append(self.server.options(stream=True).generate.remote({**payload, "params": p}))
+            firsts = [await anext(s) for s in streams]
+        except BackPressureError as exc:
+            self._cancel(streams)
+            raise HTTPError(503, f"server overloaded, request queue full; retry later ({exc})") from None
+        except HTTPError:
+            raise
+        except Exception as exc:
+            self._cancel(streams)
+            raise HTTPError(503, f"no replica could take the request: {exc!r}") from None
+        for first in firsts:
+            if first["type"] == "error":
+                self._cancel(streams)
+                raise HTTPError(first["status"], first["message"])
+        return streams, firsts[0]["prompt_tokens"]
+
+    @staticmethod
+    def _cancel(streams) -> None:
+        for s in streams:
+            try:
+                s.cancel()
+            except Exception:  # a stream refused at submission re-raises its refusal here: it has nothing to stop
+                pass
+
+    async def _merged(self, streams):
+        """(index, item) from n streams as items arrive."""
+        if len(streams) == 1:
+            async for item in streams[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, s):
+            try:
+                async for item in s:
+                    await queue.put((i, item))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            live = len(streams)
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, rid, streams, prompt_tokens, chat):
+        endpoint = "chat" if chat else "completions"
+        start = time.monotonic()
+        texts, reasons, specs, counts = ([""] * len(streams), [None] * len(streams), [None] * len(streams),
+                                         [0] * len(streams))
+        first_token = None
+        async for i, item in self._merged(streams):
+            first_token = first_token or time.monotonic()
+            texts[i] += item["text"]
+            counts[i] = item["completion_tokens"]
+            if item["finished"]:
+                reasons[i], specs[i] = item["finish_reason"], item["spec"]
+        choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i]) for i in range(len(streams))]
+        self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
+        return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat)
+
+    async def _sse(self, rid, streams, prompt_tokens, chat):
+        endpoint = "chat" if chat else "completions"
+        start, created = time.monotonic(), int(time.time())
+        first_token, total = None, [0] * len(streams)
+        completed = False
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    yield proto.stream_chunk(rid, self.model_name, i, None, None, chat, created, role=True)
+            async for i, item in self._merged(streams):
+                first_token = first_token or time.monotonic()
+                total[i] = item["completion_tokens"]
+                if item["text"]:
+                    yield proto.stream_chunk(rid, self.model_name, i, item["text"], None, chat, created)
+                if item["finished"]:
+                    yield proto.stream_chunk(rid, self.model_name, i, None, item["finish_reason"], chat, created)
+            yield proto.sse("[DONE]")
+            completed = True
+        finally:
+            if completed:
+                self.metrics.observe(endpoint, prompt_tokens, sum(total), start, first_token, time.monotonic())
+            else:  # the client went away: the streams' cancellation aborts the requests in the engines
+                self._cancel(streams)
+                self.metrics.request_done(endpoint, 499)

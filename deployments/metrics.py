@@ -1,0 +1,89 @@
+"""Prometheus metrics. The ingress measures what clients see (requests, tokens, TTFT, time per output token);
+the engine-side figures (spec-decode counters, chosen k, goodput, the policy's step-time prediction error) come
+from the replicas' reports to the controller and are rendered per replica."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("smartspec_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("smartspec_prompt_tokens", "Prompt tokens of completed requests", registry=r)
+        self.generation_tokens = Counter("smartspec_generation_tokens", "Tokens generated for completed requests",
+                                         registry=r)
+        self.ttft = Histogram("smartspec_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("smartspec_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.e2e = Histogram("smartspec_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
+                             registry=r)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def observe(self, endpoint: str, prompt_tokens: int, generated: int, start: float, first_token: float | None,
+                end: float) -> None:
+        self.request_done(endpoint, 200)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.e2e.observe(end - start)
+        if first_token is not None:
+            self.ttft.observe(first_token - start)
+            if generated > 1:
+                self.tpot.observe((end - first_token) / (generated - 1))
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def _line(name: str, labels: dict, value) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"{name}{{{inner}}} {float(value)}"
+
+
+def render_replica_metrics(status: dict) -> str:
+    """The controller's status view as Prometheus text, one series per replica."""
+    families = {
+        "smartspec_spec_decode_num_drafts_total": ("counter", "Steps in which a request proposed tokens"),
+        "smartspec_spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed"),
+        "smartspec_spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted"),
+        "smartspec_chosen_k_total": ("counter", "Decoding requests that ran a step with this speculation length"),
+        "smartspec_goodput_tokens_per_second": ("gauge", "Tokens generated per second of step time"),
+        "smartspec_step_time_prediction_error": ("gauge", "Mean |predicted - measured| / measured step time"),
+        "smartspec_requests_running": ("gauge", "Requests running in the engine"),
+        "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine"),
+        "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks"),
+        "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate"),
+    }
+    series: dict[str, list[str]] = {name: [] for name in families}
+    for replica, r in (status.get("replicas") or {}).items():
+        lab = {"replica": replica}
+        spec, steps = r.get("spec_decode") or {}, r.get("steps") or {}
+        series["smartspec_spec_decode_num_drafts_total"].append(_line(
+            "smartspec_spec_decode_num_drafts_total", lab, spec.get("num_drafts", 0)))
+        series["smartspec_spec_decode_num_draft_tokens_total"].append(_line(
+            "smartspec_spec_decode_num_draft_tokens_total", lab, spec.get("num_draft_tokens", 0)))
+        series["smartspec_spec_decode_num_accepted_tokens_total"].append(_line(
+            "smartspec_spec_decode_num_accepted_tokens_total", lab, spec.get("num_accepted_tokens", 0)))
+        for k, n in (steps.get("chosen_k") or {}).items():
+            series["smartspec_chosen_k_total"].append(_line("smartspec_chosen_k_total", {**lab, "k": k}, n))
+        series["smartspec_goodput_tokens_per_second"].append(_line(
+            "smartspec_goodput_tokens_per_second", lab, steps.get("goodput_tokens_per_s", 0)))
+        if steps.get("prediction_mean_abs_rel_error") is not None:
+            series["smartspec_step_time_prediction_error"].append(_line(
+                "smartspec_step_time_prediction_error", lab, steps["prediction_mean_abs_rel_error"]))
+        for key, name in (("running", "smartspec_requests_running"), ("waiting", "smartspec_requests_waiting"),
+                          ("free_blocks", "smartspec_kv_blocks_free"), ("alpha_prior", "smartspec_acceptance_prior")):
+            if r.get(key) is not None:
+                series[name].append(_line(name, lab, r[key]))
+    out = []
+    for name, (kind, doc) in families.items():
+        if series[name]:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *series[name]]
+    return "\n".join(out) + "\n" if out else ""

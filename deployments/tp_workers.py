@@ -1,0 +1,85 @@
+"""Tensor parallelism for the target: N rank actors hold one shard each (transformers' tensor parallelism over
+torch.distributed: gloo on CPU, nccl on GPU) and a KV cache for their share of the heads. The replica keeps the
+scheduler and block tables and drives every rank each step with the same packed inputs; rank 0 returns the
+logits (each rank computes the full logits: the last layer gathers them)."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+import torch
+
+from smartspec.engine.block_manager import BlockManager
+from smartspec.engine.model_runner import ForwardItem, StepInputs, prepare_step
+from smartspec.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def _init_process_group(backend: str, address: str, port: int, rank: int, world: int) -> None:
+    # module-level on purpose: an actor method that touches torch.distributed failed to pickle on this setup
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank) if backend == "gloo" else "0")  # Ray shows each actor its GPU as 0
+    dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TPWorker:
+    def __init__(self, rank: int, world: int, num_threads: int | None) -> None:
+        self.rank, self.world = rank, world
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.runner = None
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, model: str, dtype: str, device: str, num_blocks: int, block_size: int, address: str,
+              port: int) -> int:
+        from smartspec.engine.model_runner import ModelRunner
+        from smartspec.models import load_model
+
+        _init_process_group("nccl" if device.startswith("cuda") else "gloo", address, port, self.rank, self.world)
+        loaded = load_model(model, dtype, device, tp_plan="auto")
+        # transformers' sharded linears, not the packed kernels (those would drop its all-reduce hooks)
+        self.runner = ModelRunner(loaded.model, BlockManager(num_blocks, block_size), use_kernels=False,
+                                  device=device, tp_size=self.world)
+        return self.runner.num_kv_heads
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        logits = self.runner.execute(inputs)
+        return logits if self.rank == 0 else None
+
+
+class TPModelRunner:
+    """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
+
+    def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,
+                 num_cpus: float, num_threads: int | None, num_gpus: float = 0) -> None:
+        self.blocks = blocks
+        heads = getattr(loaded.config, "num_key_value_heads", None) or loaded.config.num_attention_heads
+        if heads % tp_size:
+            raise ValueError(f"{loaded.path}: {heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
+        actor = ray.remote(TPWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        self.workers = [actor.remote(rank, tp_size, num_threads) for rank in range(tp_size)]
+        address, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(loaded.path, dtype, device, blocks.num_blocks, blocks.block_size, address, port)
+                 for w in self.workers])
+        logger.info("tensor parallel target ready on %d ranks (%s:%d)", tp_size, address, port)
+
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        inputs = ray.put(prepare_step(items, self.blocks))
+        return ray.get([w.execute.remote(inputs) for w in self.workers])[0]
+
+    def close(self) -> None:
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,34 @@
+"""Running totals over an engine's steps, for serving metrics: what k was chosen, tokens per second of step time
+(the measured goodput), and how far the policy's predicted step time was from the measured one."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from smartspec.policy.base import StepRecord
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    busy_s: float = 0.0  # seconds spent in steps
+    generated_tokens: int = 0  # tokens the steps committed (before stops cut them)
+    chosen_k: Counter = field(default_factory=Counter)  # k -> decoding requests that ran with it
+    predicted_steps: int = 0
+    prediction_abs_rel_error: float = 0.0  # summed |predicted - measured| / measured
+
+    def add(self, record: StepRecord, generated: int) -> None:
+        self.steps += 1
+        self.busy_s += record.total_s
+        self.generated_tokens += generated
+        self.chosen_k.update(record.ks)
+        if record.predicted_s is not None and record.total_s > 0:
+            self.predicted_steps += 1
+            self.prediction_abs_rel_error += abs(record.predicted_s - record.total_s) / record.total_s
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "busy_s": self.busy_s, "generated_tokens": self.generated_tokens,
+                "goodput_tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
+                "chosen_k": {int(k): n for k, n in sorted(self.chosen_k.items())},
+                "prediction_mean_abs_rel_error": (self.prediction_abs_rel_error / self.predicted_steps
+                                                  if self.predicted_steps else None)}

@@ -1,0 +1,77 @@
+"""Deployment configuration: config.yaml, the light config and the KubeRay manifests validate against Ray Serve's
+own schema and SmartSpec's AppConfig, and the RayService carries the same application as config.yaml."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from deployments.app import llm_server_options  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _serve_config(path: Path) -> dict:
+    doc = yaml.safe_load(path.read_text())
+    if doc.get("kind") == "RayService":
+        assert doc["apiVersion"] == "ray.io/v1"
+        return yaml.safe_load(doc["spec"]["serveConfigV2"])
+    return doc
+
+
+@pytest.mark.parametrize("path", ["config.yaml", "config-light.yaml", "cluster/rayservice.yaml",
+                                  "cluster/rayservice-gpu.yaml"])
+def test_serve_config_validates_against_ray_serve_schema(path):
+    config = _serve_config(ROOT / path)
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    AppConfig.model_validate(app.args)  # and SmartSpec's own checks of every option
+
+
+def test_rayservice_serves_the_same_application_as_config_yaml():
+    local = _serve_config(ROOT / "config.yaml")["applications"][0]
+    k8s = _serve_config(ROOT / "cluster/rayservice.yaml")["applications"][0]
+    assert k8s == local
+
+
+def test_rayservice_cluster_shape():
+    for path, resource in (("cluster/rayservice.yaml", "cpu"), ("cluster/rayservice-gpu.yaml", "nvidia.com/gpu")):
+        doc = yaml.safe_load((ROOT / path).read_text())
+        cluster = doc["spec"]["rayClusterConfig"]
+        assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
+        (group,) = cluster["workerGroupSpecs"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert resource in limits and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_default_config_is_the_default_pair():
+    args = AppConfig.model_validate(_serve_config(ROOT / "config.yaml")["applications"][0]["args"])
+    assert (args.model, args.speculation.method, args.speculation.model, args.speculation.policy) == (
+        "qwen2.5-coder-1.5b", "draft_model", "qwen2.5-coder-0.5b", "smartspec")
+    assert yaml.safe_load((ROOT / "config.yaml").read_text())["http_options"] == {"host": "127.0.0.1", "port": 8000}
+
+
+def test_placement_group_holds_replica_draft_and_tp_workers():
+    cfg = AppConfig.model_validate({"model": "m", "tensor_parallel_size": 2, "replica_num_cpus": 0.5,
+                                    "speculation": {"model": "d", "draft_num_cpus": 0.25}, "tp_num_cpus": 1})
+    opts = llm_server_options(cfg)
+    assert opts["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 1}, {"CPU": 1}]
+    auto = llm_server_options(AppConfig.model_validate({"model": "m", "autoscaling": {"max_replicas": 3}}))
+    assert auto["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in auto
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"speculation": {"method": "draft_model", "model": None}}, "needs speculation.model"),
+    ({"speculation": {"policy": "sometimes"}}, "unknown policy"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"kv_cache": 1}, "Extra inputs are not permitted"),
+])
+def test_bad_app_config_is_refused_with_the_reason(args, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig.model_validate(args)

@@ -1,0 +1,43 @@
+"""GoodputController's merge: each replica gets the other replicas' evidence, never its own back."""
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from deployments.controller import ControllerState  # noqa: E402
+from smartspec.policy.smartspec_policy import SmartSpecPolicy  # noqa: E402
+
+
+def _policy(accept: bool, scale: float) -> SmartSpecPolicy:
+    p = SmartSpecPolicy(key="draft_model:d")
+    for _ in range(30):
+        p.acceptance.observe("r", 4, 4 if accept else 0)
+    for n in (1, 2, 4, 8, 16):
+        p.cost.observe(n, 100, 0, 0, 0.0, scale * (0.01 + 0.001 * n))
+    return p
+
+
+def test_controller_aggregates_two_replicas_without_double_counting():
+    good, bad = _policy(True, 1.0), _policy(False, 2.0)
+    state = ControllerState()
+    assert state.report("a", {"running": 1, "policy": good.export_state()}) == {}  # alone: nothing to learn
+    merged_for_b = state.report("b", {"running": 3, "policy": bad.export_state()})
+    merged_for_a = state.report("a", {"running": 1, "policy": good.export_state()})
+    assert merged_for_b["prior"] == good.export_state()["prior"] and merged_for_b["replicas"] == 1
+    assert merged_for_a["prior"] == bad.export_state()["prior"]
+
+    own_before = dict(vars(good.acceptance.prior_counts))
+    alone = good.acceptance.prior
+    good.import_state(merged_for_a)
+    good.import_state(merged_for_a)  # importing again replaces, never accumulates
+    assert dict(vars(good.acceptance.prior_counts)) == own_before  # its own evidence is what it exports
+    assert bad.acceptance.prior < good.acceptance.prior < alone  # both replicas' evidence now counts
+
+    status = state.status()
+    assert set(status["replicas"]) == {"a", "b"} and status["replicas"]["b"]["running"] == 3
+    assert status["merged_policy"]["replicas"] == 2
+
+
+def test_controller_forgets_replicas_that_stop_reporting():
+    state = ControllerState(stale_after_s=0.0)
+    state.report("a", {"policy": _policy(True, 1.0).export_state()})
+    assert state.report("b", {"policy": _policy(False, 1.0).export_state()}) == {}  # "a" is stale: gone

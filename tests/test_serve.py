@@ -1,0 +1,331 @@
+"""The Ray Serve application end to end: a real Ray instance, real HTTP, the official openai client, tiny models.
+One Ray instance for the whole module (start-up is the slow part); stopped at the end."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from smartspec import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabc abc", "The quick brown fox", "12345 12345 123"]
+
+
+def _wait_ready(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve, tiny_qwen, tiny_qwen_draft):
+    """Two replicas, each with a draft actor; policy fixed so that every step speculates while it can."""
+    from deployments.app import build_app
+
+    args = {"model": tiny_qwen, "served_model_name": "tiny",
+            "speculation": {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3,
+                            "policy": "fixed", "draft_num_cpus": 0.1, "draft_num_threads": 1},
+            "kv_cache_gib": 0.01, "max_model_len": 512, "num_replicas": 2, "replica_num_cpus": 0.2,
+            "num_threads": 1, "controller_interval_s": 0.5}
+    serve.run(build_app(args), name="main", route_prefix="/")
+    _wait_ready(ray_serve)
+    return ray_serve
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen):
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+
+    def run(prompt: str, max_tokens: int, chat: bool = False) -> str:
+        if chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                       add_generation_prompt=True)
+        return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].text
+
+    return run
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _server_stats() -> list[dict]:
+    handle = serve.get_deployment_handle("LLMServer", "main")
+    # one call per replica is not addressable; ask often enough to see both
+    seen = {}
+    for _ in range(20):
+        s = handle.stats.remote().result(timeout_s=30)
+        seen[s["replica"]] = s
+        if len(seen) == 2:
+            break
+    return list(seen.values())
+
+
+def _all_blocks_free(timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _server_stats()
+        if len(stats) == 2 and all(s["free_blocks"] == s["total_blocks"] and s["in_flight"] == 0 for s in stats):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_openai_client_completions_and_chat_equal_offline_engine(app, reference):
+    client = _client(app)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    for prompt in PROMPTS[:3]:
+        want = reference(prompt, 24)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 24
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == want
+    want = reference("Say hi", 20, chat=True)
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}],
+                                         max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}],
+                                                 max_tokens=20, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sse_wire_format_ends_with_done(app):
+    with httpx.stream("POST", f"{app}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
+                                                              "stream": True, "temperature": 0}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_32_concurrent_streams_complete_unmixed_and_free_their_blocks(app, reference):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(32)]
+    want = [reference(p, 16 + i % 9) for i, p in enumerate(prompts)]
+
+    async def one(client, i):
+        async with client.stream("POST", f"{app}/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": 16 + i % 9, "stream": True, "temperature": 0,
+                "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            text, done = "", False
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+            assert done
+            return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(main()) == want
+    assert _all_blocks_free()
+
+
+def test_client_disconnect_aborts_request_and_frees_blocks(app):
+    with httpx.stream("POST", f"{app}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 480,
+                                                              "stream": True, "ignore_eos": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up with ~470 tokens to go
+    assert _all_blocks_free()
+
+
+def test_killed_draft_actor_restarts_and_requests_finish_unchanged(app, reference):
+    stats = _server_stats()
+    before = {s["replica"]: s["draft_incarnation"] for s in stats}
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} kill {i}" for i in range(6)]
+    want = [reference(p, 200) for p in prompts]
+
+    async def one(client, i, started: asyncio.Event):
+        async with client.stream("POST", f"{app}/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i], "max_tokens": 200, "stream": True, "temperature": 0,
+                "ignore_eos": True}) as r:
+            text = ""
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    started.set()
+            return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            events = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(one(client, i, events[i])) for i in range(len(prompts))]
+            await asyncio.gather(*(e.wait() for e in events))
+            for s in stats:  # mid-run: every request has streamed and none has finished its 200 tokens
+                ray.kill(ray.get_actor(s["draft_actor"], namespace=s["namespace"]), no_restart=False)
+            return await asyncio.gather(*tasks)
+
+    assert asyncio.run(main()) == want
+    # the restart is automatic; speculation resumes with the new incarnation
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        after = {s["replica"]: s for s in _server_stats()}
+        if all(after[r]["draft_available"] and after[r]["draft_incarnation"] != before[r] for r in before):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"draft actors did not come back: {after}")
+    got = _client(app).completions.create(model="tiny", prompt="after the restart", max_tokens=20, temperature=0)
+    assert got.choices[0].speculation["num_drafts"] > 0
+
+
+def test_controller_merges_both_replicas_and_status_and_metrics(app):
+    httpx.post(f"{app}/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 8}, timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{app}/v1/smartspec/status", timeout=30).json()
+        if len(status["replicas"]) == 2 and status["merged_policy"] is None:
+            break  # policy "fixed" has no state to merge: the status still lists both replicas
+        time.sleep(0.5)
+    assert len(status["replicas"]) == 2
+    assert all("running" in r and "spec_decode" in r for r in status["replicas"].values())
+    text = httpx.get(f"{app}/metrics", timeout=30).text
+    for name in ("smartspec_requests_total", "smartspec_time_to_first_token_seconds_bucket",
+                 "smartspec_spec_decode_num_accepted_tokens_total", "smartspec_chosen_k_total",
+                 "smartspec_goodput_tokens_per_second"):
+        assert name in text, name
+
+
+def test_requests_complete_while_the_controller_is_gone(app, reference):
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "GoodputController" in a["name"]
+             and "main" in a["name"]]
+    assert names, ray.util.list_named_actors(all_namespaces=True)
+    for a in names:
+        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+    client = _client(app)
+    for prompt in PROMPTS[3:]:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == reference(prompt, 16)
+
+
+def test_python_handle_streaming_and_unary(app, reference):
+    handle = serve.get_app_handle("main")
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    out = handle.create.remote(body).result(timeout_s=120)
+    assert out["choices"][0]["text"] == reference(PROMPTS[1], 12)
+    chunks = list(handle.options(stream=True).create_stream.remote(body))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reference(PROMPTS[1], 12)
+    bad = handle.create.remote({**body, "model": "nope"}).result(timeout_s=60)
+    assert bad["error"]["code"] == 404
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ("{not json", 400, "not valid JSON"),
+    ("[1, 2]", 400, "must be a JSON object"),
+    ({"model": "tiny"}, 422, "prompt: Field required"),
+    ({"prompt": "x"}, 422, "model: Field required"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "The model `gpt-4` does not exist"),
+    ({"model": "tiny", "prompt": "x", "temperature": 3}, 422, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 422, "top_p"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 422, "n:"),
+    ({"model": "tiny", "prompt": "y" * 600}, 400, "the context holds 512"),
+    ({"model": "tiny", "prompt": [10**9]}, 400, "token ids must be integers"),
+])
+def test_bad_input_gets_openai_error(app, body, status, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{app}/v1/completions", content=content, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["code"] == status and err["type"]
+
+
+def test_chat_errors(app):
+    r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=60)
+    assert r.status_code == 422 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard",
+                                                                                         "content": "x"}]}, timeout=60)
+    assert r.status_code == 422 and "role" in r.json()["error"]["message"]
+
+
+def _deploy_tight(tiny_qwen, name: str, **limits) -> str:
+    from deployments.app import build_app
+
+    args = {"model": tiny_qwen, "served_model_name": "tiny", "speculation": {"method": "none"},
+            "kv_cache_gib": 0.01, "max_model_len": 512, "max_num_seqs": 1, "replica_num_cpus": 0.1,
+            "num_threads": 1, "warmup_profile": False, **limits}
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    _wait_ready(f"{_BASE[0]}/{name}")
+    return f"{_BASE[0]}/{name}"
+
+
+_BASE = [None]
+LONG = {"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+
+async def _hold_streams(client, url: str, n: int):
+    """Open n long streams. The ingress sends headers once the engine has accepted a request, so after each
+    200 the request is in the engine (running or waiting)."""
+    streams = []
+    for _ in range(n):
+        cm = client.stream("POST", f"{url}/v1/completions", json=LONG)
+        assert (await cm.__aenter__()).status_code == 200
+        streams.append(cm)
+    return streams
+
+
+def test_overload_429_when_the_engine_queue_is_full(ray_serve, tiny_qwen):
+    _BASE[0] = ray_serve
+    url = _deploy_tight(tiny_qwen, "tight429", max_waiting=1, max_ongoing_requests=8, max_queued_requests=8)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            held = await _hold_streams(client, url, 2)  # one running, one waiting: the engine's bound
+            r = await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 4})
+            for cm in held:
+                await cm.__aexit__(None, None, None)
+            return r
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        serve.delete("tight429")
+    assert r.status_code == 429, r.text
+    assert "replica overloaded: 2 requests in flight (limit 2)" in r.json()["error"]["message"]
+
+
+def test_overload_503_when_serve_queue_is_full(ray_serve, tiny_qwen):
+    _BASE[0] = ray_serve
+    url = _deploy_tight(tiny_qwen, "tight503", max_waiting=8, max_ongoing_requests=1, max_queued_requests=1)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            held = await _hold_streams(client, url, 1)  # the replica's one slot is taken
+            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": "y", "max_tokens": 4}) for _ in range(6)))
+            for cm in held:
+                await cm.__aexit__(None, None, None)
+            return rs
+
+    try:
+        responses = asyncio.run(main())
+    finally:
+        serve.delete("tight503")
+    refused = [r for r in responses if r.status_code == 503]
+    assert len(refused) >= 5 and all(r.status_code == 200 for r in responses if r.status_code != 503)  # 1 queued
+    for r in refused:
+        assert "server overloaded, request queue full" in r.json()["error"]["message"]
