@@ -123,10 +123,13 @@ class RemoteDraftProposer(Proposer):
         released, self._released = self._released, []
         try:
             reply = ray.get(self.actor.propose.remote(batch, released), timeout=self.timeout_s)
-        except Exception:
+        except Exception as exc:
             self._alive = False
             self.failures += 1
             self._sent.clear()
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                # alive but stuck: restart it, so that no request's draft state outlives what this side knows
+                ray.kill(self.actor, no_restart=False)
             self._ready_ref = self.actor.ready.remote()
             raise
         if reply["incarnation"] != self.incarnation:  # restarted between two calls: it knows only full sends

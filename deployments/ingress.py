@@ -97,8 +97,14 @@ class OpenAIIngress:
             return _error_response(result.status, result.message, result.param)
         rid, body, streams, prompt_tokens = result
         if body.stream:
-            return StreamingResponse(self._sse(rid, streams, prompt_tokens, chat), media_type="text/event-stream")
-        return await self._collect(rid, streams, prompt_tokens, chat)
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._sse(rid, streams, prompt_tokens, chat, usage),
+                                     media_type="text/event-stream")
+        try:
+            return await self._collect(rid, streams, prompt_tokens, chat)
+        except HTTPError as exc:
+            self.metrics.request_done("chat" if chat else "completions", exc.status)
+            return _error_response(exc.status, exc.message)
 
     # ---- the same API for Python callers (serve.get_app_handle) --------------------------------------------
     async def create(self, body: dict, chat: bool = False) -> dict:
@@ -108,7 +114,10 @@ class OpenAIIngress:
         if isinstance(result, HTTPError):
             return proto.error_body(result.status, result.message, result.param)
         rid, _, streams, prompt_tokens = result
-        return await self._collect(rid, streams, prompt_tokens, chat)
+        try:
+            return await self._collect(rid, streams, prompt_tokens, chat)
+        except HTTPError as exc:
+            return proto.error_body(exc.status, exc.message)
 
     async def create_stream(self, body: dict, chat: bool = False):
         """Call with handle.options(stream=True): OpenAI stream chunks as dicts (no [DONE]), or one error dict."""
@@ -218,21 +227,29 @@ class OpenAIIngress:
         texts, reasons, specs, counts = ([""] * len(streams), [None] * len(streams), [None] * len(streams),
                                          [0] * len(streams))
         first_token = None
-        async for i, item in self._merged(streams):
-            first_token = first_token or time.monotonic()
-            texts[i] += item["text"]
-            counts[i] = item["completion_tokens"]
-            if item["finished"]:
-                reasons[i], specs[i] = item["finish_reason"], item["spec"]
+        try:
+            async for i, item in self._merged(streams):
+                first_token = first_token or time.monotonic()
+                texts[i] += item["text"]
+                counts[i] = item["completion_tokens"]
+                if item["finished"]:
+                    reasons[i], specs[i] = item["finish_reason"], item["spec"]
+        except asyncio.CancelledError:  # the caller went away: stop the generations
+            self._cancel(streams)
+            self.metrics.request_done(endpoint, 499)
+            raise
+        except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
+            self._cancel(streams)
+            raise HTTPError(500, f"generation failed: {exc!r}") from None
         choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i]) for i in range(len(streams))]
         self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
         return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat)
 
-    async def _sse(self, rid, streams, prompt_tokens, chat):
+    async def _sse(self, rid, streams, prompt_tokens, chat, include_usage: bool = False):
         endpoint = "chat" if chat else "completions"
         start, created = time.monotonic(), int(time.time())
         first_token, total = None, [0] * len(streams)
-        completed = False
+        completed, status = False, 499
         try:
             if chat:
                 for i in range(len(streams)):
@@ -244,11 +261,19 @@ class OpenAIIngress:
                     yield proto.stream_chunk(rid, self.model_name, i, item["text"], None, chat, created)
                 if item["finished"]:
                     yield proto.stream_chunk(rid, self.model_name, i, None, item["finish_reason"], chat, created)
+            if include_usage:
+                yield proto.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total))
             yield proto.sse("[DONE]")
             completed = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
+            status = 500
+            yield proto.sse(proto.error_body(status, f"generation failed: {exc!r}"))
+            yield proto.sse("[DONE]")
         finally:
             if completed:
                 self.metrics.observe(endpoint, prompt_tokens, sum(total), start, first_token, time.monotonic())
-            else:  # the client went away: the streams' cancellation aborts the requests in the engines
+            else:  # the client went away (or a replica failed): cancelling the streams aborts the requests
                 self._cancel(streams)
-                self.metrics.request_done(endpoint, 499)
+                self.metrics.request_done(endpoint, status)

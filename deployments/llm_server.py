@@ -59,6 +59,12 @@ class LLMServer:
         from deployments.draft_worker import DraftWorker, RemoteDraftProposer
 
         def make(spec_config, engine, num_blocks):
+            from smartspec.models import load_model
+
+            # a mismatched pair is a configuration error: say so now, not in an actor restarting forever
+            if load_model(spec_config.model, weights=False).tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+                raise ValueError(f"draft model {spec_config.model!r} does not share the tokenizer of "
+                                 f"{self.cfg.model!r}; draft and target must use the same vocabulary")
             self.draft_actor_name = f"smartspec-draft-{self.replica_id}"
             actor = ray.remote(DraftWorker).options(
                 name=self.draft_actor_name, num_cpus=spec.draft_num_cpus, max_restarts=-1, max_task_retries=0,

@@ -17,6 +17,10 @@ class SpeculationOverride(BaseModel):
     max_k: int = Field(ge=0, le=32)
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with no choices and the request's token usage
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, logprobs=None)
     model: str
@@ -29,6 +33,7 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=8)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     speculation: SpeculationOverride | None = None
 
@@ -98,6 +103,11 @@ def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reas
         c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
     return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int) -> str:
+    return sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
 def sse(data: dict | str) -> str:

@@ -30,3 +30,26 @@ def humaneval_prompts(variant: str, n: int, tokenizer=None) -> list[str]:
         return [tokenizer.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION + p["prompt"]}],
                                               tokenize=False, add_generation_prompt=True) for p in problems]
     raise ValueError(f"unknown HumanEval variant {variant!r}: raw or chat")
+
+EDIT_INSTRUCTION = ("Add type hints and a docstring to this function, changing nothing else. Reply with the whole "
+                    "function in one code block.\n\n")
+SERVING_WORKLOADS = ("humaneval", "humaneval-chat", "edit")
+
+
+def serving_requests(workload: str, n: int) -> list[dict]:
+    """OpenAI request bodies (without model / sampling fields) for the serving benchmark: "humaneval" (raw
+    completion), "humaneval-chat" (an instruction, chat), "edit" (rewrite a canonical solution: most of the answer
+    is in the prompt, which prompt lookup can copy). n > 164 cycles through the problems."""
+    if workload not in SERVING_WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: one of {SERVING_WORKLOADS}")
+    problems = humaneval_problems()
+    out = []
+    for i in range(n):
+        p = problems[i % len(problems)]
+        if workload == "humaneval":
+            out.append({"endpoint": "completions", "prompt": p["prompt"]})
+        else:
+            text = (CHAT_INSTRUCTION + p["prompt"] if workload == "humaneval-chat"
+                    else EDIT_INSTRUCTION + "```python\n" + p["prompt"] + p["canonical_solution"] + "```")
+            out.append({"endpoint": "chat/completions", "messages": [{"role": "user", "content": text}]})
+    return out

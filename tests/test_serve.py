@@ -114,6 +114,12 @@ def test_sse_wire_format_ends_with_done(app):
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+    with httpx.stream("POST", f"{app}/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line]
+    last = json.loads(events[-2][6:])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
 
 
 def test_32_concurrent_streams_complete_unmixed_and_free_their_blocks(app, reference):
