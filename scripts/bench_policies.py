@@ -23,6 +23,7 @@ import torch
 
 from smartspec import EngineConfig, SamplingParams
 from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
 from smartspec.policy.base import default_batch_table
 from smartspec.spec.ngram import NgramProposer
@@ -86,6 +87,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--trace-dir", default=None, help="write each run's step trace (Parquet) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
@@ -108,9 +110,15 @@ def main() -> int:
             label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"
             for rate in args.rates:
                 print(f"[{label}] rate {rate} req/s ...", file=sys.stderr, flush=True)
+                if args.trace_dir:  # every step of this run, for the simulator (smartspec sim --trace ...)
+                    engine.trace = StepTraceWriter(Path(args.trace_dir) / f"{label.replace(' ', '_')}@{rate}.parquet",
+                                                   policy.name)
                 t0 = time.monotonic()
                 rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed)
                 wall = time.monotonic() - t0
+                if engine.trace is not None:
+                    engine.trace.close()
+                    engine.trace = None
                 stats = getattr(policy, "stats", lambda: {})()
                 for r in rows:
                     requests.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate, **r))

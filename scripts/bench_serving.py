@@ -1,7 +1,7 @@
 """Serving benchmark: drive any OpenAI-compatible endpoint (SmartSpec, vLLM) with Poisson / gamma arrivals.
 
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b --label smartspec \
-        --workload humaneval-chat --rates 0.05,0.1,0.2 --num-requests 16 --max-tokens 64
+        --workload humaneval-chat --rates 0.05 0.1 0.2 --num-requests 16 --max-tokens 64
 
 Per request: TTFT, TPOT, inter-token latency, end-to-end latency, output tokens. Per (label, rate): mean / p50 /
 p99, throughput, and the server's spec-decode counters from /metrics (deltas over the run). Writes
@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from smartspec.report import plot_latency_vs_rate, print_table, summarise
 from smartspec.workloads import SERVING_WORKLOADS, serving_requests
 
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
@@ -117,41 +118,11 @@ async def run_rate(url: str, model: str, requests: list[dict], rate: float, args
     return rows
 
 
-def summarise(df, label: str, rate: float, counters: dict) -> dict:
-    ok = df[df.error.isna()]
-    out = {"label": label, "rate": rate, "requests": len(df), "errors": int(df.error.notna().sum()),
-           "throughput_tok_s": ok.output_tokens.sum() / df.run_wall_s.iloc[0] if len(df) else 0.0}
-    for col in ("latency_s", "ttft_s", "tpot_s"):
-        v = ok[col].dropna().to_numpy()
-        out[f"{col}_mean"] = float(v.mean()) if len(v) else None
-        out[f"{col}_p50"] = float(np.percentile(v, 50)) if len(v) else None
-        out[f"{col}_p99"] = float(np.percentile(v, 99)) if len(v) else None
-    out.update({f"spec_{k}": v for k, v in counters.items()})
+def spec_summary(counters: dict) -> dict:
+    out = {f"spec_{k}": v for k, v in counters.items()}
     if counters.get("draft_tokens"):
         out["acceptance_rate"] = counters["accepted_tokens"] / counters["draft_tokens"]
     return out
-
-
-def plot(out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    frames = [pd.read_parquet(p) for p in sorted(out.glob("*_summary.parquet"))]
-    if not frames:
-        return
-    df = pd.concat(frames)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, g in df.groupby("label"):
-        g = g.sort_values("rate")
-        ax.plot(g.rate, g.latency_s_mean, marker="o", label=label)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("mean request latency (s)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "latency_vs_rate.png", dpi=120)
 
 
 def main() -> int:
@@ -160,7 +131,7 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="the served model name")
     ap.add_argument("--label", required=True, help="name of this configuration in tables and plots")
     ap.add_argument("--workload", default="humaneval-chat", choices=SERVING_WORKLOADS)
-    ap.add_argument("--rates", default="0.1", help="comma-separated request rates (req/s)")
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.1], help="request rates (req/s)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -173,7 +144,7 @@ def main() -> int:
     args = ap.parse_args()
     import pandas as pd
 
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = args.rates
     if any(r <= 0 for r in rates) or args.num_requests < 1 or args.burstiness <= 0:
         ap.error("rates, --num-requests and --burstiness must be positive")
     out = Path(args.out)
@@ -189,16 +160,15 @@ def main() -> int:
             rate_rows = asyncio.run(run_rate(args.url, args.model, requests, rate, args))
             after = scrape(client, args.url)
             counters = {k: after[k] - before.get(k, 0.0) for k in after}
-            df = pd.DataFrame(rate_rows).assign(label=args.label, rate=rate, workload=args.workload)
-            rows.append(df)
-            summaries.append(summarise(df, args.label, rate, counters))
+            rows.append(pd.DataFrame(rate_rows).assign(label=args.label, rate=rate, workload=args.workload))
+            summaries.append(summarise(rate_rows, args.label, rate, rate_rows[0]["run_wall_s"],
+                                       spec_summary(counters)))
     pd.concat(rows).to_parquet(out / f"{args.label}.parquet")
     summary = pd.DataFrame(summaries)
     summary.to_parquet(out / f"{args.label}_summary.parquet")
-    plot(out)
-    cols = ["label", "rate", "requests", "errors", "latency_s_mean", "latency_s_p50", "latency_s_p99",
-            "ttft_s_mean", "tpot_s_mean", "throughput_tok_s", "acceptance_rate"]
-    print(summary[[c for c in cols if c in summary]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    every = pd.concat([pd.read_parquet(p) for p in sorted(out.glob("*_summary.parquet"))]).to_dict("records")
+    plot_latency_vs_rate(every, out / "latency_vs_rate.png")  # every configuration run into this folder
+    print_table(summaries)
     return 1 if summary.errors.sum() else 0
 
 

@@ -1,4 +1,4 @@
-"""`smartspec` command line: models list|fetch, generate."""
+"""`smartspec` command line: models list|fetch, generate, sim."""
 from __future__ import annotations
 
 import argparse
@@ -59,10 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--kv-cache-gib", type=float, default=1.0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt raw, no chat template")
+    from smartspec.sim.cli import add_arguments as sim_arguments
+
+    sim_arguments(sub.add_parser("sim", help="simulate latency vs rate per policy from measured step traces"))
     args = parser.parse_args(argv)
     if args.command == "models" and args.action == "fetch" and not args.names:
         parser.error("models fetch needs at least one model name")
     try:
+        if args.command == "sim":
+            from smartspec.sim.cli import run
+            return run(args)
         return _models(args) if args.command == "models" else _generate(args)
     except ValueError as exc:
         print(f"smartspec: error: {exc}", file=sys.stderr)

@@ -1,0 +1,63 @@
+"""Replay measured engine runs in the simulator and report the error of mean latency per (config, rate).
+
+    python scripts/bench_policies.py --proposers ngram --policies off fixed:3 smartspec --rates 0.1 0.3 \
+        --requests 8 --max-tokens 32 --trace-dir results/traces
+    python scripts/validate_sim.py --results results --traces results/traces
+
+The simulator gets the measured runs' prompt lengths, output lengths and arrival times (bench_policies' seeded
+Poisson schedule), a step-cost model fitted on all their traces and the measured requests' acceptance rates.
+Writes <results>/sim_validation.parquet and prints the table."""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from smartspec.sim import SimProfile, simulate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--traces", default="results/traces")
+    ap.add_argument("--k-max", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0, help="bench_policies' --seed")
+    args = ap.parse_args()
+    traces = sorted(Path(args.traces).glob("*.parquet"))
+    if not traces:
+        print(f"no traces in {args.traces}: run bench_policies.py with --trace-dir", file=sys.stderr)
+        return 1
+    profile = SimProfile.from_traces(traces)
+    measured = pq.read_table(Path(args.results) / "bench_policies.parquet").to_pylist()
+    out = []
+    for (config, policy, rate) in sorted({(r["config"], r["policy"], r["rate"]) for r in measured}):
+        rows = sorted((r for r in measured if r["config"] == config and r["rate"] == rate),
+                      key=lambda r: int(r["request"][1:]))
+        rng, t, arrivals = random.Random(args.seed), 0.0, []
+        for _ in rows:  # bench_policies' schedule: exponential gaps from Random(seed)
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+        sim = simulate(profile, policy, args.k_max, arrivals, [r["prompt_tokens"] for r in rows],
+                       [r["output_tokens"] for r in rows], seed=args.seed, max_num_seqs=16, max_model_len=2048)
+        real, simulated = np.mean([r["latency_s"] for r in rows]), np.mean([r["latency_s"] for r in sim])
+        out.append({"config": config, "rate": rate, "measured_mean_latency_s": float(real),
+                    "simulated_mean_latency_s": float(simulated), "rel_error": float(simulated / real - 1)})
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(out), Path(args.results) / "sim_validation.parquet")
+    print(f"profile: {len(traces)} traces, {len(profile.alphas)} requests, mean acceptance "
+          f"{np.mean(profile.alphas) if profile.alphas else 0:.2f}")
+    print(f"{'config':24s} {'rate':>5s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s}")
+    for r in out:
+        print(f"{r['config']:24s} {r['rate']:5.2f} {r['measured_mean_latency_s']:10.2f} "
+              f"{r['simulated_mean_latency_s']:11.2f} {r['rel_error']:+7.1%}")
+    print(f"mean |error|: {np.mean([abs(r['rel_error']) for r in out]):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

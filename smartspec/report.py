@@ -1,0 +1,59 @@
+"""The latency table and plot shared by the serving benchmark and the simulator (same columns, same figure)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TABLE_COLUMNS = ["label", "rate", "requests", "errors", "latency_s_mean", "latency_s_p50", "latency_s_p99",
+                 "ttft_s_mean", "tpot_s_mean", "throughput_tok_s", "acceptance_rate"]
+
+
+def summarise(rows: list[dict], label: str, rate: float, wall_s: float, extra: dict | None = None) -> dict:
+    ok = [r for r in rows if not r.get("error")]
+    out = {"label": label, "rate": rate, "requests": len(rows), "errors": len(rows) - len(ok),
+           "throughput_tok_s": sum(r["output_tokens"] for r in ok) / wall_s if wall_s > 0 else 0.0}
+    for col in ("latency_s", "ttft_s", "tpot_s"):
+        v = np.array([r[col] for r in ok if r.get(col) is not None], dtype=float)
+        for name, value in (("mean", v.mean() if len(v) else None),
+                            ("p50", np.percentile(v, 50) if len(v) else None),
+                            ("p99", np.percentile(v, 99) if len(v) else None)):
+            out[f"{col}_{name}"] = None if value is None else float(value)
+    out.update(extra or {})
+    return out
+
+
+def print_table(summaries: list[dict]) -> None:
+    cols = [c for c in TABLE_COLUMNS if any(c in s for s in summaries)]
+    cells = [[_fmt(s.get(c)) for c in cols] for s in summaries]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def plot_latency_vs_rate(summaries: list[dict], path: str | Path, title: str = "") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(s["label"] for s in summaries):
+        pts = sorted((s["rate"], s["latency_s_mean"]) for s in summaries
+                     if s["label"] == label and s["latency_s_mean"] is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("mean request latency (s)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

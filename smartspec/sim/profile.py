@@ -1,0 +1,66 @@
+"""What the simulator knows of a machine and a proposer: a step-cost model fitted on measured step traces
+(Parquet from EngineConfig(trace_path=...)) and the acceptance rates of the measured requests."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from smartspec.policy.cost_model import StepCostModel
+
+
+@dataclass
+class SimProfile:
+    cost: StepCostModel
+    alphas: list[float] = field(default_factory=list)  # per measured request: accepted / (accepted + rejections)
+    source: str = ""
+
+    @classmethod
+    def from_traces(cls, paths: list[str | Path], min_proposals: int = 3) -> SimProfile:
+        import pyarrow.parquet as pq
+
+        rows = []
+        for p in paths:
+            rows += pq.read_table(p).to_pylist()
+        if not rows:
+            raise ValueError(f"no steps in {paths}")
+        cost = StepCostModel(window=len(rows), forget=1.0)  # every measured step counts the same
+        counts: dict[str, list[float]] = {}
+        for r in rows:
+            depth = max(r["proposed"], default=0)
+            cost.verify_samples.append((r["num_batched_tokens"], r["num_context_tokens"], r["total_s"] - r["draft_s"]))
+            if depth:
+                cost.draft_samples.append((depth, sum(r["proposed"]), r.get("draft_catchup_tokens") or 0,
+                                           r["draft_s"]))
+            for rid, proposed, accepted in zip(r["request_ids"], r["proposed"], r["accepted"]):
+                if proposed:
+                    c = counts.setdefault(f"{r.get('policy')}/{rid}", [0.0, 0.0, 0])
+                    c[0] += accepted
+                    c[1] += 1.0 if accepted < proposed else 0.0
+                    c[2] += 1
+        cost._fit_verify()  # one fit over all steps (observe() would refit at every step)
+        if cost.draft_samples:
+            cost._fit_draft()
+        if not cost.ready:
+            raise ValueError(f"too few steps in {paths} to fit a step-cost model")
+        alphas = [a / (a + rej) for a, rej, n in counts.values() if n >= min_proposals and a + rej > 0]
+        return cls(cost, alphas, ", ".join(str(p) for p in paths))
+
+    def sample_alpha(self, rng: np.random.Generator) -> float:
+        return float(rng.choice(self.alphas)) if self.alphas else 0.0
+
+    def step_time(self, n: int, c: int, depth: int, sum_k: int, catchup: int = 0) -> float:
+        return float(self.cost.predict(n, c, depth, sum_k)) + self.cost.d[2] * catchup
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"cost": self.cost.export_state(), "alphas": self.alphas,
+                                          "source": self.source}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> SimProfile:
+        data = json.loads(Path(path).read_text())
+        cost = StepCostModel()
+        cost.v, cost.d = list(data["cost"]["verify"]), list(data["cost"]["draft"])
+        return cls(cost, list(data["alphas"]), data.get("source", str(path)))

@@ -1,0 +1,140 @@
+"""The simulated step is the engine's (schedule -> choose k -> propose -> verify -> accept -> commit) with the
+model replaced: the real Scheduler, BlockManager and Speculator.choose (policy, caps, draft block reservation),
+a step time from the profile's cost model, and accepted drafts sampled per token with the request's acceptance
+rate. Replicas sit behind a router that sends each arrival to the less loaded of two random replicas (Serve's
+power of two choices)."""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from smartspec.engine.block_manager import BlockManager
+from smartspec.engine.request import Request, RequestStatus
+from smartspec.engine.scheduler import Scheduler
+from smartspec.policy import make_policy
+from smartspec.policy.base import StepRecord
+from smartspec.sampling_params import SamplingParams
+from smartspec.sim.profile import SimProfile
+from smartspec.spec.proposer import Proposer
+from smartspec.spec.speculator import Speculator
+
+
+class _SimProposer(Proposer):
+    method = "sim"
+
+
+class SimReplica:
+    def __init__(self, profile: SimProfile, policy: str, k_max: int, rng: np.random.Generator, num_blocks: int,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.profile, self.rng = profile, rng
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.speculator = Speculator(_SimProposer() if policy != "off" else None, policy, k_max)
+        if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
+            for n in (1, 2, 4, 8, 16, 32):
+                for depth in (0, 1, k_max):
+                    t = profile.step_time(n * (depth + 1), n * 64, depth, n * depth)
+                    d = profile.step_time(0, 0, depth, n * depth) - profile.step_time(0, 0, 0, 0)
+                    self.speculator.policy.observe_cost(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [],
+                                                                   n * (depth + 1), 0, n * 64, d, t - d, t))
+        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.alpha: dict[str, float] = {}
+        self.busy_until = 0.0
+        self.steps = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def add(self, req: Request) -> None:
+        self.alpha[req.request_id] = self.profile.sample_alpha(self.rng)
+        self.scheduler.add(req)
+
+    def step(self, now: float) -> tuple[float, list[Request]]:
+        """Run one step starting at `now`; return its end time and the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
+        prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
+        base_tokens = sum(s.num_tokens for s in prefill)
+        ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
+                                    self.blocks, self.max_model_len, base_tokens=base_tokens,
+                                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill))
+        k_of = {r.request_id: k for r, k in zip(decoding, ks)}
+        n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
+        n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
+                        for s in batch)
+        duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks))
+        end, finished, accepted = now + duration, [], []
+        for s in batch:
+            req = s.request
+            k = k_of.get(req.request_id, 0)
+            req.num_computed_tokens += s.num_tokens + k
+            if not s.completes:
+                continue
+            a = 0
+            while a < k and self.rng.random() < self.alpha[req.request_id]:
+                a += 1
+            if req.request_id in k_of:
+                accepted.append(a)
+            new = a + 1
+            self.blocks.truncate(req, req.num_tokens + new - 1)
+            self.speculator.record(req, k, a)
+            if req.first_token_time is None:
+                req.first_token_time = end
+            req.token_ids.extend([0] * min(new, req.params.max_tokens - req.num_output_tokens))
+            if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                self.scheduler.remove(req)
+                self.speculator.release(req)
+                req.status, req.finish_time = RequestStatus.FINISHED, end
+                finished.append(req)
+        self.steps += 1
+        record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
+                            n_tokens, base_tokens, n_context, 0.0, duration, duration,
+                            predicted_s=self.speculator.policy.last_prediction if decoding else None)
+        self.speculator.policy.observe(record)
+        return end, finished
+
+
+def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float], prompt_lens: list[int],
+             max_tokens: int | list[int], replicas: int = 1, seed: int = 0, num_blocks: int = 4096, block_size: int = 16,
+             max_num_seqs: int = 16, max_num_batched_tokens: int = 256, max_model_len: int = 4096) -> list[dict]:
+    """Per request: arrival, ttft_s, latency_s, tpot_s, output_tokens, replica. max_tokens: one for all, or the
+    output length of each request (to replay a measured run whose requests stopped at EOS)."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(arrivals)
+    rng = np.random.default_rng(seed)
+    reps = [SimReplica(profile, policy, k_max, np.random.default_rng(seed + 1 + i), num_blocks, block_size,
+                       max_num_seqs, max_num_batched_tokens, max_model_len) for i in range(replicas)]
+    events: list[tuple[float, int, str, int]] = []  # (time, order, kind, index)
+    order = itertools.count()
+    for i, t in enumerate(arrivals):
+        heapq.heappush(events, (t, next(order), "arrive", i))
+    stepping = [False] * replicas
+    requests: dict[str, tuple[Request, int, float]] = {}
+    rows = []
+    while events:
+        now, _, kind, idx = heapq.heappop(events)
+        if kind == "arrive":
+            pair = rng.choice(replicas, size=min(2, replicas), replace=False)
+            r = min(pair, key=lambda j: reps[j].load)
+            req = Request(f"s{idx}", [1] * prompt_lens[idx], SamplingParams(max_tokens=lengths[idx],
+                                                                                   ignore_eos=True))
+            requests[req.request_id] = (req, int(r), now)
+            reps[r].add(req)
+        else:
+            r = idx
+            stepping[r] = False
+        for j in ([r] if kind == "arrive" else [idx]):
+            if not stepping[j] and reps[j].scheduler.has_unfinished():
+                end, finished = reps[j].step(now)
+                stepping[j] = True
+                heapq.heappush(events, (end, next(order), "step_end", j))
+                for req in finished:
+                    _, rep, arrival = requests[req.request_id]
+                    n = req.num_output_tokens
+                    rows.append({"request": req.request_id, "replica": rep, "arrival_s": arrival,
+                                 "ttft_s": req.first_token_time - arrival, "latency_s": req.finish_time - arrival,
+                                 "tpot_s": (req.finish_time - req.first_token_time) / max(1, n - 1),
+                                 "output_tokens": n, "alpha": reps[rep].alpha[req.request_id]})
+    return sorted(rows, key=lambda x: x["arrival_s"])

@@ -1,0 +1,88 @@
+"""The simulator: the real scheduler and policies over a known cost model and known acceptance."""
+import numpy as np
+import pytest
+
+from smartspec.policy.cost_model import StepCostModel
+from smartspec.sim import SimProfile, simulate
+from smartspec.sim.simulator import SimReplica
+
+
+def _profile(alpha: float, draft_per_token: float = 0.002) -> SimProfile:
+    cost = StepCostModel()
+    cost.v = [0.05, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 1e-6]  # v0, six segment slopes, context
+    cost.d = [0.01, draft_per_token, 0.0]
+    return SimProfile(cost, [alpha])
+
+
+def test_every_request_finishes_with_its_length_and_frees_its_blocks():
+    prof = _profile(0.7)
+    arrivals = np.cumsum(np.random.default_rng(0).exponential(0.05, size=40)).tolist()
+    lengths = [5 + i % 17 for i in range(40)]
+    rows = simulate(prof, "smartspec", 4, arrivals, [30 + i for i in range(40)], lengths, replicas=3, seed=1)
+    assert sorted(r["request"] for r in rows) == sorted(f"s{i}" for i in range(40))
+    assert {r["request"]: r["output_tokens"] for r in rows} == {f"s{i}": lengths[i] for i in range(40)}
+    assert all(0 < r["ttft_s"] <= r["latency_s"] for r in rows)
+    assert {r["replica"] for r in rows} == {0, 1, 2}
+
+    rep = SimReplica(prof, "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 64, 512)
+    from smartspec.engine.request import Request
+    from smartspec.sampling_params import SamplingParams
+    for i in range(6):
+        rep.add(Request(f"r{i}", [1] * 40, SamplingParams(max_tokens=9, ignore_eos=True)))
+    now = 0.0
+    while rep.scheduler.has_unfinished():
+        now, _ = rep.step(now)
+    assert rep.blocks.num_free == rep.blocks.num_blocks
+
+
+def test_full_acceptance_makes_fixed_k_take_k_plus_one_tokens_a_step():
+    # one request, acceptance 1: after the prefill step (1 token), each step yields K + 1 = 4 tokens
+    rep = SimReplica(_profile(1.0), "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 256, 512)
+    from smartspec.engine.request import Request
+    from smartspec.sampling_params import SamplingParams
+    rep.add(Request("r", [1] * 20, SamplingParams(max_tokens=21, ignore_eos=True)))
+    now = 0.0
+    while rep.scheduler.has_unfinished():
+        now, _ = rep.step(now)
+    assert rep.steps == 1 + 5  # 1 + 4 * 5 = 21 tokens
+    assert rep.speculator.metrics.num_accepted_tokens == 15
+
+
+def test_speculation_pays_at_low_load_with_good_acceptance_and_not_with_none():
+    arrivals = [float(i) for i in range(8)]  # one at a time: light load
+    good, bad = _profile(0.9), _profile(0.0)
+
+    def mean_latency(prof, policy):
+        return np.mean([r["latency_s"] for r in simulate(prof, policy, 4, arrivals, [50] * 8, 32, seed=0)])
+
+    assert mean_latency(good, "fixed:4") < 0.6 * mean_latency(good, "off")
+    assert mean_latency(bad, "fixed:4") > mean_latency(bad, "off")
+    # the goodput policy follows: near the better of the two in both cases
+    assert mean_latency(good, "smartspec") < 0.7 * mean_latency(good, "off")
+    assert mean_latency(bad, "smartspec") <= 1.1 * mean_latency(bad, "off")
+
+
+def test_simulation_is_deterministic_for_a_seed():
+    args = (_profile(0.6), "smartspec", 4, [0.1 * i for i in range(20)], [40] * 20, 16)
+    assert simulate(*args, seed=3) == simulate(*args, seed=3)
+
+
+def test_profile_from_a_measured_trace(tmp_path, tiny_qwen):
+    from smartspec import EngineConfig, SamplingParams
+    from smartspec.engine.llm_engine import LLMEngine
+
+    trace = tmp_path / "trace.parquet"
+    engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=128, max_model_len=256, trace_path=str(trace),
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "policy": "fixed"}))
+    for p in ("abcabcabcabc", "hello hello hello", "xyzxyzxyz"):
+        engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    prof = SimProfile.from_traces([trace])
+    assert prof.cost.ready and all(0.0 <= a <= 1.0 for a in prof.alphas)
+    assert prof.step_time(4, 100, 0, 0) > 0
+    prof.save(tmp_path / "p.json")
+    loaded = SimProfile.load(tmp_path / "p.json")
+    assert loaded.step_time(4, 100, 2, 6) == pytest.approx(prof.step_time(4, 100, 2, 6))
