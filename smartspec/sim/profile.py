@@ -22,8 +22,8 @@ class SimProfile:
         import pyarrow.parquet as pq
 
         rows = []
-        for p in paths:
-            rows += pq.read_table(p).to_pylist()
+        for i, p in enumerate(paths):  # request ids repeat across runs: key them by trace
+            rows += [{**r, "run": i} for r in pq.read_table(p).to_pylist()]
         if not rows:
             raise ValueError(f"no steps in {paths}")
         cost = StepCostModel(window=len(rows), forget=1.0)  # every measured step counts the same
@@ -36,7 +36,7 @@ class SimProfile:
                                            r["draft_s"]))
             for rid, proposed, accepted in zip(r["request_ids"], r["proposed"], r["accepted"]):
                 if proposed:
-                    c = counts.setdefault(f"{r.get('policy')}/{rid}", [0.0, 0.0, 0])
+                    c = counts.setdefault(f"{r['run']}/{rid}", [0.0, 0.0, 0])
                     c[0] += accepted
                     c[1] += 1.0 if accepted < proposed else 0.0
                     c[2] += 1
