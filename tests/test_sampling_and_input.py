@@ -88,6 +88,33 @@ def test_async_engine_streams_and_abort_frees_blocks(llm):
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
+def test_async_engine_call_submit_discard_and_a_failed_step(tiny_qwen):
+    engine = AsyncEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=64, max_model_len=256))
+
+    async def main():
+        assert await engine.call(lambda e: e.blocks.num_free) == 64
+        with pytest.raises(ValueError, match="the context holds 256"):
+            engine.submit("x" * 300, None, "too-long")  # refused at once, before any waiting
+        n, _ = engine.submit("hello", SamplingParams(max_tokens=50, ignore_eos=True), "never-read")
+        assert n == 5 and engine.num_in_flight == 1
+        engine.discard("never-read")  # a stream that is never iterated still gives its request back
+        assert await engine.call(lambda e: e.has_unfinished()) is False
+
+        def broken_step():
+            raise RuntimeError("boom")
+        engine.engine.step = broken_step
+        with pytest.raises(RuntimeError, match="boom"):
+            async for _ in engine.generate("hello", SamplingParams(max_tokens=5), "r"):
+                pass
+        with pytest.raises(RuntimeError, match="engine stopped"):
+            await engine.call(lambda e: None)  # no waiting forever on a dead step loop
+        with pytest.raises(RuntimeError, match="engine stopped"):
+            engine.submit("hello", None, "late")
+
+    asyncio.run(main())
+    assert engine.engine.blocks.num_free == 64
+
+
 def test_streamed_text_never_contains_a_stop_string(llm):
     base = llm.generate("abc", SamplingParams(max_tokens=30, ignore_eos=True))[0]
     needle = base.text[10:13]

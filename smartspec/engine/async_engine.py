@@ -87,6 +87,8 @@ class AsyncEngine:
 
     async def call(self, fn):
         """Run fn(engine) on the step thread between two steps (reading or changing engine state safely)."""
+        if self.errored is not None:
+            raise RuntimeError(f"engine stopped after an error: {self.errored!r}")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
@@ -148,6 +150,11 @@ class AsyncEngine:
                 self.errored = exc
                 for q in self._queues.values():
                     q.put_nowait(exc)
+                with self._lock:
+                    pending, self._pending = self._pending, []
+                for kind, arg in pending:  # calls waiting for a step that will not come
+                    if kind == "call":
+                        _resolve(arg[1], None, RuntimeError(f"engine stopped after an error: {exc!r}"))
                 return
             for rid, item in results:
                 if (q := self._queues.get(rid)) is not None:
