@@ -99,8 +99,8 @@ class LLMServer:
             params = SamplingParams(**fields)
             rid = body.get("request_id") or uuid.uuid4().hex
             num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
-        except ValueError as exc:  # bad prompt / sampling values / too long for the context
-            yield _error(400, str(exc))
+        except (ValueError, TypeError, KeyError) as exc:  # bad prompt, sampling fields or values; over the context
+            yield _error(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
         except RuntimeError as exc:  # the engine stopped after an error: this replica is unhealthy
             yield _error(503, str(exc))
