@@ -106,6 +106,23 @@ def test_openai_client_completions_and_chat_equal_offline_engine(app, reference)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_n_choices_unary_and_streamed(app, reference):
+    want = reference(PROMPTS[0], 10)
+    r = httpx.post(f"{app}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "n": 2,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["text"] == want for c in r["choices"])
+    assert r["usage"]["completion_tokens"] == 20
+    texts = ["", ""]
+    with httpx.stream("POST", f"{app}/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10,
+                                                              "n": 2, "temperature": 0, "ignore_eos": True,
+                                                              "stream": True}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                texts[c["index"]] += c["text"]
+    assert texts == [want, want]
+
+
 def test_sse_wire_format_ends_with_done(app):
     with httpx.stream("POST", f"{app}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
                                                               "stream": True, "temperature": 0}, timeout=60) as r:
