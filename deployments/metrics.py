@@ -47,43 +47,39 @@ def _line(name: str, labels: dict, value) -> str:
     return f"{name}{{{inner}}} {float(value)}"
 
 
+# family -> (type, help, where a replica's report holds the value: (section or None, key))
+REPLICA_FAMILIES = {
+    "smartspec_spec_decode_num_drafts_total": ("counter", "Steps in which a request proposed tokens",
+                                               ("spec_decode", "num_drafts")),
+    "smartspec_spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed",
+                                                     ("spec_decode", "num_draft_tokens")),
+    "smartspec_spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted",
+                                                        ("spec_decode", "num_accepted_tokens")),
+    "smartspec_chosen_k_total": ("counter", "Decoding requests that ran a step with this speculation length",
+                                 ("steps", "chosen_k")),
+    "smartspec_goodput_tokens_per_second": ("gauge", "Tokens generated per second of step time",
+                                            ("steps", "goodput_tokens_per_s")),
+    "smartspec_step_time_prediction_error": ("gauge", "Mean |predicted - measured| / measured step time",
+                                             ("steps", "prediction_mean_abs_rel_error")),
+    "smartspec_requests_running": ("gauge", "Requests running in the engine", (None, "running")),
+    "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine", (None, "waiting")),
+    "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", (None, "free_blocks")),
+    "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate", (None, "alpha_prior")),
+}
+
+
 def render_replica_metrics(status: dict) -> str:
-    """The controller's status view as Prometheus text, one series per replica."""
-    families = {
-        "smartspec_spec_decode_num_drafts_total": ("counter", "Steps in which a request proposed tokens"),
-        "smartspec_spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed"),
-        "smartspec_spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted"),
-        "smartspec_chosen_k_total": ("counter", "Decoding requests that ran a step with this speculation length"),
-        "smartspec_goodput_tokens_per_second": ("gauge", "Tokens generated per second of step time"),
-        "smartspec_step_time_prediction_error": ("gauge", "Mean |predicted - measured| / measured step time"),
-        "smartspec_requests_running": ("gauge", "Requests running in the engine"),
-        "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine"),
-        "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks"),
-        "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate"),
-    }
-    series: dict[str, list[str]] = {name: [] for name in families}
-    for replica, r in (status.get("replicas") or {}).items():
-        lab = {"replica": replica}
-        spec, steps = r.get("spec_decode") or {}, r.get("steps") or {}
-        series["smartspec_spec_decode_num_drafts_total"].append(_line(
-            "smartspec_spec_decode_num_drafts_total", lab, spec.get("num_drafts", 0)))
-        series["smartspec_spec_decode_num_draft_tokens_total"].append(_line(
-            "smartspec_spec_decode_num_draft_tokens_total", lab, spec.get("num_draft_tokens", 0)))
-        series["smartspec_spec_decode_num_accepted_tokens_total"].append(_line(
-            "smartspec_spec_decode_num_accepted_tokens_total", lab, spec.get("num_accepted_tokens", 0)))
-        for k, n in (steps.get("chosen_k") or {}).items():
-            series["smartspec_chosen_k_total"].append(_line("smartspec_chosen_k_total", {**lab, "k": k}, n))
-        series["smartspec_goodput_tokens_per_second"].append(_line(
-            "smartspec_goodput_tokens_per_second", lab, steps.get("goodput_tokens_per_s", 0)))
-        if steps.get("prediction_mean_abs_rel_error") is not None:
-            series["smartspec_step_time_prediction_error"].append(_line(
-                "smartspec_step_time_prediction_error", lab, steps["prediction_mean_abs_rel_error"]))
-        for key, name in (("running", "smartspec_requests_running"), ("waiting", "smartspec_requests_waiting"),
-                          ("free_blocks", "smartspec_kv_blocks_free"), ("alpha_prior", "smartspec_acceptance_prior")):
-            if r.get(key) is not None:
-                series[name].append(_line(name, lab, r[key]))
+    """The controller's status view as Prometheus text, one series per replica (chosen k: one per k too);
+    a value a replica does not report is left out."""
     out = []
-    for name, (kind, doc) in families.items():
-        if series[name]:
-            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *series[name]]
+    for name, (kind, doc, (section, key)) in REPLICA_FAMILIES.items():
+        lines = []
+        for replica, r in (status.get("replicas") or {}).items():
+            value = (r.get(section) or {}).get(key) if section else r.get(key)
+            if isinstance(value, dict):  # chosen_k: {k: count}
+                lines += [_line(name, {"replica": replica, "k": k}, n) for k, n in value.items()]
+            elif value is not None:
+                lines.append(_line(name, {"replica": replica}, value))
+        if lines:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *lines]
     return "\n".join(out) + "\n" if out else ""

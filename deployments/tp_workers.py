@@ -12,7 +12,7 @@ import ray
 import torch
 
 from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.model_runner import ForwardItem, StepInputs, prepare_step
+from smartspec.engine.model_runner import ForwardItem, StepInputs, kv_heads_per_rank, prepare_step
 from smartspec.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,10 @@ class TPModelRunner:
     def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,
                  num_cpus: float, num_threads: int | None, num_gpus: float = 0) -> None:
         self.blocks = blocks
-        heads = getattr(loaded.config, "num_key_value_heads", None) or loaded.config.num_attention_heads
-        if heads % tp_size:
-            raise ValueError(f"{loaded.path}: {heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
+        try:  # refuse here, before any worker starts
+            kv_heads_per_rank(loaded.config, tp_size)
+        except ValueError as exc:
+            raise ValueError(f"{loaded.path}: {exc}") from None
         actor = ray.remote(TPWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
         self.workers = [actor.remote(rank, tp_size, num_threads) for rank in range(tp_size)]
         address, port = ray.get(self.workers[0].address.remote())

@@ -18,9 +18,9 @@ from smartspec.engine.scheduler import Scheduler
 from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
+from smartspec.models.loader import LoadedModel
 from smartspec.policy.base import StepRecord
 from smartspec.sampling_params import SamplingParams
-from smartspec.models.loader import LoadedModel
 from smartspec.spec.config import SpeculativeConfig
 from smartspec.spec.proposer import Proposer
 from smartspec.spec.speculator import Speculator

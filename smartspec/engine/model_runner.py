@@ -14,6 +14,14 @@ from smartspec.engine.request import Request
 logger = logging.getLogger(__name__)
 
 
+def kv_heads_per_rank(cfg, tp_size: int) -> int:
+    """KV heads each of tp_size tensor-parallel ranks holds; a model whose heads do not split evenly is refused."""
+    heads = _kv_geometry(cfg)[1]
+    if heads % tp_size:
+        raise ValueError(f"{heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
+    return heads // tp_size
+
+
 def _kv_geometry(cfg) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a transformers config."""
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -73,10 +81,8 @@ class ModelRunner:
         self.model = model
         self.blocks = blocks
         self.device = torch.device(device)
-        self.num_layers, self.num_kv_heads, self.head_dim = _kv_geometry(model.config)
-        if self.num_kv_heads % tp_size:
-            raise ValueError(f"{self.num_kv_heads} KV heads cannot be split over tensor_parallel_size={tp_size}")
-        self.num_kv_heads //= tp_size
+        self.num_layers, _, self.head_dim = _kv_geometry(model.config)
+        self.num_kv_heads = kv_heads_per_rank(model.config, tp_size)
         self.dtype = next(model.parameters()).dtype
         ext = kernels.load() if use_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
         self.use_kernels = ext is not None

@@ -1,6 +1,7 @@
 """The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs."""
 from __future__ import annotations
 
+from smartspec.engine.step_stats import StepStats
 from smartspec.policy.base import FixedPolicy, StepRecord
 from smartspec.sampling_params import SamplingParams
 from smartspec.spec.proposer import Proposal, Proposer
@@ -49,6 +50,6 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
         policy.observe_cost(r)
     engine.timing = {key: 0 for key in engine.timing}
     engine.num_steps = 0
-    engine.stats = type(engine.stats)()
+    engine.stats = StepStats()
     return records
 

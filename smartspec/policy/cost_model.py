@@ -79,13 +79,19 @@ class StepCostModel:
 
     # ---- fitting --------------------------------------------------------------------------------------------
     def observe(self, n: int, c: int, depth: int, sum_k: int, draft_s: float, rest_s: float,
-                catchup: int = 0) -> None:
+                catchup: int = 0, refit: bool = True) -> None:
+        """refit=False only records the step (to fit once after many, with refit())."""
         if self.v is not None and rest_s + draft_s > 0:  # how well the current fit predicts this step's shape
             predicted = self.predict(n, c, depth, sum_k) + self.d[2] * catchup
             self.errors.append(abs(predicted - (rest_s + draft_s)) / (rest_s + draft_s))
         self.verify_samples.append((n, c, rest_s))
         if depth > 0:
             self.draft_samples.append((depth, sum_k, catchup, draft_s))
+        if refit:
+            self.refit(draft=depth > 0)
+
+    def refit(self, draft: bool = True) -> None:
+        if draft:
             self._fit_draft()
         self._fit_verify()
 

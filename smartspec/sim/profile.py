@@ -29,20 +29,16 @@ class SimProfile:
         cost = StepCostModel(window=len(rows), forget=1.0)  # every measured step counts the same
         counts: dict[str, list[float]] = {}
         for r in rows:
-            depth = max(r["proposed"], default=0)
-            cost.verify_samples.append((r["num_batched_tokens"], r["num_context_tokens"], r["total_s"] - r["draft_s"]))
-            if depth:
-                cost.draft_samples.append((depth, sum(r["proposed"]), r.get("draft_catchup_tokens") or 0,
-                                           r["draft_s"]))
+            cost.observe(r["num_batched_tokens"], r["num_context_tokens"], max(r["proposed"], default=0),
+                         sum(r["proposed"]), r["draft_s"], r["total_s"] - r["draft_s"],
+                         catchup=r.get("draft_catchup_tokens") or 0, refit=False)
             for rid, proposed, accepted in zip(r["request_ids"], r["proposed"], r["accepted"]):
                 if proposed:
                     c = counts.setdefault(f"{r['run']}/{rid}", [0.0, 0.0, 0])
                     c[0] += accepted
                     c[1] += 1.0 if accepted < proposed else 0.0
                     c[2] += 1
-        cost._fit_verify()  # one fit over all steps (observe() would refit at every step)
-        if cost.draft_samples:
-            cost._fit_draft()
+        cost.refit()  # one fit over all steps, not one per step
         if not cost.ready:
             raise ValueError(f"too few steps in {paths} to fit a step-cost model")
         alphas = [a / (a + rej) for a, rej, n in counts.values() if n >= min_proposals and a + rej > 0]
@@ -62,5 +58,5 @@ class SimProfile:
     def load(cls, path: str | Path) -> SimProfile:
         data = json.loads(Path(path).read_text())
         cost = StepCostModel()
-        cost.v, cost.d = list(data["cost"]["verify"]), list(data["cost"]["draft"])
+        cost.import_state(data["cost"])  # a model with no samples of its own adopts the saved coefficients
         return cls(cost, list(data["alphas"]), data.get("source", str(path)))

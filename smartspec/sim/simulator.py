@@ -13,7 +13,6 @@ import numpy as np
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler
-from smartspec.policy import make_policy
 from smartspec.policy.base import StepRecord
 from smartspec.sampling_params import SamplingParams
 from smartspec.sim.profile import SimProfile
@@ -36,12 +35,11 @@ class SimReplica:
             for n in (1, 2, 4, 8, 16, 32):
                 for depth in (0, 1, k_max):
                     t = profile.step_time(n * (depth + 1), n * 64, depth, n * depth)
-                    d = profile.step_time(0, 0, depth, n * depth) - profile.step_time(0, 0, 0, 0)
+                    d = float(profile.cost.predict_draft(depth, n * depth))
                     self.speculator.policy.observe_cost(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [],
                                                                    n * (depth + 1), 0, n * 64, d, t - d, t))
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
-        self.busy_until = 0.0
         self.steps = 0
 
     @property
@@ -111,7 +109,7 @@ def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float]
     for i, t in enumerate(arrivals):
         heapq.heappush(events, (t, next(order), "arrive", i))
     stepping = [False] * replicas
-    requests: dict[str, tuple[Request, int, float]] = {}
+    placed: dict[str, tuple[int, float]] = {}  # request -> (replica, arrival)
     rows = []
     while events:
         now, _, kind, idx = heapq.heappop(events)
@@ -120,21 +118,20 @@ def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float]
             r = min(pair, key=lambda j: reps[j].load)
             req = Request(f"s{idx}", [1] * prompt_lens[idx], SamplingParams(max_tokens=lengths[idx],
                                                                                    ignore_eos=True))
-            requests[req.request_id] = (req, int(r), now)
+            placed[req.request_id] = (int(r), now)
             reps[r].add(req)
         else:
             r = idx
             stepping[r] = False
-        for j in ([r] if kind == "arrive" else [idx]):
-            if not stepping[j] and reps[j].scheduler.has_unfinished():
-                end, finished = reps[j].step(now)
-                stepping[j] = True
-                heapq.heappush(events, (end, next(order), "step_end", j))
-                for req in finished:
-                    _, rep, arrival = requests[req.request_id]
-                    n = req.num_output_tokens
-                    rows.append({"request": req.request_id, "replica": rep, "arrival_s": arrival,
-                                 "ttft_s": req.first_token_time - arrival, "latency_s": req.finish_time - arrival,
-                                 "tpot_s": (req.finish_time - req.first_token_time) / max(1, n - 1),
-                                 "output_tokens": n, "alpha": reps[rep].alpha[req.request_id]})
+        if not stepping[r] and reps[r].scheduler.has_unfinished():
+            end, finished = reps[r].step(now)
+            stepping[r] = True
+            heapq.heappush(events, (end, next(order), "step_end", r))
+            for req in finished:
+                rep, arrival = placed[req.request_id]
+                n = req.num_output_tokens
+                rows.append({"request": req.request_id, "replica": rep, "arrival_s": arrival,
+                             "ttft_s": req.first_token_time - arrival, "latency_s": req.finish_time - arrival,
+                             "tpot_s": (req.finish_time - req.first_token_time) / max(1, n - 1),
+                             "output_tokens": n, "alpha": reps[rep].alpha[req.request_id]})
     return sorted(rows, key=lambda x: x["arrival_s"])
