@@ -25,11 +25,14 @@ class SpeculationConfig(Strict):
     draft_actor: bool = True
     draft_num_cpus: float = Field(0.25, gt=0)
     draft_num_threads: int | None = Field(None, ge=1)
+    # token trees instead of chains: {max_nodes, max_depth, branching}; k is then a node budget
+    tree: dict[str, int] | None = None
 
     def engine_dict(self) -> dict | None:
         if self.method == "none":
             return None
-        keys = ("method", "num_speculative_tokens", "policy", "batch_table", "prompt_lookup_max", "prompt_lookup_min")
+        keys = ("method", "num_speculative_tokens", "policy", "batch_table", "prompt_lookup_max", "prompt_lookup_min",
+                "tree")
         out = {k: getattr(self, k) for k in keys}
         if self.method == "draft_model":
             out["model"] = self.model

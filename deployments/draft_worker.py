@@ -16,21 +16,25 @@ import torch
 from smartspec.engine.request import Request
 from smartspec.sampling_params import SamplingParams
 from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
 
 class DraftWorker:
     def __init__(self, draft_model: str, target_model: str, target_vocab_size: int, num_blocks: int,
-                 block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None) -> None:
+                 block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None,
+                 tree: dict | None = None) -> None:
         from smartspec.models import load_model
         from smartspec.spec.draft_model import DraftModelProposer
+        from smartspec.spec.draft_tree import DraftTreeProposer
 
         if num_threads:
             torch.set_num_threads(num_threads)
         target_tokenizer = load_model(target_model, weights=False).tokenizer
-        self.proposer = DraftModelProposer(draft_model, target_tokenizer, target_vocab_size, num_blocks, block_size,
-                                           use_kernels, dtype, device)
+        args = (draft_model, target_tokenizer, target_vocab_size, num_blocks, block_size, use_kernels, dtype, device)
+        # tree: {"max_depth", "branching"}: grow token trees instead of chains
+        self.proposer = DraftTreeProposer(*args, **tree) if tree else DraftModelProposer(*args)
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new incarnation with no request state
         self.mirrors: dict[str, Request] = {}
 
@@ -54,7 +58,8 @@ class DraftWorker:
             requests.append(mirror)
             ks.append(k)
         proposal = self.proposer.propose(requests, ks) if requests else Proposal([], [])
-        drafts = {r.request_id: (t, q) for r, t, q in zip(requests, proposal.tokens, proposal.probs)}
+        trees = proposal.trees or [None] * len(requests)
+        drafts = {r.request_id: (t, q, tree) for r, t, q, tree in zip(requests, proposal.tokens, proposal.probs, trees)}
         return {"incarnation": self.incarnation, "drafts": drafts, "unknown": unknown,
                 "catchup": self.proposer.last_catchup_tokens}
 
@@ -142,9 +147,11 @@ class RemoteDraftProposer(Proposer):
             if req.request_id in drafts:
                 self._sent[req.request_id] = req.num_tokens
         self.last_catchup_tokens = reply["catchup"]
-        tokens = [drafts.get(r.request_id, ([], None))[0] for r in requests]
-        probs = [drafts.get(r.request_id, ([], None))[1] for r in requests]
-        return Proposal(tokens, probs)
+        replies = [drafts.get(r.request_id, ([], None, None)) for r in requests]
+        trees = None
+        if any(tree is not None for _, _, tree in replies):
+            trees = [tree if tree is not None else TokenTree([], [], []) for _, _, tree in replies]
+        return Proposal([t for t, _, _ in replies], [q for _, q, _ in replies], trees)
 
     def release(self, request_id: str) -> None:
         if self._sent.pop(request_id, None) is not None:

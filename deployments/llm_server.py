@@ -70,7 +70,9 @@ class LLMServer:
                 name=self.draft_actor_name, num_cpus=spec.draft_num_cpus, max_restarts=-1, max_task_retries=0,
             ).remote(spec_config.model, self.cfg.model, engine.vocab_size, num_blocks, engine.config.block_size,
                      engine.config.use_kernels, engine.config.dtype, engine.config.device,
-                     spec.draft_num_threads or self.cfg.threads)
+                     spec.draft_num_threads or self.cfg.threads,
+                     {"max_depth": spec_config.tree.max_depth, "branching": spec_config.tree.branching}
+                     if spec_config.tree else None)
             return RemoteDraftProposer(actor)
 
         return make

@@ -59,6 +59,9 @@ class TPWorker:
         logits = self.runner.execute(inputs)
         return logits if self.rank == 0 else None
 
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        self.runner.copy_kv(src_slots, dst_slots)
+
 
 class TPModelRunner:
     """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
@@ -80,6 +83,9 @@ class TPModelRunner:
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         inputs = ray.put(prepare_step(items, self.blocks))
         return ray.get([w.execute.remote(inputs) for w in self.workers])[0]
+
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        ray.get([w.copy_kv.remote(src_slots, dst_slots) for w in self.workers])
 
     def close(self) -> None:
         for w in self.workers:

@@ -71,6 +71,7 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"kv_cache": 1}, "Extra inputs are not permitted"),
+    ({"speculation": {"method": "ngram", "tree": {"max_nodes": 99}}}, "tree.max_nodes must be at most 63"),
 ])
 def test_bad_app_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):

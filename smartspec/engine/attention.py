@@ -25,6 +25,10 @@ class StepAttention:
     seq_of: torch.Tensor  # [T] int32: row of block_tables each token belongs to
     kv_len: torch.Tensor  # [T] int32: a token sees its sequence's positions [0, kv_len)
     use_kernels: bool
+    # a token t at or past tree_base[t] in the cache sees it only where bit (position - tree_base[t]) of
+    # tree_mask[t] is set: a token-tree node sees its ancestors, not its siblings. None: no trees in the step
+    tree_base: torch.Tensor | None = None  # [T] int32
+    tree_mask: torch.Tensor | None = None  # [T] int64
 
 
 _local = threading.local()  # per thread: two engines stepping on two threads must not see each other's step
@@ -43,6 +47,10 @@ def _torch_paged_attention(q, k_cache, v_cache, step: StepAttention, scale: floa
         n = int(step.kv_len[t])
         start = max(0, n - window) if window > 0 else 0
         pos = torch.arange(start, n, device=q.device)
+        if step.tree_base is not None:
+            base = int(step.tree_base[t])
+            bit = (step.tree_mask[t] >> (pos - base).clamp(0, 63)) & 1
+            pos = pos[(pos < base) | (bit == 1)]
         blocks = step.block_tables[int(step.seq_of[t])].to(torch.int64)[pos // bs]
         k = k_cache[blocks, pos % bs].repeat_interleave(H // kvh, dim=1)  # [L, H, D]
         v = v_cache[blocks, pos % bs].repeat_interleave(H // kvh, dim=1)
@@ -65,7 +73,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     ext = kernels.load() if step.use_kernels else None
     if ext is not None:
         out = ext.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_of, step.kv_len, scale, window,
-                                  None, None)
+                                  step.tree_base, step.tree_mask)
     else:
         out = _torch_paged_attention(q, k_cache, v_cache, step, scale, window)
     return out.unsqueeze(0), None  # [1, T, H, D], as transformers' own attention functions return

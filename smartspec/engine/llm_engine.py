@@ -24,6 +24,7 @@ from smartspec.sampling_params import SamplingParams
 from smartspec.spec.config import SpeculativeConfig
 from smartspec.spec.proposer import Proposer
 from smartspec.spec.speculator import Speculator
+from smartspec.spec.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +76,13 @@ class LLMEngine:
         proposer = None
         if spec:
             # the draft holds what the target holds, plus k drafts per running request
-            draft_blocks = num_blocks + config.max_num_seqs * self.blocks.blocks_for(spec.num_speculative_tokens + 1)
+            # (a tree's draft also holds the nodes it fed: branching per depth)
+            per_seq = max(spec.k_max, spec.tree.branching * (spec.tree.max_depth - 1) if spec.tree else 0) + 1
+            draft_blocks = num_blocks + config.max_num_seqs * self.blocks.blocks_for(per_seq)
             proposer = (proposer_factory or _make_proposer)(spec, self, draft_blocks)
-        self.speculator = (Speculator(proposer, spec.policy, spec.num_speculative_tokens, batch_table=spec.batch_table,
-                                      key=spec.key, options=spec.policy_options)
+        self.speculator = (Speculator(proposer, spec.policy, spec.k_max, batch_table=spec.batch_table,
+                                      key=spec.key, options=spec.policy_options,
+                                      tree_depth=spec.tree.max_depth if spec.tree else None)
                            if spec else Speculator(None, "off", 0))
         self.trace = StepTraceWriter(config.trace_path, self.speculator.policy.name) if config.trace_path else None
         self.timing = {"steps": 0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
@@ -174,9 +178,13 @@ class LLMEngine:
         items = []
         for s in batch:
             req, c = s.request, s.request.num_computed_tokens
-            draft = drafts.get(req.request_id, ((), None))[0]
-            items.append(ForwardItem(req, req.token_ids[c:c + s.num_tokens] + list(draft), c,
-                                     1 + len(draft) if s.completes else 0))
+            draft = drafts.get(req.request_id)
+            if draft is not None and draft.tree is not None:
+                items.append(tree_item(req, draft.tree))
+                continue
+            tokens = draft.tokens if draft is not None else []
+            items.append(ForwardItem(req, req.token_ids[c:c + s.num_tokens] + list(tokens), c,
+                                     1 + len(tokens) if s.completes else 0))
         t_verify = time.perf_counter()
         logits = self.runner.forward(items)
         t_accept = time.perf_counter()
@@ -189,7 +197,10 @@ class LLMEngine:
             if req.request_id not in new_tokens:
                 continue
             new = new_tokens[req.request_id]
-            proposed = len(drafts.get(req.request_id, ((), None))[0])
+            draft = drafts.get(req.request_id)
+            proposed = len(draft.tokens) if draft is not None else 0
+            if draft is not None and draft.tree is not None:
+                self._keep_path(it, draft.tree.follow(new[:-1]))
             # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the
             # proposer did not make, go back
             self.blocks.truncate(req, req.num_tokens + len(new) - 1)
@@ -201,6 +212,14 @@ class LLMEngine:
                           t_verify - t_draft, t_accept - t_verify, t_end - t_start)
         return outputs
 
+    def _keep_path(self, item: ForwardItem, path: list[int]) -> None:
+        """A token tree's accepted nodes move next to the context, so the cache is the committed sequence."""
+        src = [item.start + 1 + node for node in path]
+        dst = [item.start + 1 + depth for depth in range(len(path))]
+        if src != dst:
+            self.runner.copy_kv([self.blocks.slot(item.request, p) for p in src],
+                                [self.blocks.slot(item.request, p) for p in dst])
+
     def _record_step(self, items, decoding, num_prefill, ks, drafts, new_tokens, draft_s, verify_s,
                      total_s) -> None:
         self.num_steps += 1
@@ -208,7 +227,9 @@ class LLMEngine:
         self.timing["draft_s"] += draft_s
         self.timing["verify_s"] += verify_s
         self.timing["other_s"] += total_s - draft_s - verify_s
-        proposed = [len(drafts.get(r.request_id, ((), None))[0]) for r in decoding]
+        proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]
+        trees = {rid: (d.tree, d.tree.follow(new_tokens[rid][:-1])) for rid, d in drafts.items()
+                 if d.tree is not None and rid in new_tokens}
         record = StepRecord(
             step=self.num_steps, batch_size=len(items), ks=list(ks), proposed=proposed,
             accepted=[len(new_tokens.get(r.request_id, [None])) - 1 if p else 0 for r, p in zip(decoding, proposed)],
@@ -218,7 +239,8 @@ class LLMEngine:
             num_context_tokens=sum(it.start + len(it.tokens) for it in items),
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,
             predicted_s=self.speculator.policy.last_prediction if decoding else None,
-            draft_catchup_tokens=self.speculator.proposer.last_catchup_tokens if drafts else 0)
+            draft_catchup_tokens=self.speculator.proposer.last_catchup_tokens if drafts else 0,
+            extra={"trees": trees} if trees else {})
         self.last_step = record
         self.stats.add(record, sum(len(t) for t in new_tokens.values()))
         self.speculator.policy.observe(record)
@@ -275,11 +297,25 @@ class LLMEngine:
                              req.finish_reason, req.num_prompt_tokens, metrics)
 
 
+def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
+    """A decoding request's root (its last token) and tree nodes: stored side by side, each node at its depth."""
+    c = req.num_computed_tokens
+    return ForwardItem(req, [req.token_ids[c]] + tree.tokens, c, 1 + len(tree),
+                       positions=[c] + [c + d for d in tree.depths()], tree_base=c, tree_masks=tree.ancestor_masks())
+
+
 def _make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
     if spec.method == "ngram":
-        from smartspec.spec.ngram import NgramProposer
+        from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
+        if spec.tree:
+            return NgramTreeProposer(spec.tree.max_depth, spec.tree.branching, spec.prompt_lookup_max,
+                                     spec.prompt_lookup_min)
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-    from smartspec.spec.draft_model import DraftModelProposer
     c = engine.config
-    return DraftModelProposer(spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size,
-                              c.use_kernels, c.dtype, c.device)
+    args = (spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
+            c.device)
+    if spec.tree:
+        from smartspec.spec.draft_tree import DraftTreeProposer
+        return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)
+    from smartspec.spec.draft_model import DraftModelProposer
+    return DraftModelProposer(*args)

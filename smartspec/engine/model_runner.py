@@ -29,14 +29,21 @@ def _kv_geometry(cfg) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
+NO_TREE = 2**31 - 1  # tree_base of a token outside any tree: no cache position is masked
+
+
 @dataclass
 class ForwardItem:
-    """One request's part of a step: `tokens` at positions start.. (the cache grows by them), and logits wanted
-    for the last `num_logits` of them."""
+    """One request's part of a step: `tokens` stored in the cache at start.., and logits wanted for the last
+    `num_logits` of them. A token tree's tokens are stored side by side but sit at their depth (`positions`), and
+    each sees the cache before `tree_base` plus only the stored tokens its mask's bits name (bit j: tree_base + j)."""
     request: Request
     tokens: list[int]
     start: int
     num_logits: int
+    positions: list[int] | None = None  # default: start, start + 1, ...
+    tree_base: int | None = None
+    tree_masks: list[int] | None = None
 
 
 @dataclass
@@ -49,20 +56,26 @@ class StepInputs:
     seq_of: torch.Tensor  # [T] row of block_tables each token belongs to
     kv_len: torch.Tensor  # [T] a token sees its sequence's positions [0, kv_len)
     keep: torch.Tensor  # rows whose logits are returned
+    tree_base: torch.Tensor | None = None  # [T] int32, when the step holds a token tree
+    tree_mask: torch.Tensor | None = None  # [T] int64
 
 
 def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
-    ids, positions, slots, seq_of, kv_len, keep = [], [], [], [], [], []
+    ids, positions, slots, seq_of, kv_len, keep, tree_base, tree_mask = [], [], [], [], [], [], [], []
     offset = 0
+    trees = any(item.tree_masks is not None for item in items)
     for row, item in enumerate(items):
         n = len(item.tokens)
         ids.extend(item.tokens)
-        pos = range(item.start, item.start + n)
-        positions.extend(pos)
-        slots.extend(blocks.slot(item.request, p) for p in pos)
+        stored = range(item.start, item.start + n)
+        positions.extend(item.positions if item.positions is not None else stored)
+        slots.extend(blocks.slot(item.request, p) for p in stored)
         seq_of.extend([row] * n)
-        kv_len.extend(p + 1 for p in pos)
+        kv_len.extend(p + 1 for p in stored)
         keep.extend(range(offset + n - item.num_logits, offset + n))
+        if trees:
+            tree_base.extend([NO_TREE if item.tree_masks is None else item.tree_base] * n)
+            tree_mask.extend(item.tree_masks if item.tree_masks is not None else [0] * n)
         offset += n
     max_blocks = max(len(item.request.block_table) for item in items)
     tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
@@ -70,7 +83,9 @@ def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
         tables[row, : len(item.request.block_table)] = torch.tensor(item.request.block_table, dtype=torch.int32)
     return StepInputs(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), tables,
                       torch.tensor(seq_of, dtype=torch.int32), torch.tensor(kv_len, dtype=torch.int32),
-                      torch.tensor(keep, dtype=torch.long))
+                      torch.tensor(keep, dtype=torch.long),
+                      torch.tensor(tree_base, dtype=torch.int32) if trees else None,
+                      torch.tensor(tree_mask, dtype=torch.int64) if trees else None)
 
 
 class ModelRunner:
@@ -101,6 +116,17 @@ class ModelRunner:
         layers, kv_heads, head_dim = _kv_geometry(model_config)
         return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    @torch.inference_mode()
+    def copy_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Move cache entries between slots in every layer (a token tree's accepted path, made contiguous).
+        Sources are read before anything is written, so the two may overlap."""
+        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+        for caches in self.kv_caches:
+            for cache in caches:
+                flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run all items in one forward; return logits [sum(num_logits), vocab] in item order (fp32)."""
         return self.execute(prepare_step(items, self.blocks))
@@ -115,6 +141,8 @@ class ModelRunner:
             seq_of=inputs.seq_of.to(dev),
             kv_len=inputs.kv_len.to(dev),
             use_kernels=self.use_kernels,
+            tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
+            tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
         ))
         try:
             out = self.model(

@@ -35,6 +35,10 @@ class Policy:
         chunks), which the verify forward carries anyway."""
         raise NotImplementedError
 
+    def prune(self, requests: list[Request], trees: list, draft_s: float) -> list:
+        """Token trees as proposed -> the trees to verify (a policy that weighs nodes drops some)."""
+        return trees
+
     def observe_cost(self, record: StepRecord) -> None:
         """A measured step shape that says nothing about acceptance (the warm-up profile)."""
 
@@ -89,12 +93,13 @@ def default_batch_table(k_max: int) -> dict[int, int]:
 
 
 def make_policy(policy: str | Policy, k_max: int, batch_table: dict[int, int] | None = None,
-                key: str = "default", options: dict | None = None) -> Policy:
+                key: str = "default", options: dict | None = None, tree_depth: int | None = None) -> Policy:
+    """tree_depth: the proposer grows token trees this deep, and k is a node budget."""
     if isinstance(policy, Policy):
         return policy
     if policy == "smartspec":
         from smartspec.policy.smartspec_policy import SmartSpecPolicy
-        return SmartSpecPolicy(key=key, **(options or {}))
+        return SmartSpecPolicy(key=key, tree_depth=tree_depth, **(options or {}))
     if policy == "batch_table":
         return BatchTablePolicy(batch_table or default_batch_table(k_max))
     if policy == "off":

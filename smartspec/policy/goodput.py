@@ -29,17 +29,26 @@ def select_k(alphas: list[float], caps: list[int], cost: Callable, base_tokens: 
     for n_batched, n_context and sum_k. base_tokens / base_context: the step at k = 0 (its decode tokens plus any
     prefill). Returns k per request (all 0 unless speculating is predicted to raise goodput) and the predicted
     step time."""
-    b = len(alphas)
+    k_top = max(caps, default=0)
+    gains = np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, k_top + 1)[None, :]
+    return select_from_gains(gains, caps, np.arange(1, k_top + 1), cost, base_tokens, base_context)
+
+
+def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
+                      base_context: int) -> tuple[list[int], float]:
+    """gains [B, K]: the expected tokens the j-th speculated token (chain) or node (tree) of request i adds,
+    non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth))."""
+    b = len(caps)
     t0 = float(cost(base_tokens, base_context, 0, 0))
     ks, best_t, best_goodput = np.zeros(b, dtype=np.int64), t0, b / t0 if b else 0.0
     caps_arr = np.asarray(caps, dtype=np.int64)
     k_top = int(caps_arr.max()) if b else 0
     if k_top == 0:
         return ks.tolist(), t0
-    depth_of = np.arange(1, k_top + 1)
-    gains = np.asarray(alphas, dtype=np.float64)[:, None] ** depth_of[None, :]  # [B, K]: gain of the j-th draft
-    allowed = depth_of[None, :] <= caps_arr[:, None]
-    for depth in range(1, k_top + 1):
+    gains, depth_of = gains[:, :k_top], np.asarray(depth_of[:k_top])
+    rank = np.arange(1, k_top + 1)
+    allowed = rank[None, :] <= caps_arr[:, None]
+    for depth in sorted(set(depth_of.tolist())):
         rows, cols = np.nonzero(allowed & (depth_of[None, :] <= depth))
         g = gains[rows, cols]
         order = np.argsort(-g, kind="stable")
@@ -51,5 +60,5 @@ def select_k(alphas: list[float], caps: list[int], cost: Callable, base_tokens: 
             best_goodput = float(gp[i])
             chosen = order[: i + 1]
             ks = np.bincount(rows[chosen], minlength=b)
-            best_t = float(cost(base_tokens + i + 1, base_context + i + 1, int(cols[chosen].max()) + 1, i + 1))
+            best_t = float(cost(base_tokens + i + 1, base_context + i + 1, int(depth_of[cols[chosen].max()]), i + 1))
     return ks.tolist(), best_t

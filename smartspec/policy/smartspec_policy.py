@@ -1,11 +1,14 @@
 """The SmartSpec policy: per request, per step, the k that maximises the batch's goodput."""
 from __future__ import annotations
 
+import numpy as np
+
 from smartspec.engine.request import Request
 from smartspec.policy.acceptance import AcceptanceEstimator
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import select_k
+from smartspec.policy.goodput import select_from_gains, select_k
+from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
 class SmartSpecPolicy(Policy):
@@ -13,9 +16,16 @@ class SmartSpecPolicy(Policy):
     wants_profile = True  # the engine seeds the cost model with a short warm-up profile
 
     def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
-                 explore_fraction: float = 0.1, max_explore_interval: int = 256) -> None:
+                 explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
+                 ) -> None:
         self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
         self.acceptance = AcceptanceEstimator(prior_alpha=prior_alpha)
+        # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
+        self.tree_depth = tree_depth
+        self.calibration = NodeCalibration()
+        self.tree_gains: TreeGains | None = None
+        self.prior_alpha = prior_alpha
+        self._step_shape = (0, 0)  # the step's decode + prefill tokens and context, as the last choose saw it
         self.cost = StepCostModel()
         self.explore_interval = explore_interval
         self.explore_fraction = explore_fraction
@@ -32,12 +42,20 @@ class SmartSpecPolicy(Policy):
         if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
             self.last_prediction = None
             return [0] * len(requests)
-        alphas = [self.acceptance.alpha(r.request_id) for r in requests]
         caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1,
                            k_max if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens))
                 for r in requests]
         tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
-        ks, predicted = select_k(alphas, caps, self.cost.predict, tokens, context)
+        self._step_shape = (tokens, context)
+        if self.tree_depth is None:
+            alphas = [self.acceptance.alpha(r.request_id) for r in requests]
+            ks, predicted = select_k(alphas, caps, self.cost.predict, tokens, context)
+        else:
+            if self.tree_gains is None or self.tree_gains.k_max != k_max:
+                self.tree_gains = TreeGains(k_max, self.prior_alpha)
+            gains = np.stack([self.tree_gains.curve(r.request_id) for r in requests])
+            depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
+            ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
         for i, r in enumerate(requests):
@@ -47,11 +65,28 @@ class SmartSpecPolicy(Policy):
                 budget -= 1
         if self._probing:
             sum_k = sum(ks)
-            predicted = self.cost.predict(tokens + sum_k, context + sum_k, max(ks), sum_k)
+            predicted = self.cost.predict(tokens + sum_k, context + sum_k, self._depth(max(ks)), sum_k)
         self.last_prediction = predicted
         return ks
 
+    def _depth(self, k: int) -> int:
+        """Draft forwards that k tokens (chain) or k nodes (tree) take."""
+        return k if self.tree_depth is None else min(k, self.tree_depth)
+
+    def prune(self, requests: list[Request], trees: list, draft_s: float) -> list:
+        values = [node_values(t, self.calibration) for t in trees]
+        if self.tree_gains is not None:
+            for r, v in zip(requests, values):
+                self.tree_gains.update(r.request_id, v)
+        if not self.cost.ready:
+            return trees
+        tokens, context = self._step_shape
+        trees, self.last_prediction = prune_trees(trees, values, self.cost.predict_verify, tokens, context, draft_s)
+        return trees
+
     def observe(self, record: StepRecord) -> None:
+        for tree, path in record.extra.get("trees", {}).values():
+            self.calibration.observe(tree, path)
         for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
             self.acceptance.observe(rid, proposed, accepted)
             if rid in self._probing:
@@ -65,12 +100,14 @@ class SmartSpecPolicy(Policy):
         self.observe_cost(record)
 
     def observe_cost(self, record: StepRecord) -> None:
-        depth = max(record.proposed, default=0)
+        depth = self._depth(max(record.proposed, default=0))
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens)
 
     def release(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
+        if self.tree_gains is not None:
+            self.tree_gains.forget(request.request_id)
         for d in (self._probe_due, self._probe_wait):
             d.pop(request.request_id, None)
 
@@ -78,7 +115,8 @@ class SmartSpecPolicy(Policy):
     def export_state(self) -> dict:
         c = self.acceptance.prior_counts
         return {"key": self.key, "prior": {"accepted": c.accepted, "rejected": c.rejected},
-                "alpha_prior": self.acceptance.prior, "cost": self.cost.export_state(), "steps": self.step}
+                "alpha_prior": self.acceptance.prior, "cost": self.cost.export_state(), "steps": self.step,
+                "calibration": self.calibration.export_state()}
 
     def import_state(self, state: dict) -> None:
         """Adopt other replicas' merged state: their acceptance evidence joins this one's own (which stays apart,
@@ -86,6 +124,8 @@ class SmartSpecPolicy(Policy):
         if state.get("key") == self.key and "prior" in state:
             self.acceptance.shared_counts.accepted = float(state["prior"]["accepted"])
             self.acceptance.shared_counts.rejected = float(state["prior"]["rejected"])
+            if state.get("calibration"):
+                self.calibration.import_state(state["calibration"])
         if state.get("cost"):
             self.cost.import_state(state["cost"])
 
@@ -113,5 +153,8 @@ def merge_states(states: list[dict]) -> dict:
                            for j in range(len(fitted[0]["verify"]))],
                 "draft": [sum(w * c["draft"][j] for w, c in zip(weights, fitted)) / total for j in range(3)],
                 "samples": total}
+    calibrations = [s["calibration"] for s in same if s.get("calibration")]
+    calibration = ({name: np.sum([c[name] for c in calibrations], axis=0).tolist() for name in ("accepted", "total")}
+                   if calibrations else {})
     return {"key": key, "prior": {"accepted": accepted, "rejected": rejected}, "cost": cost,
-            "replicas": len(same)}
+            "calibration": calibration, "replicas": len(same)}

@@ -4,8 +4,41 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from smartspec.policy.base import Policy
+from smartspec.spec.tree import MAX_TREE_NODES
 
 METHODS = ("draft_model", "ngram")
+
+
+@dataclass
+class TreeConfig:
+    """Token-tree speculation: each request gets up to max_nodes nodes (its k is a node budget), at most
+    max_depth deep, at most `branching` children per node."""
+    max_nodes: int = 8
+    max_depth: int = 4
+    branching: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_nodes", "max_depth", "branching"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"tree.{name} must be an integer >= 1, got {v!r}")
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree.max_nodes must be at most {MAX_TREE_NODES} (one 64-bit mask per token with the "
+                             f"root), got {self.max_nodes}")
+        if self.branching * (self.max_depth - 1) > MAX_TREE_NODES - 1:
+            raise ValueError(f"tree.branching * (tree.max_depth - 1) must be at most {MAX_TREE_NODES - 1} (the draft "
+                             f"feeds that many nodes per request), got {self.branching} * {self.max_depth - 1}")
+
+    @classmethod
+    def parse(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
+        if value is None or isinstance(value, TreeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config['tree'] must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown tree keys {unknown}; known: max_nodes, max_depth, branching")
+        return cls(**value)
 
 
 @dataclass
@@ -19,8 +52,10 @@ class SpeculativeConfig:
     policy: str | Policy = "smartspec"
     batch_table: dict[int, int] | None = None  # for policy "batch_table": {batch size: k}
     policy_options: dict | None = None  # for policy "smartspec": prior_alpha, explore_interval, ...
+    tree: TreeConfig | dict | None = None  # token trees instead of chains
 
     def __post_init__(self) -> None:
+        self.tree = TreeConfig.parse(self.tree)
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if self.method == "draft_model" and not self.model:
@@ -34,12 +69,18 @@ class SpeculativeConfig:
         if not isinstance(self.policy, (str, Policy)):
             raise ValueError(f"policy must be a name or a Policy, got {type(self.policy).__name__}")
         from smartspec.policy.base import make_policy
-        make_policy(self.policy, k, self.batch_table, options=self.policy_options)  # names and options checked now
+        make_policy(self.policy, self.k_max, self.batch_table, options=self.policy_options,
+                    tree_depth=self.tree.max_depth if self.tree else None)  # names and options checked now
 
+    @property
+    def k_max(self) -> int:
+        """The most any request speculates in one step: draft tokens for chains, nodes for trees."""
+        return self.tree.max_nodes if self.tree else self.num_speculative_tokens
     @property
     def key(self) -> str:
         """What acceptance priors are shared by: the proposer and, for a draft model, which one."""
-        return f"{self.method}:{self.model}" if self.method == "draft_model" else self.method
+        key = f"{self.method}:{self.model}" if self.method == "draft_model" else self.method
+        return f"{key}:tree" if self.tree else key
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from smartspec.engine.request import Request
 from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first
 
 
 def lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -28,3 +29,58 @@ class NgramProposer(Proposer):
     def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
         tokens = [lookup(r.token_ids, k, self.n_max, self.n_min) if k > 0 else [] for r, k in zip(requests, ks)]
         return Proposal(tokens, [None] * len(requests))
+
+
+def lookup_all(tokens: list[int], depth: int, n_max: int, n_min: int, max_matches: int = 16) -> list[list[int]]:
+    """The continuations of every earlier occurrence of the longest suffix that occurs (most recent first)."""
+    total = len(tokens)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = tokens[total - n:]
+        found = []
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start] == suffix[0] and tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + depth]
+                if follow:
+                    found.append(follow)
+                    if len(found) == max_matches:
+                        break
+        if found:
+            return found
+    return []
+
+
+class NgramTreeProposer(Proposer):
+    """Prompt lookup as a tree: the continuations of all earlier occurrences of the context's suffix, merged where
+    they agree. A node's confidence is the share of its parent's matches that continue with its token."""
+    method = "ngram"
+
+    def __init__(self, max_depth: int, branching: int, n_max: int = 4, n_min: int = 1) -> None:
+        self.max_depth, self.branching = max_depth, branching
+        self.n_max, self.n_min = n_max, n_min
+
+    def tree(self, tokens: list[int], budget: int) -> TokenTree:
+        follows = lookup_all(tokens, self.max_depth, self.n_max, self.n_min)
+        node_tokens, parents, counts = [], [], []
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for follow in follows:
+            node = -1
+            for tok in follow:
+                child = index.get((node, tok))
+                if child is None:
+                    if sum(1 for p in parents if p == node) >= self.branching:
+                        break
+                    child = index[(node, tok)] = len(node_tokens)
+                    node_tokens.append(tok)
+                    parents.append(node)
+                    counts.append(0)
+                counts[child] += 1
+                node = child
+        root_count = max(1, len(follows))
+        conf = [counts[i] / (counts[p] if p >= 0 else root_count) for i, p in enumerate(parents)]
+        return best_first(node_tokens, parents, [c / root_count for c in counts], conf, limit=budget,
+                          sibling_order=False)  # fixed tokens: any subset of siblings verifies exactly
+
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        trees = [self.tree(r.token_ids, min(k, MAX_TREE_NODES)) if k > 0 else TokenTree([], [], [])
+                 for r, k in zip(requests, ks)]
+        return Proposal([t.tokens for t in trees], [None] * len(requests), trees)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from smartspec.engine.request import Request
+from smartspec.spec.tree import TokenTree
 
 
 @dataclass
@@ -14,6 +15,8 @@ class Proposal:
     # per request, the draft distribution [len(tokens), V] each token was drawn from; None = deterministic
     # (greedy request, or a model-free proposer): q is then one-hot at the token.
     probs: list[torch.Tensor | None]
+    # tree proposers: per request, its token tree (tokens then lists the tree's node tokens); None = chains
+    trees: list[TokenTree | None] | None = None
 
 
 class Proposer:

@@ -5,6 +5,7 @@ import torch
 
 from smartspec.engine.sampler import target_probs
 from smartspec.sampling_params import SamplingParams
+from smartspec.spec.tree import TokenTree
 
 
 def accept_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
@@ -52,3 +53,60 @@ def accept(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Ten
     if params.greedy:
         return accept_greedy(target_logits, draft)
     return accept_sampled(target_probs(target_logits, params), draft, draft_probs, generator)
+
+
+def accept_tree_greedy(target_logits: torch.Tensor, tree: TokenTree) -> list[int]:
+    """target_logits [1 + n, V]: row 0 after the root, row i + 1 after node i. The deepest path whose every token
+    is the target's argmax after its parent, then the target's own next token."""
+    best = target_logits.argmax(dim=-1).tolist()
+    out, node = [], -1
+    while True:
+        tok = best[node + 1]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == tok), None)
+        out.append(tok)
+        if nxt is None:
+            return out
+        node = nxt
+
+
+def accept_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Generator | None) -> list[int]:
+    """p [1 + n, V]: target probabilities after the root and after each node. Recursive rejection sampling: at a node,
+    its children are tried in draw order, child x with probability min(1, r(x) / q'(x)), where r is the target's
+    residual (each rejected sibling's draft mass removed: r <- norm(max(r - q', 0))) and q' the draft distribution
+    the sibling was drawn from (without the siblings drawn before it; one-hot for deterministic drafts). An accepted
+    child is descended into; when all are rejected, the residual is sampled and the step ends. Each trial is an
+    exact speculative-sampling step for the current residual, so the output follows the target alone."""
+    out, node = [], -1
+    while True:
+        residual = p[node + 1]
+        q = tree.child_probs.get(node)
+        accepted = None
+        for child in tree.children(node):
+            tok = tree.tokens[child]
+            q_tok = 1.0 if q is None else float(q[tok])
+            u = float(torch.rand((), generator=generator))
+            if u * q_tok < float(residual[tok]):
+                accepted = child
+                break
+            if q is None:
+                nxt = residual.clone()
+                nxt[tok] = 0.0
+            else:
+                nxt = torch.clamp(residual - q, min=0.0)
+                q = q.clone()
+                q[tok] = 0.0
+                q = q / q.sum() if float(q.sum()) > 0 else q
+            if float(nxt.sum()) > 0.0:  # else r == q' up to rounding: the rejection had probability ~0
+                residual = nxt / nxt.sum()
+        if accepted is None:
+            out.append(int(torch.multinomial(residual, 1, generator=generator)))
+            return out
+        out.append(tree.tokens[accepted])
+        node = accepted
+
+
+def accept_tree(target_logits: torch.Tensor, tree: TokenTree, params: SamplingParams,
+                generator: torch.Generator | None) -> list[int]:
+    if params.greedy:
+        return accept_tree_greedy(target_logits, tree)
+    return accept_tree_sampled(target_probs(target_logits, params), tree, generator)

@@ -3,6 +3,8 @@ parts (proposer, policy, K) and the spec-decode counters."""
 from __future__ import annotations
 
 import logging
+import time
+from typing import NamedTuple
 
 import torch
 
@@ -13,11 +15,18 @@ from smartspec.engine.sampler import sample_tokens
 from smartspec.policy.base import OffPolicy, Policy, make_policy
 from smartspec.spec.metrics import SpecDecodeMetrics
 from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.rejection_sampler import accept
+from smartspec.spec.rejection_sampler import accept, accept_tree
+from smartspec.spec.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
-Drafts = dict[str, tuple[list[int], torch.Tensor | None]]
+class Draft(NamedTuple):
+    tokens: list[int]  # a chain's draft tokens, or a tree's node tokens
+    probs: torch.Tensor | None  # a chain's draft distributions (None: deterministic)
+    tree: TokenTree | None = None
+
+
+Drafts = dict[str, Draft]
 
 
 class Speculator:
@@ -59,12 +68,20 @@ class Speculator:
             self.proposer.last_catchup_tokens = 0
         if self.proposer is None or not any(ks):
             return {}
+        t0 = time.perf_counter()
         try:
             proposal: Proposal = self.proposer.propose(decoding, ks)
         except Exception:  # a failed proposer (a dead draft actor) costs speed, never a request
             logger.exception("proposer failed; this step runs without speculation")
             return {}
-        return {r.request_id: (t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs) if t}
+        if proposal.trees is None:
+            return {r.request_id: Draft(t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs) if t}
+        trees = proposal.trees
+        try:
+            trees = self.policy.prune(decoding, trees, time.perf_counter() - t0)
+        except Exception:
+            logger.exception("policy %r failed to prune trees; verifying them whole", self.policy.name)
+        return {r.request_id: Draft(t.tokens, None, t) for r, t in zip(decoding, trees) if len(t)}
 
     def accept(self, items: list[ForwardItem], logits: torch.Tensor, drafts: Drafts) -> dict[str, list[int]]:
         """Per request due a token: the tokens the step yields (accepted drafts + one from the target)."""
@@ -74,9 +91,13 @@ class Speculator:
             if not it.num_logits:
                 continue
             req = it.request
-            if req.request_id in drafts:
-                draft, q = drafts[req.request_id]
-                out[req.request_id] = accept(logits[row:row + it.num_logits], draft, q, req.params, req.generator)
+            draft = drafts.get(req.request_id)
+            if draft is not None and draft.tree is not None:
+                out[req.request_id] = accept_tree(logits[row:row + it.num_logits], draft.tree, req.params,
+                                                  req.generator)
+            elif draft is not None:
+                out[req.request_id] = accept(logits[row:row + it.num_logits], draft.tokens, draft.probs, req.params,
+                                             req.generator)
             else:
                 plain_rows.append(row)
                 plain.append(req)

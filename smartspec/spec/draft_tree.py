@@ -1,0 +1,151 @@
+"""The draft model grows a token tree per request, one lockstep draft forward per depth.
+
+Depth by depth, the best frontier nodes (at most `branching` per request, by path probability) are fed to the draft
+together, each seeing only its ancestors (the tree mask), and each yields `branching` candidate children: the most
+probable tokens for greedy requests; for sampled requests, tokens drawn without replacement (Gumbel top-k) from the
+draft distribution, which is kept for acceptance. The node budget's best candidates by path probability form the
+tree. The fed nodes' KV stays in the draft cache; once the target has committed, the accepted path's entries are
+moved next to the context and the rest is dropped, so the draft does not feed the accepted tokens again."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from smartspec.engine.model_runner import ForwardItem
+from smartspec.engine.request import Request
+from smartspec.engine.sampler import target_probs
+from smartspec.spec.draft_model import DraftModelProposer
+from smartspec.spec.proposer import Proposal
+from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores
+
+
+@dataclass
+class _Growth:
+    """One request's candidates while its tree grows (candidate -1 is the root, the last committed token)."""
+    index: int  # the request's row in the batch
+    ds: Request  # the draft's mirror of the request
+    budget: int
+    width: int
+    rounds: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # path probability under the draft
+    confidences: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    stored: dict[int, int] = field(default_factory=dict)  # fed candidate -> its cache position
+    masks: dict[int, int] = field(default_factory=dict)  # fed candidate (and -1) -> ancestor bits from the root
+    child_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def root(self) -> int:
+        return self.ds.num_tokens - 1  # cache position and sequence position of the root
+
+
+class DraftTreeProposer(DraftModelProposer):
+    def __init__(self, *args, max_depth: int, branching: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_depth, self.branching = max_depth, branching
+        self.grown: dict[str, tuple[int, dict[tuple[int, int], int], dict[int, int]]] = {}
+
+    # ---- after the target committed: keep the accepted path's KV ------------------------------------------
+    def _sync_state(self, req: Request) -> Request:
+        ds, grown = self.state.get(req.request_id), self.grown.pop(req.request_id, None)
+        if ds is not None and grown is not None:
+            root_len, child_of, stored = grown
+            src, node = [], -1
+            if ds.num_computed_tokens == root_len and req.token_ids[:root_len] == ds.token_ids[:root_len]:
+                for tok in req.token_ids[root_len:-1]:  # the last token is fed again: its logits are needed
+                    node = child_of.get((node, tok), -2)
+                    if node not in stored:
+                        break
+                    src.append(stored[node])
+            dst = list(range(root_len, root_len + len(src)))
+            if src != dst:
+                self.runner.copy_kv([self.blocks.slot(ds, p) for p in src], [self.blocks.slot(ds, p) for p in dst])
+            ds.token_ids = ds.token_ids[:root_len] + req.token_ids[root_len:root_len + len(src)]
+            ds.num_computed_tokens = root_len + len(src) if src else ds.num_computed_tokens
+        return super()._sync_state(req)
+
+    def release(self, request_id: str) -> None:
+        self.grown.pop(request_id, None)
+        super().release(request_id)
+
+    # ---- growing -------------------------------------------------------------------------------------------
+    def _expand(self, g: _Growth, node: int, logits: torch.Tensor, req: Request) -> None:
+        """Add `branching` candidate children of node (fed) from the draft's logits after it."""
+        if req.params.greedy:
+            q = self._fit_vocab(torch.softmax(logits.float(), dim=-1))
+            keys = q
+        else:
+            q = self._fit_vocab(target_probs(logits, req.params))
+            uniform = torch.rand(q.shape, generator=req.generator).clamp_(min=1e-20)
+            keys = q.log() - (-uniform.log()).log()  # Gumbel top-k: an ordered draw without replacement
+            g.child_probs[node] = q
+        top = torch.topk(keys, min(self.branching, int((q > 0).sum())))
+        parent_score = 1.0 if node < 0 else g.scores[node]
+        depth = 1 if node < 0 else g.depths[node] + 1
+        for tok in top.indices.tolist():
+            g.tokens.append(tok)
+            g.parents.append(node)
+            g.confidences.append(float(q[tok]))
+            g.scores.append(parent_score * float(q[tok]))
+            g.depths.append(depth)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+        growing: list[_Growth] = []
+        for i, (req, k) in enumerate(zip(requests, ks)):
+            if k <= 0:
+                continue
+            budget = min(k, MAX_TREE_NODES)
+            width, rounds = min(self.branching, budget), min(self.max_depth, budget)
+            ds = self._sync_state(req)
+            fed = width * (rounds - 1)
+            if not self.blocks.can_hold(ds, req.num_tokens + fed):  # the draft's cache is full: no speculation
+                continue
+            self.blocks.allocate(ds, req.num_tokens + fed)
+            growing.append(_Growth(i, ds, budget, width, rounds, masks={-1: 1}))
+        self.last_catchup_tokens = sum(g.ds.num_tokens - g.ds.num_computed_tokens - 1 for g in growing)
+        if growing:  # depth 1: the draft reads every token it has not seen, through the root
+            items = [ForwardItem(g.ds, g.ds.token_ids[g.ds.num_computed_tokens:], g.ds.num_computed_tokens, 1)
+                     for g in growing]
+            logits = self.runner.forward(items)
+            for row, g in enumerate(growing):
+                g.ds.num_computed_tokens = g.ds.num_tokens
+                self._expand(g, -1, logits[row], requests[g.index])
+        for depth in range(1, max((g.rounds for g in growing), default=0)):
+            active, items, fed = [g for g in growing if depth < g.rounds], [], []
+            for g in active:
+                eff = capped_scores(g.parents, g.scores, sibling_order=not requests[g.index].params.greedy)
+                level = [c for c in range(len(g.tokens)) if g.depths[c] == depth]
+                frontier = sorted(sorted(level, key=lambda c: (-eff[c], c))[:g.width])
+                if not frontier:  # a top-k filter left no candidates at this depth
+                    continue
+                start = g.root + 1 + len(g.stored)
+                for j, c in enumerate(frontier):
+                    g.stored[c] = start + j
+                    g.masks[c] = g.masks[g.parents[c]] | 1 << (start + j - g.root)
+                items.append(ForwardItem(g.ds, [g.tokens[c] for c in frontier], start, len(frontier),
+                                         positions=[g.root + depth] * len(frontier), tree_base=g.root,
+                                         tree_masks=[_signed(g.masks[c]) for c in frontier]))
+                fed.append((g, frontier))
+            if not items:
+                break
+            logits = self.runner.forward(items)
+            row = 0
+            for g, frontier in fed:
+                for c in frontier:
+                    self._expand(g, c, logits[row], requests[g.index])
+                    row += 1
+        trees = [TokenTree([], [], []) for _ in requests]
+        for g in growing:
+            trees[g.index] = best_first(g.tokens, g.parents, g.scores, g.confidences, g.child_probs, limit=g.budget,
+                                        sibling_order=not requests[g.index].params.greedy)
+            child_of = {(g.parents[c], g.tokens[c]): c for c in range(len(g.tokens))}
+            self.grown[g.ds.request_id] = (g.ds.num_tokens, child_of, g.stored)
+        return Proposal([t.tokens for t in trees], [None] * len(requests), trees)
+
+
+def _signed(mask: int) -> int:
+    return mask - (1 << 64) if mask >= 1 << 63 else mask

@@ -1,0 +1,113 @@
+"""Token trees: several candidate continuations of one request, verified together in one target forward.
+
+The root is the request's last committed token (it is fed first); nodes 0..n-1 follow it, each with its parent
+(-1: the root). Parents come before children and siblings in the order they were drawn; a selection of nodes keeps
+a node's parent and its earlier siblings, which sampled acceptance needs (a sibling was drawn from the draft
+distribution without the ones before it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The root and the nodes share one 64-bit ancestor mask per token (the attention kernel's tree mask).
+MAX_TREE_TOKENS = 64
+MAX_TREE_NODES = MAX_TREE_TOKENS - 1
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]
+    parents: list[int]  # parents[i] < i; -1 is the root
+    # per node, the drafter's confidence in it: the probability it gave the token (prompt lookup: the share of
+    # matches that continue this way). What the policy calibrates into acceptance probabilities.
+    confidences: list[float]
+    # sampled requests of a draft model: the draft distribution [V] each expanded node's children were drawn
+    # from, by node (-1: the root). Absent for greedy requests and model-free drafts (deterministic tokens).
+    child_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.tokens) == len(self.parents) == len(self.confidences)):
+            raise ValueError("a token tree needs one parent and one confidence per token")
+        if len(self.tokens) > MAX_TREE_NODES:
+            raise ValueError(f"a token tree holds at most {MAX_TREE_NODES} nodes, got {len(self.tokens)}")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"tree parents must precede their children: {self.parents}")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], confidences: list[float] | None = None) -> TokenTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), confidences or [1.0] * len(tokens))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node (the root's children: 1), i.e. its offset from the root's position."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def ancestor_masks(self) -> list[int]:
+        """For the root and every node, as signed 64-bit ints: bit 0 is the root, bit i + 1 is node i; a token sees
+        itself and its ancestors, never a sibling or a cousin."""
+        masks = [1]
+        for i, p in enumerate(self.parents):
+            masks.append(masks[p + 1] | (1 << (i + 1)))
+        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes a sequence of accepted tokens walks down from the root (siblings' tokens are distinct)."""
+        path, node = [], -1
+        for tok in tokens:
+            nxt = next((c for c in self.children(node) if self.tokens[c] == tok), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        return path
+
+    def select(self, keep: list[int]) -> TokenTree:
+        """The tree of the given nodes (ascending, closed under parents); nodes are renumbered."""
+        index = {old: new for new, old in enumerate(keep)}
+        if any(self.parents[i] >= 0 and self.parents[i] not in index for i in keep):
+            raise ValueError("a selected node's parent was not selected")
+        return TokenTree([self.tokens[i] for i in keep],
+                         [index.get(self.parents[i], -1) for i in keep],
+                         [self.confidences[i] for i in keep],
+                         {index.get(n, -1): q for n, q in self.child_probs.items() if n < 0 or n in index})
+
+
+
+def best_first(tokens: list[int], parents: list[int], scores: list[float], confidences: list[float],
+               child_probs: dict[int, torch.Tensor] | None = None, limit: int = MAX_TREE_NODES,
+               sibling_order: bool = True) -> TokenTree:
+    """The `limit` best of some candidate nodes (given parent-first, siblings in draw order) by score, as a tree.
+    A node's score is capped by its parent's (and, with sibling_order, its previous sibling's: sampled drafts), so
+    what is kept stays closed under them."""
+    eff = capped_scores(parents, scores, sibling_order)
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: (-eff[i], i))[:limit])
+    index = {old: new for new, old in enumerate(keep)}
+    return TokenTree([tokens[i] for i in keep], [index.get(parents[i], -1) for i in keep],
+                     [confidences[i] for i in keep],
+                     {index.get(n, -1): q for n, q in (child_probs or {}).items() if n < 0 or n in index})
+
+
+def capped_scores(parents: list[int], scores: list[float], sibling_order: bool = True) -> list[float]:
+    """Scores made non-increasing from a parent to its children (and along siblings in draw order)."""
+    eff = list(scores)
+    last_child: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        cap = eff[p] if p >= 0 else float("inf")
+        if sibling_order and p in last_child:
+            cap = min(cap, eff[last_child[p]])
+        eff[i] = min(eff[i], cap)
+        last_child[p] = i
+    return eff
