@@ -9,6 +9,7 @@ results/bench_policies_summary.parquet and results/bench_policies.png.
 
     python scripts/bench_policies.py                        # the full sweep (about an hour on 2 cores)
     python scripts/bench_policies.py --rates 0.1 --requests 3 --max-tokens 16 --policies off smartspec
+    python scripts/bench_policies.py --proposers draft_model draft_tree --tree 8:4:2 --policies off fixed:5 smartspec
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
 from smartspec.policy.base import default_batch_table
-from smartspec.spec.ngram import NgramProposer
+from smartspec.spec.config import TreeConfig
+from smartspec.spec.draft_tree import DraftTreeProposer
+from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
 from smartspec.workloads import humaneval_prompts
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
@@ -77,7 +80,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--proposers", nargs="+", default=["draft_model", "ngram"], choices=["draft_model", "ngram"])
+    ap.add_argument("--proposers", nargs="+", default=["draft_model", "ngram"],
+                    choices=["draft_model", "ngram", "draft_tree", "ngram_tree"],
+                    help="*_tree: token trees of --tree's shape; k (fixed:K, the policies' K) is then a node budget")
+    ap.add_argument("--tree", default="8:4:2", help="NODES:DEPTH:BRANCHING for the *_tree proposers")
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--rates", nargs="+", type=float, default=[0.05, 0.15, 0.3], help="requests per second")
     ap.add_argument("--requests", type=int, default=10)
@@ -95,6 +101,17 @@ def main() -> int:
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k_max,
                             "policy": "off"}))
     proposers = {"draft_model": engine.speculator.proposer, "ngram": NgramProposer(4, 1)}
+    try:
+        tree = TreeConfig(*(int(x) for x in args.tree.split(":")))
+    except (TypeError, ValueError) as exc:
+        ap.error(f"--tree {args.tree!r}: {exc}")
+    if "ngram_tree" in args.proposers:
+        proposers["ngram_tree"] = NgramTreeProposer(tree.max_depth, tree.branching, 4, 1)
+    if "draft_tree" in args.proposers:
+        c = engine.config
+        proposers["draft_tree"] = DraftTreeProposer(
+            args.draft, engine.tokenizer, engine.vocab_size, engine.speculator.proposer.blocks.num_blocks,
+            c.block_size, c.use_kernels, c.dtype, c.device, max_depth=tree.max_depth, branching=tree.branching)
     problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
     prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
     requests, summary = [], []
@@ -102,9 +119,11 @@ def main() -> int:
         for policy_name in args.policies:
             if policy_name == "off" and proposer_name != args.proposers[0]:
                 continue  # off never runs a proposer: measured once
-            policy = make_policy(policy_name, args.k_max, default_batch_table(args.k_max),
-                                 key=f"{proposer_name}:{args.draft}")
-            engine.set_speculation(proposers[proposer_name], policy, args.k_max)
+            is_tree = proposer_name.endswith("_tree")
+            k_max = tree.max_nodes if is_tree else args.k_max
+            policy = make_policy(policy_name, k_max, default_batch_table(k_max), key=f"{proposer_name}:{args.draft}",
+                                 tree_depth=tree.max_depth if is_tree else None)
+            engine.set_speculation(proposers[proposer_name], policy, k_max)
             if policy.wants_profile:
                 engine.profile_steps()
             label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"

@@ -1,7 +1,9 @@
 """Speculative decoding on HumanEval: tokens/s, acceptance and mean accepted length, per proposer and k.
 
 Configurations: off, and fixed k = 1, 3, 5 for the draft model (Qwen2.5-Coder-0.5B) and prompt lookup, on the
-target Qwen2.5-Coder-1.5B. Each runs single stream (the prompts one at a time) and in batches of 4 and 8, on raw
+target Qwen2.5-Coder-1.5B; and token trees of n nodes (--trees NODES:DEPTH:BRANCHING, n = 3 and 5 by default),
+which verify n + 1 tokens per request like a chain of k = n: mean accepted length per target forward and tokens/s
+at equal verification budget. Each runs single stream (the prompts one at a time) and in batches of 4 and 8, on raw
 HumanEval prompts and on the same problems in the chat template. As the outside reference, in the same run,
 transformers' own generate: plain greedy, assisted generation (assistant_model=, 4 tokens) and prompt lookup
 (prompt_lookup_num_tokens=4), single stream (it does not batch speculation).
@@ -9,6 +11,7 @@ Prints a table; writes results/bench_spec.parquet and results/bench_spec.png.
 
     python scripts/bench_spec.py                     # everything (about 30 min on 2 cores)
     python scripts/bench_spec.py --variants chat --batches 1 --max-tokens 32   # a quick look
+    python scripts/bench_spec.py --no-transformers --ks 3 5 --trees 3:2:2 5:3:2 5:2:4   # chains vs trees
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from smartspec import EngineConfig, SamplingParams
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
-from smartspec.spec.ngram import NgramProposer
+from smartspec.spec.config import TreeConfig
+from smartspec.spec.draft_tree import DraftTreeProposer
+from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
 from smartspec.workloads import humaneval_prompts
 
 
@@ -48,10 +53,20 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
         model=args.target, kv_cache_gib=1.0, max_num_seqs=max(args.batches), max_model_len=2048,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": 5}))
     draft = engine.speculator.proposer
-    ngram = NgramProposer(n_max=4, n_min=1)
-    configs = [("off", draft, 0)] + [(f"{name} k={k}", prop, k) for name, prop in (("draft_model", draft),
-                                                                                  ("ngram", ngram))
+    proposers = {"draft_model": draft, "ngram": NgramProposer(n_max=4, n_min=1)}
+    configs = [("off", draft, 0)] + [(f"{name} k={k}", proposers[name], k) for name in args.methods
                                      for k in args.ks]
+    for spec in args.trees:  # a tree of n nodes verifies n + 1 tokens, as a chain of k = n does
+        nodes, depth, branching = spec
+        for name in args.methods:
+            if name == "ngram":
+                tree = NgramTreeProposer(depth, branching, n_max=4, n_min=1)
+            else:
+                c = engine.config
+                tree = DraftTreeProposer(args.draft, engine.tokenizer, engine.vocab_size, draft.blocks.num_blocks,
+                                         c.block_size, c.use_kernels, c.dtype, c.device, max_depth=depth,
+                                         branching=branching)
+            configs.append((f"{name} tree n={nodes} d={depth} b={branching}", tree, nodes))
     rows = []
     params = SamplingParams(max_tokens=args.max_tokens)
     for variant, prompts in prompts_by_variant.items():
@@ -62,7 +77,8 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
                 print(f"[smartspec] {variant} batch={batch} {label} ...", file=sys.stderr, flush=True)
                 r = run_batchwise(engine, use, batch, params)
                 rows.append(dict(impl="smartspec", variant=variant, batch=batch, config=label,
-                                 method="off" if k == 0 else label.split()[0], k=k, prompts=len(use), **r))
+                                 method="off" if k == 0 else label.split()[0], k=k, tree="tree" in label,
+                                 prompts=len(use), **r))
     del engine, draft
     gc.collect()
     return rows
@@ -96,6 +112,14 @@ def bench_transformers(args, prompts_by_variant) -> list[dict]:
     return rows
 
 
+def _tree_spec(text: str) -> tuple[int, int, int]:
+    try:
+        nodes, depth, branching = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tree {text!r}: expected NODES:DEPTH:BRANCHING, e.g. 5:3:2") from None
+    return nodes, depth, branching
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -103,6 +127,9 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["raw", "chat"], choices=["raw", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 3, 5])
+    ap.add_argument("--methods", nargs="+", default=["draft_model", "ngram"], choices=["draft_model", "ngram"])
+    ap.add_argument("--trees", nargs="*", type=_tree_spec, default=[(3, 2, 2), (5, 3, 2)],
+                    help="token trees as NODES:DEPTH:BRANCHING (compare with chains of k = NODES)")
     ap.add_argument("--single-prompts", type=int, default=4, help="prompts run one at a time for batch 1")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
@@ -111,6 +138,10 @@ def main() -> int:
     args = ap.parse_args()
     if max(args.ks) > 5:
         ap.error("--ks at most 5 (the engine is built with K = 5)")
+    try:
+        [TreeConfig(*t) for t in args.trees]
+    except ValueError as exc:
+        ap.error(str(exc))
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 

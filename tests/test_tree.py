@@ -192,15 +192,6 @@ def test_greedy_tree_under_smartspec_equals_plain(method, tiny_qwen, tiny_qwen_d
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
 
 
-def test_sampled_tree_is_seeded_and_valid(tiny_qwen, tiny_qwen_draft):
-    spec = {"method": "draft_model", "model": tiny_qwen_draft, "tree": TREE, "policy": "fixed"}
-    p = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
-    a = make(tiny_qwen, spec).generate(PROMPTS, p)
-    b = make(tiny_qwen, spec).generate(PROMPTS, p)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert all(len(o.token_ids) == 30 for o in a)
-
-
 @pytest.mark.parametrize("bad,message", [
     ({"max_nodes": 64}, "max_nodes"), ({"max_depth": 0}, "max_depth"), ({"branching": 8, "max_depth": 10}, "branching"),
     ({"width": 2}, "unknown tree keys"),
@@ -349,3 +340,31 @@ def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_dr
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     finally:
         engine.close()
+
+
+def test_calibration_is_shared_between_replicas_without_echo():
+    from smartspec.policy import SmartSpecPolicy, merge_states
+
+    a, b = SmartSpecPolicy(key="k:tree", tree_depth=3), SmartSpecPolicy(key="k:tree", tree_depth=3)
+    for _ in range(200):  # replica a learns that its drafter's 0.95 nodes are rejected
+        a.calibration.observe(TokenTree([1], [-1], [0.95]), [])
+    b.import_state(merge_states([a.export_state()]))
+    assert b.calibration.probability(0.95) < 0.1
+    assert sum(b.export_state()["calibration"]["total"]) == 0  # b exports its own evidence only
+
+
+def test_node_budgets_follow_the_last_trees_values():
+    from smartspec.policy import SmartSpecPolicy
+
+    policy = SmartSpecPolicy(tree_depth=3)
+    policy.cost.v = [0.010, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0]  # cheap verification
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64)) for i in range(2)]
+    policy.choose(reqs, 8)
+    confident = TokenTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.99] * 5)  # r0's drafter is sure of a long path
+    doubtful = TokenTree([6], [-1], [0.02])  # r1's is not
+    policy.prune(reqs, [8, 8], [confident, doubtful], draft_s=0.001)
+    before = policy.tree_gains.curve("r0").copy()
+    policy.prune(reqs, [0, 8], [TokenTree([], [], []), doubtful], draft_s=0.001)  # r0 asked for nothing
+    assert np.array_equal(policy.tree_gains.curve("r0"), before)
+    ks = policy.choose(reqs, 8)
+    assert ks[0] >= 4 and ks[1] <= 1, ks

@@ -35,8 +35,9 @@ class Policy:
         chunks), which the verify forward carries anyway."""
         raise NotImplementedError
 
-    def prune(self, requests: list[Request], trees: list, draft_s: float) -> list:
-        """Token trees as proposed -> the trees to verify (a policy that weighs nodes drops some)."""
+    def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:
+        """Token trees as proposed for node budgets ks -> the trees to verify (a policy that weighs nodes drops
+        some)."""
         return trees
 
     def observe_cost(self, record: StepRecord) -> None:

@@ -73,11 +73,12 @@ class SmartSpecPolicy(Policy):
         """Draft forwards that k tokens (chain) or k nodes (tree) take."""
         return k if self.tree_depth is None else min(k, self.tree_depth)
 
-    def prune(self, requests: list[Request], trees: list, draft_s: float) -> list:
+    def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:
         values = [node_values(t, self.calibration) for t in trees]
         if self.tree_gains is not None:
-            for r, v in zip(requests, values):
-                self.tree_gains.update(r.request_id, v)
+            for r, k, v in zip(requests, ks, values):
+                if k > 0:  # a request that asked for no tree says nothing about what its trees are worth
+                    self.tree_gains.update(r.request_id, v)
         if not self.cost.ready:
             return trees
         tokens, context = self._step_shape

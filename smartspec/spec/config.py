@@ -31,14 +31,7 @@ class TreeConfig:
 
     @classmethod
     def parse(cls, value: TreeConfig | dict | None) -> TreeConfig | None:
-        if value is None or isinstance(value, TreeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config['tree'] must be a dict, got {type(value).__name__}")
-        unknown = sorted(set(value) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown tree keys {unknown}; known: max_nodes, max_depth, branching")
-        return cls(**value)
+        return _from_dict(cls, value, "speculative_config['tree']", "tree")
 
 
 @dataclass
@@ -84,12 +77,17 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return _from_dict(cls, value, "speculative_config", "speculative_config")
+
+
+def _from_dict(cls, value, name: str, keys_of: str):
+    """A config dataclass from a user's dict, with unknown keys named (or the instance / None as given)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {keys_of} keys {unknown}; known: {sorted(known)}")
+    return cls(**value)

@@ -78,7 +78,7 @@ class Speculator:
             return {r.request_id: Draft(t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs) if t}
         trees = proposal.trees
         try:
-            trees = self.policy.prune(decoding, trees, time.perf_counter() - t0)
+            trees = self.policy.prune(decoding, ks, trees, time.perf_counter() - t0)
         except Exception:
             logger.exception("policy %r failed to prune trees; verifying them whole", self.policy.name)
         return {r.request_id: Draft(t.tokens, None, t) for r, t in zip(decoding, trees) if len(t)}
