@@ -101,7 +101,8 @@ class TreeGains:
 def prune_trees(trees: list[TokenTree], values: list[np.ndarray], cost: Callable, base_tokens: int,
                 base_context: int, draft_s: float) -> tuple[list[TokenTree], float]:
     """Keep the nodes of highest value across the batch while goodput, (requests + sum of kept values) / (draft time
-    spent + predicted verify time), rises. Returns the trees and the predicted step time."""
+    spent + predicted verify time), rises. Returns the trees and the step time expected for them (the draft time
+    as measured plus the predicted rest)."""
     b = len(trees)
     flat = [(-float(v), i, n) for i, vals in enumerate(values) for n, v in enumerate(vals)]
     flat.sort()

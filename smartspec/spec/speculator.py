@@ -20,6 +20,7 @@ from smartspec.spec.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
+
 class Draft(NamedTuple):
     tokens: list[int]  # a chain's draft tokens, or a tree's node tokens
     probs: torch.Tensor | None  # a chain's draft distributions (None: deterministic)
