@@ -280,6 +280,23 @@ def test_recursive_rejection_sampling_follows_the_target(sampler, should_pass):
     assert (p_value > 1e-4) == should_pass, p_value  # a false alarm 1 time in 10,000
 
 
+def test_recursive_rejection_sampling_with_fixed_siblings_follows_the_target():
+    """Prompt-lookup trees under sampling: deterministic siblings (q one-hot at each), tried in order."""
+    gen = torch.Generator().manual_seed(1)
+    tree = TokenTree([2, 0, 4, 1, 5, 3], [-1, -1, -1, 0, 0, 1], [0.5] * 6)  # no child_probs: fixed tokens
+    rows = [P_ROOT] + [_p_next(tree.tokens[i]) if tree.parents[i] < 0 else P_ROOT for i in range(len(tree))]
+    logits = torch.stack(rows).log()
+    n = 12000
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        out = accept_tree(logits, tree, SamplingParams(temperature=1.0), gen)
+        if len(out) < 2:
+            out.append(int(torch.multinomial(_p_next(out[0]), 1, generator=gen)))
+        counts[out[0] * V + out[1]] += 1
+    expected = np.array([float(P_ROOT[x] * _p_next(x)[y]) for x in range(V) for y in range(V)]) * n
+    assert _chi2_pvalue(counts, expected) > 1e-4
+
+
 def test_greedy_tree_acceptance_walks_the_argmax_path():
     tree = TokenTree([1, 2, 3, 4], [-1, -1, 1, 1], [0.5] * 4)
     logits = torch.full((5, V), -5.0)
