@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 
 from smartspec import EngineConfig, SamplingParams
-from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.llm_engine import LLMEngine, make_proposer
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
 from smartspec.policy.base import default_batch_table
-from smartspec.spec.config import TreeConfig
-from smartspec.spec.draft_tree import DraftTreeProposer
-from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
+from smartspec.spec.config import SpeculativeConfig, TreeConfig
+from smartspec.spec.ngram import NgramProposer
 from smartspec.workloads import humaneval_prompts
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
@@ -105,13 +104,12 @@ def main() -> int:
         tree = TreeConfig(*(int(x) for x in args.tree.split(":")))
     except (TypeError, ValueError) as exc:
         ap.error(f"--tree {args.tree!r}: {exc}")
-    if "ngram_tree" in args.proposers:
-        proposers["ngram_tree"] = NgramTreeProposer(tree.max_depth, tree.branching, 4, 1)
-    if "draft_tree" in args.proposers:
-        c = engine.config
-        proposers["draft_tree"] = DraftTreeProposer(
-            args.draft, engine.tokenizer, engine.vocab_size, engine.speculator.proposer.blocks.num_blocks,
-            c.block_size, c.use_kernels, c.dtype, c.device, max_depth=tree.max_depth, branching=tree.branching)
+    for name in ("ngram_tree", "draft_tree"):
+        if name in args.proposers:
+            method = "ngram" if name == "ngram_tree" else "draft_model"
+            spec = SpeculativeConfig(method=method, model=args.draft if method == "draft_model" else None,
+                                     policy="off", tree=tree)
+            proposers[name] = make_proposer(spec, engine, engine.speculator.proposer.blocks.num_blocks)
     problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
     prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
     requests, summary = [], []

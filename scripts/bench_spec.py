@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 from smartspec import EngineConfig, SamplingParams
-from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.llm_engine import LLMEngine, make_proposer
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
-from smartspec.spec.config import TreeConfig
-from smartspec.spec.draft_tree import DraftTreeProposer
-from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
+from smartspec.spec.config import SpeculativeConfig, TreeConfig
+from smartspec.spec.ngram import NgramProposer
 from smartspec.workloads import humaneval_prompts
 
 
@@ -56,16 +55,12 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
     proposers = {"draft_model": draft, "ngram": NgramProposer(n_max=4, n_min=1)}
     configs = [("off", draft, 0)] + [(f"{name} k={k}", proposers[name], k) for name in args.methods
                                      for k in args.ks]
-    for spec in args.trees:  # a tree of n nodes verifies n + 1 tokens, as a chain of k = n does
-        nodes, depth, branching = spec
+    for nodes, depth, branching in args.trees:  # a tree of n nodes verifies n + 1 tokens, as a chain of k = n does
         for name in args.methods:
-            if name == "ngram":
-                tree = NgramTreeProposer(depth, branching, n_max=4, n_min=1)
-            else:
-                c = engine.config
-                tree = DraftTreeProposer(args.draft, engine.tokenizer, engine.vocab_size, draft.blocks.num_blocks,
-                                         c.block_size, c.use_kernels, c.dtype, c.device, max_depth=depth,
-                                         branching=branching)
+            spec = SpeculativeConfig(method=name, model=args.draft if name == "draft_model" else None,
+                                     policy="off", tree={"max_nodes": nodes, "max_depth": depth,
+                                                         "branching": branching})
+            tree = make_proposer(spec, engine, draft.blocks.num_blocks)
             configs.append((f"{name} tree n={nodes} d={depth} b={branching}", tree, nodes))
     rows = []
     params = SamplingParams(max_tokens=args.max_tokens)

@@ -311,22 +311,29 @@ async def _hold_streams(client, url: str, n: int):
     return streams
 
 
+def _send_while_holding(app: str, url: str, num_held: int, send):
+    """Hold num_held streams open on the app, run send(client), release the streams; the app is deleted after."""
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            held = await _hold_streams(client, url, num_held)
+            try:
+                return await send(client)
+            finally:
+                for cm in held:
+                    await cm.__aexit__(None, None, None)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        serve.delete(app)
+
+
 def test_overload_429_when_the_engine_queue_is_full(ray_serve, tiny_qwen):
     _BASE[0] = ray_serve
     url = _deploy_tight(tiny_qwen, "tight429", max_waiting=1, max_ongoing_requests=8, max_queued_requests=8)
-
-    async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
-            held = await _hold_streams(client, url, 2)  # one running, one waiting: the engine's bound
-            r = await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 4})
-            for cm in held:
-                await cm.__aexit__(None, None, None)
-            return r
-
-    try:
-        r = asyncio.run(main())
-    finally:
-        serve.delete("tight429")
+    # two held: one running, one waiting, the engine's bound
+    r = _send_while_holding("tight429", url, 2, lambda client: client.post(
+        f"{url}/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 4}))
     assert r.status_code == 429, r.text
     assert "replica overloaded: 2 requests in flight (limit 2)" in r.json()["error"]["message"]
 
@@ -334,20 +341,9 @@ def test_overload_429_when_the_engine_queue_is_full(ray_serve, tiny_qwen):
 def test_overload_503_when_serve_queue_is_full(ray_serve, tiny_qwen):
     _BASE[0] = ray_serve
     url = _deploy_tight(tiny_qwen, "tight503", max_waiting=8, max_ongoing_requests=1, max_queued_requests=1)
-
-    async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
-            held = await _hold_streams(client, url, 1)  # the replica's one slot is taken
-            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
-                "model": "tiny", "prompt": "y", "max_tokens": 4}) for _ in range(6)))
-            for cm in held:
-                await cm.__aexit__(None, None, None)
-            return rs
-
-    try:
-        responses = asyncio.run(main())
-    finally:
-        serve.delete("tight503")
+    # one held: the replica's one slot is taken
+    responses = _send_while_holding("tight503", url, 1, lambda client: asyncio.gather(*(client.post(
+        f"{url}/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 4}) for _ in range(6))))
     refused = [r for r in responses if r.status_code == 503]
     assert len(refused) >= 5 and all(r.status_code == 200 for r in responses if r.status_code != 503)  # 1 queued
     for r in refused:

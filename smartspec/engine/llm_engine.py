@@ -79,7 +79,7 @@ class LLMEngine:
             # (a tree's draft also holds the nodes it fed: branching per depth)
             per_seq = max(spec.k_max, spec.tree.branching * (spec.tree.max_depth - 1) if spec.tree else 0) + 1
             draft_blocks = num_blocks + config.max_num_seqs * self.blocks.blocks_for(per_seq)
-            proposer = (proposer_factory or _make_proposer)(spec, self, draft_blocks)
+            proposer = (proposer_factory or make_proposer)(spec, self, draft_blocks)
         self.speculator = (Speculator(proposer, spec.policy, spec.k_max, batch_table=spec.batch_table,
                                       key=spec.key, options=spec.policy_options,
                                       tree_depth=spec.tree.max_depth if spec.tree else None)
@@ -191,7 +191,7 @@ class LLMEngine:
         new_tokens = spec.accept(items, logits, drafts)
         for it in items:
             it.request.num_computed_tokens += len(it.tokens)
-        outputs = []
+        outputs, trees = [], {}  # trees: request -> (its tree, the accepted path), for the policy
         for it in items:
             req = it.request
             if req.request_id not in new_tokens:
@@ -200,7 +200,8 @@ class LLMEngine:
             draft = drafts.get(req.request_id)
             proposed = len(draft.tokens) if draft is not None else 0
             if draft is not None and draft.tree is not None:
-                self._keep_path(it, draft.tree.follow(new[:-1]))
+                trees[req.request_id] = (draft.tree, draft.tree.follow(new[:-1]))
+                self._keep_path(it, trees[req.request_id][1])
             # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the
             # proposer did not make, go back
             self.blocks.truncate(req, req.num_tokens + len(new) - 1)
@@ -208,7 +209,7 @@ class LLMEngine:
             outputs.append(self._commit(req, new))
             spec.sync(req)
         t_end = time.perf_counter()
-        self._record_step(items, decoding, sum(s.num_tokens for s in prefill), ks, drafts, new_tokens,
+        self._record_step(items, decoding, sum(s.num_tokens for s in prefill), ks, drafts, new_tokens, trees,
                           t_verify - t_draft, t_accept - t_verify, t_end - t_start)
         return outputs
 
@@ -220,7 +221,7 @@ class LLMEngine:
             self.runner.copy_kv([self.blocks.slot(item.request, p) for p in src],
                                 [self.blocks.slot(item.request, p) for p in dst])
 
-    def _record_step(self, items, decoding, num_prefill, ks, drafts, new_tokens, draft_s, verify_s,
+    def _record_step(self, items, decoding, num_prefill, ks, drafts, new_tokens, trees, draft_s, verify_s,
                      total_s) -> None:
         self.num_steps += 1
         self.timing["steps"] += 1
@@ -228,8 +229,6 @@ class LLMEngine:
         self.timing["verify_s"] += verify_s
         self.timing["other_s"] += total_s - draft_s - verify_s
         proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]
-        trees = {rid: (d.tree, d.tree.follow(new_tokens[rid][:-1])) for rid, d in drafts.items()
-                 if d.tree is not None and rid in new_tokens}
         record = StepRecord(
             step=self.num_steps, batch_size=len(items), ks=list(ks), proposed=proposed,
             accepted=[len(new_tokens.get(r.request_id, [None])) - 1 if p else 0 for r, p in zip(decoding, proposed)],
@@ -304,7 +303,8 @@ def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
                        positions=[c] + [c + d for d in tree.depths()], tree_base=c, tree_masks=tree.ancestor_masks())
 
 
-def _make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
+def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
+    """The proposer a speculative config names, in-process, for the engine's target (the draft's cache: num_blocks)."""
     if spec.method == "ngram":
         from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
         if spec.tree:

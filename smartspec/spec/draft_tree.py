@@ -17,7 +17,7 @@ from smartspec.engine.request import Request
 from smartspec.engine.sampler import target_probs
 from smartspec.spec.draft_model import DraftModelProposer
 from smartspec.spec.proposer import Proposal
-from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores
+from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores, signed64
 
 
 @dataclass
@@ -128,7 +128,7 @@ class DraftTreeProposer(DraftModelProposer):
                     g.masks[c] = g.masks[g.parents[c]] | 1 << (start + j - g.root)
                 items.append(ForwardItem(g.ds, [g.tokens[c] for c in frontier], start, len(frontier),
                                          positions=[g.root + depth] * len(frontier), tree_base=g.root,
-                                         tree_masks=[_signed(g.masks[c]) for c in frontier]))
+                                         tree_masks=[signed64(g.masks[c]) for c in frontier]))
                 fed.append((g, frontier))
             if not items:
                 break
@@ -145,7 +145,3 @@ class DraftTreeProposer(DraftModelProposer):
             child_of = {(g.parents[c], g.tokens[c]): c for c in range(len(g.tokens))}
             self.grown[g.ds.request_id] = (g.ds.num_tokens, child_of, g.stored)
         return Proposal([t.tokens for t in trees], [None] * len(requests), trees)
-
-
-def _signed(mask: int) -> int:
-    return mask - (1 << 64) if mask >= 1 << 63 else mask

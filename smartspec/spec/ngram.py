@@ -8,16 +8,8 @@ from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first
 
 def lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Longest suffix first (n_max down to n_min); the most recent earlier match wins."""
-    total = len(tokens)
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = tokens[total - n:]
-        first = suffix[0]
-        for start in range(total - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == suffix:
-                follow = tokens[start + n:start + n + k]
-                if follow:
-                    return follow
-    return []
+    found = lookup_all(tokens, k, n_max, n_min, max_matches=1)
+    return found[0] if found else []
 
 
 class NgramProposer(Proposer):

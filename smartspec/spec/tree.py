@@ -61,7 +61,7 @@ class TokenTree:
         masks = [1]
         for i, p in enumerate(self.parents):
             masks.append(masks[p + 1] | (1 << (i + 1)))
-        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+        return [signed64(m) for m in masks]
 
     def follow(self, tokens: list[int]) -> list[int]:
         """The nodes a sequence of accepted tokens walks down from the root (siblings' tokens are distinct)."""
@@ -76,13 +76,10 @@ class TokenTree:
 
     def select(self, keep: list[int]) -> TokenTree:
         """The tree of the given nodes (ascending, closed under parents); nodes are renumbered."""
-        index = {old: new for new, old in enumerate(keep)}
-        if any(self.parents[i] >= 0 and self.parents[i] not in index for i in keep):
+        kept = set(keep)
+        if any(self.parents[i] >= 0 and self.parents[i] not in kept for i in keep):
             raise ValueError("a selected node's parent was not selected")
-        return TokenTree([self.tokens[i] for i in keep],
-                         [index.get(self.parents[i], -1) for i in keep],
-                         [self.confidences[i] for i in keep],
-                         {index.get(n, -1): q for n, q in self.child_probs.items() if n < 0 or n in index})
+        return _subtree(self.tokens, self.parents, self.confidences, self.child_probs, keep)
 
 
 
@@ -94,10 +91,20 @@ def best_first(tokens: list[int], parents: list[int], scores: list[float], confi
     what is kept stays closed under them."""
     eff = capped_scores(parents, scores, sibling_order)
     keep = sorted(sorted(range(len(tokens)), key=lambda i: (-eff[i], i))[:limit])
+    return _subtree(tokens, parents, confidences, child_probs or {}, keep)
+
+
+def _subtree(tokens, parents, confidences, child_probs, keep: list[int]) -> TokenTree:
+    """The nodes `keep` (ascending, closed under parents), renumbered."""
     index = {old: new for new, old in enumerate(keep)}
     return TokenTree([tokens[i] for i in keep], [index.get(parents[i], -1) for i in keep],
                      [confidences[i] for i in keep],
-                     {index.get(n, -1): q for n, q in (child_probs or {}).items() if n < 0 or n in index})
+                     {index.get(n, -1): q for n, q in child_probs.items() if n < 0 or n in index})
+
+
+def signed64(mask: int) -> int:
+    """A 64-bit mask as the signed int64 the attention kernel reads."""
+    return mask - (1 << 64) if mask >= 1 << 63 else mask
 
 
 def capped_scores(parents: list[int], scores: list[float], sibling_order: bool = True) -> list[float]:
