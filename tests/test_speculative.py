@@ -142,7 +142,9 @@ def test_policy_off_never_drafts(tiny_qwen, tiny_qwen_draft, plain_outputs):
 
 @pytest.mark.parametrize("tree", [None, {"max_nodes": 8, "max_depth": 3, "branching": 2}])
 def test_sampled_speculation_is_seeded_and_valid(tiny_qwen, tiny_qwen_draft, tree):
-    spec = {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3, "tree": tree}
+    # a fixed k: smartspec's k follows measured step times, and how many random draws a step takes follows k
+    spec = {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3, "tree": tree,
+            "policy": "fixed"}
     p = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
     a = make(tiny_qwen, spec).generate(PROMPTS, p)
     b = make(tiny_qwen, spec).generate(PROMPTS, p)
