@@ -87,14 +87,22 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, endpoint:
 
 
 async def run_rate(url: str, model: str, requests: list[dict], rate: float, args) -> list[dict]:
-    times = arrival_times(rate, len(requests), args.burstiness, args.seed)
+    # rate 0: one request at a time, each sent when the last has finished (the no-load limit)
+    times = arrival_times(rate, len(requests), args.burstiness, args.seed) if rate > 0 else None
+    one_at_a_time = asyncio.Lock()  # FIFO: the tasks below queue on it in request order
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         t0, done, tasks = time.perf_counter(), 0, []
 
         async def fire(i: int, req: dict):
-            nonlocal done
+            if times is None:
+                async with one_at_a_time:
+                    return await send(i, req, time.perf_counter() - t0)
             await asyncio.sleep(max(0.0, t0 + times[i] - time.perf_counter()))
+            return await send(i, req, float(times[i]))
+
+        async def send(i: int, req: dict, arrival: float):
+            nonlocal done
             endpoint = req["endpoint"]
             body = {k: v for k, v in req.items() if k != "endpoint"}
             body.update(model=model, max_tokens=args.max_tokens, temperature=args.temperature, stream=True,
@@ -107,7 +115,7 @@ async def run_rate(url: str, model: str, requests: list[dict], rate: float, args
             done += 1
             print(f"\r[{args.label} @ {rate:g} req/s] {done}/{len(requests)} done", end="", file=sys.stderr,
                   flush=True)
-            return {"request": i, "arrival_s": float(times[i]), **row}
+            return {"request": i, "arrival_s": arrival, **row}
 
         tasks = [asyncio.create_task(fire(i, r)) for i, r in enumerate(requests)]
         rows = await asyncio.gather(*tasks)
@@ -131,7 +139,8 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="the served model name")
     ap.add_argument("--label", required=True, help="name of this configuration in tables and plots")
     ap.add_argument("--workload", default="humaneval-chat", choices=SERVING_WORKLOADS)
-    ap.add_argument("--rates", nargs="+", type=float, default=[0.1], help="request rates (req/s)")
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.1],
+                    help="request rates (req/s); 0: one request at a time, each after the last finished")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -145,8 +154,8 @@ def main() -> int:
     import pandas as pd
 
     rates = args.rates
-    if any(r <= 0 for r in rates) or args.num_requests < 1 or args.burstiness <= 0:
-        ap.error("rates, --num-requests and --burstiness must be positive")
+    if any(r < 0 for r in rates) or args.num_requests < 1 or args.burstiness <= 0:
+        ap.error("rates must be >= 0 (0: one request at a time); --num-requests and --burstiness positive")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     requests = serving_requests(args.workload, args.num_requests)

@@ -5,7 +5,8 @@
     python scripts/validate_sim.py --results results --traces results/traces
 
 The simulator gets the measured runs' prompt lengths, output lengths and arrival times (bench_policies' seeded
-Poisson schedule), a step-cost model fitted on all their traces and the measured requests' acceptance rates.
+Poisson schedule), and per proposer a step-cost model fitted on its traces and those without speculation, with the
+acceptance rates of its measured requests.
 Writes <results>/sim_validation.parquet and prints the table."""
 from __future__ import annotations
 
@@ -19,6 +20,23 @@ import pyarrow.parquet as pq
 
 from smartspec.sim import SimProfile, simulate
 
+PROPOSERS = ("draft_model", "draft_tree", "ngram_tree", "ngram")
+
+
+def profiles_by_proposer(traces: list[Path]) -> dict[str, SimProfile]:
+    """One profile per proposer (its draft cost and acceptance are its own), each also fitted on the runs without
+    speculation; bench_policies names traces '<proposer>_<policy>@<rate>' and 'off@<rate>'."""
+    off = [t for t in traces if t.stem.startswith("off@")]
+    of_proposer: dict[str, list[Path]] = {}
+    for t in traces:
+        name = next((p for p in PROPOSERS if t.stem.startswith(f"{p}_")), None)  # longest names first
+        if name is not None:
+            of_proposer.setdefault(name, []).append(t)
+    profiles = {p: SimProfile.from_traces(off + ts) for p, ts in of_proposer.items()}
+    if off:
+        profiles["off"] = SimProfile.from_traces(off)
+    return profiles
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +49,7 @@ def main() -> int:
     if not traces:
         print(f"no traces in {args.traces}: run bench_policies.py with --trace-dir", file=sys.stderr)
         return 1
-    profile = SimProfile.from_traces(traces)
+    profiles = profiles_by_proposer(traces)
     measured = pq.read_table(Path(args.results) / "bench_policies.parquet").to_pylist()
     out = []
     for (config, policy, rate) in sorted({(r["config"], r["policy"], r["rate"]) for r in measured}):
@@ -41,6 +59,7 @@ def main() -> int:
         for _ in rows:  # bench_policies' schedule: exponential gaps from Random(seed)
             t += rng.expovariate(rate)
             arrivals.append(t)
+        profile = profiles[config.split()[0] if config != "off" else "off"]
         sim = simulate(profile, policy, args.k_max, arrivals, [r["prompt_tokens"] for r in rows],
                        [r["output_tokens"] for r in rows], seed=args.seed, max_num_seqs=16, max_model_len=2048)
         real, simulated = np.mean([r["latency_s"] for r in rows]), np.mean([r["latency_s"] for r in sim])
@@ -49,8 +68,10 @@ def main() -> int:
     import pyarrow as pa
 
     pq.write_table(pa.Table.from_pylist(out), Path(args.results) / "sim_validation.parquet")
-    print(f"profile: {len(traces)} traces, {len(profile.alphas)} requests, mean acceptance "
-          f"{np.mean(profile.alphas) if profile.alphas else 0:.2f}")
+    for name, profile in profiles.items():
+        print(f"profile {name}: {len(profile.alphas)} requests, mean acceptance "
+              f"{np.mean(profile.alphas) if profile.alphas else 0:.2f}, draft coefficients "
+              f"{[round(d, 5) for d in profile.cost.d]}")
     print(f"{'config':24s} {'rate':>5s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s}")
     for r in out:
         print(f"{r['config']:24s} {r['rate']:5.2f} {r['measured_mean_latency_s']:10.2f} "

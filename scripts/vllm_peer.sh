@@ -12,6 +12,10 @@ TARGET=${TARGET:-qwen2.5-coder-1.5b}
 DRAFT=${DRAFT:-qwen2.5-coder-0.5b}
 PORT=${PORT:-8001}
 K=${K:-4}
+# SmartSpec has no prefix cache, and the benchmarks send the same prompts at every rate: with vLLM's default
+# prefix cache, every rate after the first would skip its prefills. PREFIX_CACHING=1 turns it back on.
+CACHE_FLAG=--no-enable-prefix-caching
+[ "${PREFIX_CACHING:-0}" = 1 ] && CACHE_FLAG=--enable-prefix-caching
 
 case "${1:-}" in
   install)
@@ -37,7 +41,7 @@ case "${1:-}" in
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} LD_PRELOAD="${preload#:}"
     exec "$VENV/bin/python" scripts/vllm_cli.py serve "$CACHE/models/$TARGET" --served-model-name "$TARGET" \
       --dtype float32 --max-model-len 4096 --max-num-batched-tokens 256 --max-num-seqs 16 \
-      --host 127.0.0.1 --port "$PORT" "${SPEC[@]}"
+      --host 127.0.0.1 --port "$PORT" "$CACHE_FLAG" "${SPEC[@]}"
     ;;
   *) echo "usage: $0 install | serve none|ngram|draft" >&2; exit 2 ;;
 esac

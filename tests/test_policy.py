@@ -1,14 +1,17 @@
 import itertools
 import random
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from smartspec import LLM, SamplingParams
+from smartspec.engine.request import Request
 from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, merge_states
 from smartspec.policy.acceptance import AcceptanceEstimator
+from smartspec.policy.base import StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import goodput, select_k
+from smartspec.policy.goodput import charge_start_costs, goodput, select_from_gains, select_k
 
 
 def geometric_accepted(rng, alpha, k):
@@ -142,6 +145,49 @@ def test_greedy_is_within_a_few_percent_of_brute_force():
         assert mine >= gp([0] * b) - 1e-12  # never worse than not speculating
         worst = min(worst, mine / best)
     assert worst > 0.97, worst
+
+
+def test_start_costs_keep_gains_non_increasing_and_price_what_does_not_pay():
+    gains = np.array([[0.9, 0.81, 0.73, 0.66], [0.9, 0.81, 0.73, 0.66], [0.5, 0.25, 0.12, 0.06]])
+    charged = charge_start_costs(gains, [4, 4, 2], np.array([0.0, 1.0, 5.0]))
+    assert (charged[0] == gains[0]).all()
+    assert all((np.diff(row[:cap]) <= 1e-12).all() for row, cap in zip(charged, [4, 4, 2]))  # within the caps
+    assert charged[1, :4].sum() == pytest.approx(gains[1].sum() - 1.0)  # paid once, spread over the best prefix
+    assert (charged[2, :2] <= 0).all()  # a start that never pays is never chosen
+    ks, _ = select_from_gains(charged, [4, 4, 2], np.arange(1, 5), linear_cost(0.1, 0.001), 3, 300)
+    assert ks[0] >= ks[1] > 0 and ks[2] == 0
+
+
+def drafting_policy(d_catchup):
+    """A policy with a known cost model: verification cheap, drafting 5 ms a depth, catch-up d_catchup a token."""
+    p = SmartSpecPolicy(key="draft")
+    p.cost.v = [0.1] + [0.001] * 6 + [0.0]
+    p.cost.d = [0.005, 0.001, d_catchup]
+    return p
+
+
+def test_a_draft_catch_up_is_charged_and_tracked():
+    params = SamplingParams(max_tokens=64)
+    fresh, seen = Request("fresh", list(range(500)), params), Request("seen", list(range(500)), params)
+    for p in (drafting_policy(0.0), drafting_policy(0.005)):
+        for _ in range(30):
+            p.acceptance.observe("fresh", 4, 4)
+            p.acceptance.observe("seen", 4, 4)
+        p._draft_seen["seen"] = seen.num_tokens - 1
+        ks = p.choose([fresh, seen], 5)
+        if p.cost.d[2] == 0:  # catch-up costs nothing: both draft
+            assert ks[0] > 0 and ks[1] > 0
+            continue
+        # reading 499 unseen tokens (2.5 s against 0.1 s steps) does not pay, and is not worth a probe either
+        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p._probing
+        assert p.last_prediction == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
+        p.observe(StepRecord(step=1, batch_size=2, ks=ks, proposed=ks, accepted=[0, 2], request_ids=["fresh", "seen"],
+                             num_batched_tokens=2 + ks[1], num_prefill_tokens=0, num_context_tokens=1000,
+                             draft_s=0.02, verify_s=0.1, total_s=0.12))
+        # the draft fed the context and its drafts but the last: it saw the accepted ones, up to k - 1 of them
+        assert p._draft_seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p._draft_seen
+        seen.token_ids += [1, 2, 3]  # two drafts accepted and the target's token
+        assert p._catchup_tokens([seen, fresh]).tolist() == [502 - p._draft_seen["seen"], 499]
 
 
 # ---- baselines, state, engine ----------------------------------------------------------------------------------

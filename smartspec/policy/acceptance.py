@@ -43,6 +43,12 @@ class AcceptanceEstimator:
         a = accepted + self.initial_prior * self.prior_strength
         return min(self.max_alpha, a / (accepted + rejected + self.prior_strength))
 
+    @property
+    def evidence(self) -> float:
+        """Proposal outcomes (decayed) behind the prior: this engine's and the other replicas'."""
+        own, shared = self.prior_counts, self.shared_counts
+        return own.accepted + own.rejected + shared.accepted + shared.rejected
+
     def alpha(self, request_id: str) -> float:
         c = self.requests.get(request_id)
         prior = self.prior

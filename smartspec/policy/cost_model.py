@@ -11,8 +11,8 @@ decodes of a few). All coefficients are fitted non-negative, so the model is a c
 non-decreasing in N and C. A segment the data never reached takes the slope of the last one it did.
 T_verify here is everything in a step but drafting (verify forward, sampling, bookkeeping), so T predicts the
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
-fitted as its own term so that it does not inflate the per-step draft cost; predictions for choosing k leave it
-out, as it is paid once per request whatever k is chosen. Windowed weighted least squares with exponential
+fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
+request starts drafting (SmartSpecPolicy). Windowed weighted least squares with exponential
 forgetting, refitted on every step; a degenerate fit is refused and the last good one kept."""
 from __future__ import annotations
 

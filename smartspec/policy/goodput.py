@@ -62,3 +62,22 @@ def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, 
             ks = np.bincount(rows[chosen], minlength=b)
             best_t = float(cost(base_tokens + i + 1, base_context + i + 1, int(depth_of[cols[chosen].max()]), i + 1))
     return ks.tolist(), best_t
+
+
+def charge_start_costs(gains: np.ndarray, caps: list[int], start_tokens: np.ndarray) -> np.ndarray:
+    """gains [B, K] with a one-time cost for request i to draft at all (start_tokens[i], in tokens of goodput: a
+    draft model reading a prompt it has not seen). The cost is spread evenly over the prefix of request i's draft
+    tokens that pays it best (the concave envelope of its cumulative gain), so each row stays non-increasing within its
+    cap and select_from_gains stays exact for the charged gains. A request whose start does not pay gets gains <= 0."""
+    out = np.array(gains, dtype=np.float64, copy=True)
+    caps_arr, start = np.asarray(caps, dtype=np.int64), np.asarray(start_tokens, dtype=np.float64)
+    rows = np.nonzero((start > 0) & (caps_arr > 0))[0]
+    if len(rows) == 0:
+        return out
+    rank = np.arange(1, out.shape[1] + 1)
+    mean = (np.cumsum(out[rows], axis=1) - start[rows, None]) / rank  # mean gain of the first j drafts, charged
+    mean[rank[None, :] > caps_arr[rows, None]] = -np.inf
+    best = np.argmax(mean, axis=1)
+    spread = rank[None, :] <= best[:, None] + 1
+    out[rows] = np.where(spread, mean[np.arange(len(rows)), best][:, None], out[rows])
+    return out

@@ -7,7 +7,7 @@ from smartspec.engine.request import Request
 from smartspec.policy.acceptance import AcceptanceEstimator
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import select_from_gains, select_k
+from smartspec.policy.goodput import charge_start_costs, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
@@ -17,7 +17,7 @@ class SmartSpecPolicy(Policy):
 
     def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
-                 ) -> None:
+                 catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0) -> None:
         self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
         self.acceptance = AcceptanceEstimator(prior_alpha=prior_alpha)
         # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
@@ -33,6 +33,14 @@ class SmartSpecPolicy(Policy):
         self._probe_due: dict[str, int] = {}  # request -> step at which a probe is next allowed
         self._probe_wait: dict[str, int] = {}  # request -> current back-off between probes
         self._probing: set[str] = set()
+        # a draft model reads every token it has not seen before it drafts (a whole prompt, the first time): the
+        # tokens it has seen per request, and the length at which each request last asked for a draft
+        self.catchup_horizon = catchup_horizon  # the most steps one catch-up is spread over when choosing k
+        self._draft_seen: dict[str, int] = {}
+        # until the prior rests on this many outcomes, probes ignore catch-up: the initial prior is a guess, and a
+        # policy that never drafts would never learn the proposer is better than that guess
+        self.min_prior_evidence = min_prior_evidence
+        self._chosen_at: dict[str, int] = {}
         self.step = 0
         self.last_prediction: float | None = None
 
@@ -48,26 +56,56 @@ class SmartSpecPolicy(Policy):
         tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
         self._step_shape = (tokens, context)
         if self.tree_depth is None:
-            alphas = [self.acceptance.alpha(r.request_id) for r in requests]
-            ks, predicted = select_k(alphas, caps, self.cost.predict, tokens, context)
+            alphas = np.array([self.acceptance.alpha(r.request_id) for r in requests])
+            gains = alphas[:, None] ** np.arange(1, k_max + 1)[None, :]
+            depth_of = np.arange(1, k_max + 1)
         else:
             if self.tree_gains is None or self.tree_gains.k_max != k_max:
                 self.tree_gains = TreeGains(k_max, self.prior_alpha)
             gains = np.stack([self.tree_gains.curve(r.request_id) for r in requests])
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
-            ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
+        start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))  # seconds, paid once per start
+        if start_s.any():
+            gains = charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s,
+                                                                               tokens, context))
+        ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
+        learning = self.acceptance.evidence < self.min_prior_evidence
         for i, r in enumerate(requests):
-            if budget and ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0):
-                ks[i] = 1  # a bounded probe: a request at k = 0 would otherwise never show it improved
+            # a bounded probe: a request at k = 0 would otherwise never show it improved; once the prior is
+            # learned, not one whose catch-up would cost more than a small share of the step (the prior speaks
+            # for it)
+            if (budget and ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0)
+                    and (learning or start_s[i] <= self.explore_fraction * predicted)):
+                ks[i] = 1
                 self._probing.add(r.request_id)
                 budget -= 1
         if self._probing:
             sum_k = sum(ks)
             predicted = self.cost.predict(tokens + sum_k, context + sum_k, self._depth(max(ks)), sum_k)
-        self.last_prediction = predicted
+        self.last_prediction = float(predicted + sum(s for s, k in zip(start_s, ks) if k))
+        self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
+
+    def _catchup_tokens(self, requests: list[Request]) -> np.ndarray:
+        """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of
+        a context it never drafted for, or what the request generated at k = 0 since. (For prompt lookup the fitted
+        cost of these tokens is zero.)"""
+        return np.array([max(0, r.num_tokens - 1 - self._draft_seen.get(r.request_id, 0)) for r in requests],
+                        dtype=np.float64)
+
+    def _start_cost_in_tokens(self, requests: list[Request], caps: list[int], gains: np.ndarray,
+                              start_s: np.ndarray, tokens: int, context: int) -> np.ndarray:
+        """A catch-up is paid once and serves the steps that follow: spread it over the steps the request would
+        take to finish while drafting (at most catchup_horizon, since load may turn drafting off again), and price
+        its seconds at the batch's goodput without speculation."""
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
+        per_step = 1.0 + capped.sum(axis=1)
+        remaining = np.array([max(1, r.params.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
+        horizon = np.clip(remaining / per_step, 1.0, self.catchup_horizon)
+        base_goodput = len(requests) / float(self.cost.predict(tokens, context))
+        return start_s / horizon * base_goodput
 
     def _depth(self, k: int) -> int:
         """Draft forwards that k tokens (chain) or k nodes (tree) take."""
@@ -90,6 +128,8 @@ class SmartSpecPolicy(Policy):
             self.calibration.observe(tree, path)
         for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
             self.acceptance.observe(rid, proposed, accepted)
+            if proposed and rid in self._chosen_at:  # the draft fed the context, then its drafts up to the last
+                self._draft_seen[rid] = self._chosen_at[rid] + min(accepted, proposed - 1)
             if rid in self._probing:
                 # a failed probe waits twice as long for the next; a successful one resets the wait
                 wait = self.explore_interval if accepted else min(
@@ -109,7 +149,7 @@ class SmartSpecPolicy(Policy):
         self.acceptance.forget(request.request_id)
         if self.tree_gains is not None:
             self.tree_gains.forget(request.request_id)
-        for d in (self._probe_due, self._probe_wait):
+        for d in (self._probe_due, self._probe_wait, self._draft_seen, self._chosen_at):
             d.pop(request.request_id, None)
 
     # ---- state shared across replicas ----------------------------------------------------------------------

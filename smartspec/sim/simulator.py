@@ -33,13 +33,15 @@ class SimReplica:
         self.speculator = Speculator(_SimProposer() if policy != "off" else None, policy, k_max)
         if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
             for n in (1, 2, 4, 8, 16, 32):
-                for depth in (0, 1, k_max):
-                    t = profile.step_time(n * (depth + 1), n * 64, depth, n * depth)
-                    d = float(profile.cost.predict_draft(depth, n * depth))
+                for depth, catchup in ((0, 0), (1, 63 * n), (1, 0), (k_max, 0)):  # a first draft reads its prompt
+                    t = profile.step_time(n * (depth + 1), n * 64, depth, n * depth, catchup)
+                    d = float(profile.cost.predict_draft(depth, n * depth, catchup))
                     self.speculator.policy.observe_cost(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [],
-                                                                   n * (depth + 1), 0, n * 64, d, t - d, t))
+                                                                   n * (depth + 1), 0, n * 64, d, t - d, t,
+                                                                   draft_catchup_tokens=catchup))
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
+        self.draft_seen: dict[str, int] = {}  # tokens a draft model has read per request (its catch-up is paid)
         self.steps = 0
 
     @property
@@ -63,7 +65,9 @@ class SimReplica:
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
                         for s in batch)
-        duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks))
+        catchup = sum(r.num_tokens - 1 - self.draft_seen.get(r.request_id, 0) for r, k in zip(decoding, ks) if k)
+        duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks), catchup)
+        draft_s = float(self.profile.cost.predict_draft(max(ks, default=0), sum(ks), catchup)) if any(ks) else 0.0
         end, finished, accepted = now + duration, [], []
         for s in batch:
             req = s.request
@@ -76,6 +80,8 @@ class SimReplica:
                 a += 1
             if req.request_id in k_of:
                 accepted.append(a)
+            if k:  # the draft read the context and its drafts but the last
+                self.draft_seen[req.request_id] = req.num_tokens + min(a, k - 1)
             new = a + 1
             self.blocks.truncate(req, req.num_tokens + new - 1)
             self.speculator.record(req, k, a)
@@ -85,12 +91,14 @@ class SimReplica:
             if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
                 self.scheduler.remove(req)
                 self.speculator.release(req)
+                self.draft_seen.pop(req.request_id, None)
                 req.status, req.finish_time = RequestStatus.FINISHED, end
                 finished.append(req)
         self.steps += 1
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
-                            n_tokens, base_tokens, n_context, 0.0, duration, duration,
-                            predicted_s=self.speculator.policy.last_prediction if decoding else None)
+                            n_tokens, base_tokens, n_context, draft_s, duration - draft_s, duration,
+                            predicted_s=self.speculator.policy.last_prediction if decoding else None,
+                            draft_catchup_tokens=catchup)
         self.speculator.policy.observe(record)
         return end, finished
 

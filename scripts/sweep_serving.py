@@ -1,0 +1,221 @@
+"""The issue-6 sweep: every configuration, ours and vLLM's, served one after the other on this machine and driven by
+the same client (scripts/bench_serving.py) with the same prompts, arrival times and output lengths.
+
+    python scripts/sweep_serving.py --rates 0.05 0.1 0.2 --num-requests 6 --max-tokens 64 --out results/sweep
+
+Configurations (--configs, default all):
+  smartspec, batch_table          SmartSpec servers with that policy (config.yaml, K = --k)
+  off, fixed:1, fixed:3, fixed:5  one SmartSpec server with policy fixed:K; each label caps k per request
+                                  ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
+  vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
+
+Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle. Per
+label, bench_serving writes <out>/<label>.parquet and <out>/<label>_summary.parquet and redraws
+<out>/latency_vs_rate.png, and each server's /metrics after its runs goes to <out>/metrics-<server>.txt. At the end
+this prints mean latency per rate with each configuration's ratio to the best of the others, and writes the same
+as a Markdown table to <out>/comparison.md."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from smartspec.report import plot_latency_vs_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS_PORT, VLLM_PORT = 8000, 8001
+FIXED_LABELS = {"off": 0, "fixed:1": 1, "fixed:3": 3, "fixed:5": 5}
+VLLM_LABELS = {"vllm-none": "none", "vllm-ngram": "ngram", "vllm-draft": "draft"}
+ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS]
+
+
+def server_plan(configs: list[str]) -> list[tuple[str, dict, list[tuple[str, int | None]]]]:
+    """(server kind, its settings, [(label, max_k)]) in run order; the fixed labels share one server."""
+    plan = []
+    if "smartspec" in configs:
+        plan.append(("ours", {"policy": "smartspec"}, [("smartspec", None)]))
+    fixed = [(label, FIXED_LABELS[label]) for label in FIXED_LABELS if label in configs]
+    if fixed:
+        plan.append(("ours", {"policy": "fixed"}, fixed))
+    if "batch_table" in configs:
+        plan.append(("ours", {"policy": "batch_table"}, [("batch_table", None)]))
+    plan += [("vllm", {"mode": VLLM_LABELS[c]}, [(c, None)]) for c in VLLM_LABELS if c in configs]
+    return plan
+
+
+def write_config(policy: str, k: int, path: Path) -> Path:
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    spec = config["applications"][0]["args"]["speculation"]
+    spec["policy"], spec["num_speculative_tokens"] = policy, k
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready (see its log)")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                print(f"  ready after {time.time() - start:.0f} s", flush=True)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(5)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+    if kind == "ours":
+        config = write_config(settings["policy"], args.k, Path(args.out) / f"config-{settings['policy']}.yaml")
+        cmd, ready, url = ["serve", "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
+            f"http://127.0.0.1:{OURS_PORT}"
+    else:
+        cmd = [str(ROOT / "scripts/vllm_peer.sh"), "serve", settings["mode"]]
+        ready, url = f"http://127.0.0.1:{VLLM_PORT}/v1/models", f"http://127.0.0.1:{VLLM_PORT}"
+    print(f"starting {' '.join(cmd)} (log {log})", flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_ready(ready, proc, args.ready_timeout)
+    except Exception:
+        stop_server(kind, proc)
+        raise
+    return proc, url
+
+
+def stop_server(kind: str, proc: subprocess.Popen) -> None:
+    if kind == "ours":
+        subprocess.run(["serve", "shutdown", "-y"], cwd=ROOT, capture_output=True, timeout=120)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    # what outlives the server's own process (vLLM's engine core and worker) would hold its memory into the next run
+    for _ in range(30):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        time.sleep(1)
+    if kind == "ours":
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+
+
+def bench(url: str, label: str, max_k: int | None, args) -> int:
+    cmd = [sys.executable, str(ROOT / "scripts/bench_serving.py"), "--url", url, "--model", args.model,
+           "--label", label.replace(":", ""), "--workload", args.workload, "--rates", *map(str, args.rates),
+           "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--ignore-eos",
+           "--seed", str(args.seed), "--out", args.out]
+    if max_k is not None:
+        cmd += ["--max-k", str(max_k)]
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
+def save_metrics(url: str, path: Path) -> None:
+    """The server's /metrics after its runs (ours: chosen-k counts, goodput, prediction error; vLLM's own)."""
+    try:
+        path.write_text(httpx.get(f"{url}/metrics", timeout=30).text)
+    except httpx.HTTPError as exc:
+        print(f"  no /metrics: {exc!r}", flush=True)
+
+
+def print_comparison(out: Path, sources: list[Path] | None = None) -> None:
+    """Mean latency per configuration and rate, with the ratio to the best other configuration there; the same
+    as a Markdown table (with TTFT, TPOT and acceptance) in <out>/comparison.md. sources: folders of earlier runs
+    to merge (a later folder's (label, rate) replaces an earlier one's); the plot is then redrawn in <out>."""
+    import pandas as pd
+
+    paths = [p for folder in (sources or [out]) for p in sorted(folder.glob("*_summary.parquet"))]
+    if not paths:
+        return
+    df = pd.concat([pd.read_parquet(p) for p in paths]).drop_duplicates(["label", "rate"], keep="last")
+    if sources:
+        out.mkdir(parents=True, exist_ok=True)
+        df.to_parquet(out / "summary.parquet")
+        plot_latency_vs_rate(df.to_dict("records"), out / "latency_vs_rate.png")
+    table = df.pivot_table(index="label", columns="rate", values="latency_s_mean")
+    ratio = table.copy()
+    for rate in table.columns:
+        for label in table.index:
+            others = table[rate].drop(label).dropna()
+            ratio.loc[label, rate] = table.loc[label, rate] / others.min() if len(others) else float("nan")
+    print("\nmean latency (s); in brackets, the ratio to the best other configuration at that rate")
+    for label in table.index:
+        cells = [f"{table.loc[label, r]:8.2f} ({ratio.loc[label, r]:4.2f}x)" for r in table.columns]
+        print(f"{label:>12}  " + "  ".join(cells))
+    print(f"{'rates':>12}  " + "  ".join(f"{r:>17g}" for r in table.columns))
+    lines = ["| configuration | rate (req/s) | mean latency s | vs best other | p99 s | TTFT s | TPOT s | tok/s | "
+             "acceptance |", "|" + " --- |" * 9]
+    for _, row in df.sort_values(["rate", "latency_s_mean"]).iterrows():
+        acc = row.get("acceptance_rate")
+        vs_best = ratio.loc[row.label, row.rate]
+        cells = [row.label, f"{row.rate:g}", f"{row.latency_s_mean:.2f}", f"{vs_best:.2f}x", f"{row.latency_s_p99:.2f}",
+                 f"{row.ttft_s_mean:.2f}", f"{row.tpot_s_mean:.3f}", f"{row.throughput_tok_s:.2f}",
+                 "-" if pd.isna(acc) else f"{acc:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / "comparison.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=ALL, choices=ALL)
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.05, 0.1, 0.2])
+    ap.add_argument("--num-requests", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", default="humaneval-chat")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--k", type=int, default=5, help="our servers' K (num_speculative_tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--out", default="results/sweep")
+    ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
+                    help="run nothing: merge the summaries in these folders (rate 0 from one sweep, the other rates "
+                         "from another) into --out's table, comparison.md and plot")
+    args = ap.parse_args()
+    if args.report:
+        print_comparison(Path(args.out), args.report)
+        return 0
+    fixed_ks = [FIXED_LABELS[c] for c in args.configs if c in FIXED_LABELS]
+    if fixed_ks and max(fixed_ks) > args.k:
+        ap.error("--k must be at least the largest fixed:K asked for")
+    if any(c in VLLM_LABELS for c in args.configs) and not (ROOT / ".venv-vllm").exists() \
+            and "VLLM_VENV" not in os.environ:
+        ap.error("vLLM configurations need scripts/vllm_peer.sh install first")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for n, (kind, settings, labels) in enumerate(server_plan(args.configs), 1):
+        print(f"[server {n}] {kind} {settings}: {', '.join(label for label, _ in labels)}", flush=True)
+        name = settings.get("policy") or settings.get("mode")
+        try:
+            proc, url = start_server(kind, settings, args, out / f"server-{kind}-{name}.log")
+        except Exception as exc:
+            print(f"  could not start: {exc}", flush=True)
+            failed += [label for label, _ in labels]
+            continue
+        try:
+            for label, max_k in labels:
+                if bench(url, label, max_k, args):
+                    failed.append(label)
+            save_metrics(url, out / f"metrics-{kind}-{name}.txt")
+        finally:
+            stop_server(kind, proc)
+    print_comparison(out)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
