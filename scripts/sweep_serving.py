@@ -9,7 +9,8 @@ Configurations (--configs, default all):
                                   ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
   vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
 
-Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle. Per
+Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle, and
+no other Ray may run on it (after each of our servers, `ray stop --force` clears the Ray that `serve run` started). Per
 label, bench_serving writes <out>/<label>.parquet and <out>/<label>_summary.parquet and redraws
 <out>/latency_vs_rate.png, and each server's /metrics after its runs goes to <out>/metrics-<server>.txt. At the end
 this prints mean latency per rate with each configuration's ratio to the best of the others, and writes the same

@@ -59,7 +59,10 @@ def main() -> int:
         for _ in rows:  # bench_policies' schedule: exponential gaps from Random(seed)
             t += rng.expovariate(rate)
             arrivals.append(t)
-        profile = profiles[config.split()[0] if config != "off" else "off"]
+        profile = profiles.get(config.split()[0] if config != "off" else "off")
+        if profile is None:
+            print(f"skipping {config} @ {rate}: no traces of its proposer in {args.traces}", file=sys.stderr)
+            continue
         sim = simulate(profile, policy, args.k_max, arrivals, [r["prompt_tokens"] for r in rows],
                        [r["output_tokens"] for r in rows], seed=args.seed, max_num_seqs=16, max_model_len=2048)
         real, simulated = np.mean([r["latency_s"] for r in rows]), np.mean([r["latency_s"] for r in sim])
