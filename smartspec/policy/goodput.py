@@ -30,8 +30,13 @@ def select_k(alphas: list[float], caps: list[int], cost: Callable, base_tokens: 
     prefill). Returns k per request (all 0 unless speculating is predicted to raise goodput) and the predicted
     step time."""
     k_top = max(caps, default=0)
-    gains = np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, k_top + 1)[None, :]
-    return select_from_gains(gains, caps, np.arange(1, k_top + 1), cost, base_tokens, base_context)
+    return select_from_gains(chain_gains(alphas, k_top), caps, np.arange(1, k_top + 1), cost, base_tokens,
+                             base_context)
+
+
+def chain_gains(alphas, k: int) -> np.ndarray:
+    """[B, k]: the expected tokens the j-th drafted token of a chain adds, alpha_i^j (see the module docstring)."""
+    return np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, k + 1)[None, :]
 
 
 def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,

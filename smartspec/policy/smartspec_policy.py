@@ -7,7 +7,7 @@ from smartspec.engine.request import Request
 from smartspec.policy.acceptance import AcceptanceEstimator
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import charge_start_costs, select_from_gains
+from smartspec.policy.goodput import chain_gains, charge_start_costs, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
@@ -56,8 +56,7 @@ class SmartSpecPolicy(Policy):
         tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
         self._step_shape = (tokens, context)
         if self.tree_depth is None:
-            alphas = np.array([self.acceptance.alpha(r.request_id) for r in requests])
-            gains = alphas[:, None] ** np.arange(1, k_max + 1)[None, :]
+            gains = chain_gains([self.acceptance.alpha(r.request_id) for r in requests], k_max)
             depth_of = np.arange(1, k_max + 1)
         else:
             if self.tree_gains is None or self.tree_gains.k_max != k_max:

@@ -32,12 +32,14 @@ class SimReplica:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.speculator = Speculator(_SimProposer() if policy != "off" else None, policy, k_max)
         if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
+            context = 64  # the engine profiles prompts of 64 tokens
             for n in (1, 2, 4, 8, 16, 32):
-                for depth, catchup in ((0, 0), (1, 63 * n), (1, 0), (k_max, 0)):  # a first draft reads its prompt
-                    t = profile.step_time(n * (depth + 1), n * 64, depth, n * depth, catchup)
+                # a first draft reads its prompt (all but the last token) before drafting
+                for depth, catchup in ((0, 0), (1, (context - 1) * n), (1, 0), (k_max, 0)):
+                    t = profile.step_time(n * (depth + 1), n * context, depth, n * depth, catchup)
                     d = float(profile.cost.predict_draft(depth, n * depth, catchup))
                     self.speculator.policy.observe_cost(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [],
-                                                                   n * (depth + 1), 0, n * 64, d, t - d, t,
+                                                                   n * (depth + 1), 0, n * context, d, t - d, t,
                                                                    draft_catchup_tokens=catchup))
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
