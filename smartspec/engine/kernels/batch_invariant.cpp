@@ -8,6 +8,7 @@
 // tokens cost about what decoding one costs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -60,7 +61,9 @@ torch::Tensor pack_weight(torch::Tensor w) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-template <int MR, int NP>
+// ACC: continue the chains stored in y (a later block of k) instead of starting them at zero. Storing a float
+// accumulator and loading it back changes no bit, so a chain split into k-blocks is the same chain.
+template <int MR, int NP, bool ACC>
 inline void micro(const float* x, int64_t ldx, int64_t k, const float* panel0, int64_t panel_stride, float* y,
                   int64_t ldy) {
 #if defined(__AVX512F__)
@@ -68,7 +71,7 @@ inline void micro(const float* x, int64_t ldx, int64_t k, const float* panel0, i
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[r][p] = ACC ? _mm512_loadu_ps(y + r * ldy + p * kPanel) : _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
     __m512 w[NP];
 #pragma GCC unroll 8
@@ -94,7 +97,10 @@ inline void micro(const float* x, int64_t ldx, int64_t k, const float* panel0, i
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    for (int p = 0; p < NP; ++p) {
+      acc[r][p][0] = ACC ? _mm256_loadu_ps(y + r * ldy + p * kPanel) : _mm256_setzero_ps();
+      acc[r][p][1] = ACC ? _mm256_loadu_ps(y + r * ldy + p * kPanel + 8) : _mm256_setzero_ps();
+    }
   for (int64_t i = 0; i < k; ++i) {
     __m256 w[NP][2];
 #pragma GCC unroll 8
@@ -125,7 +131,7 @@ inline void micro(const float* x, int64_t ldx, int64_t k, const float* panel0, i
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p)
       for (int c = 0; c < kPanel; ++c) {
-        float a = 0.f;
+        float a = ACC ? y[r * ldy + p * kPanel + c] : 0.f;
         for (int64_t i = 0; i < k; ++i) a = std::fma(panel0[p * panel_stride + i * kPanel + c], x[r * ldx + i], a);
         y[r * ldy + p * kPanel + c] = a;
       }
@@ -144,22 +150,36 @@ constexpr int kMaxRows = 6;
 template <int MR> constexpr int panels_for() { return MR == 1 ? 6 : (MR == 2 ? 3 : (MR == 3 ? 2 : 1)); }
 #endif
 
-template <int MR>
+template <int MR, bool ACC>
 void run_rows(const float* x, int64_t ldx, int64_t k, const float* packed, int64_t panel_stride, float* y,
               int64_t ldy, int64_t p0, int64_t p1) {
   constexpr int NP = panels_for<MR>();
-  static const MicroFn tail[8] = {micro<MR, 1>, micro<MR, 1>, micro<MR, (2 <= NP ? 2 : 1)>,
-                                  micro<MR, (3 <= NP ? 3 : 1)>, micro<MR, (4 <= NP ? 4 : 1)>,
-                                  micro<MR, (5 <= NP ? 5 : 1)>, micro<MR, (6 <= NP ? 6 : 1)>,
-                                  micro<MR, (7 <= NP ? 7 : 1)>};
+  static const MicroFn tail[8] = {micro<MR, 1, ACC>, micro<MR, 1, ACC>, micro<MR, (2 <= NP ? 2 : 1), ACC>,
+                                  micro<MR, (3 <= NP ? 3 : 1), ACC>, micro<MR, (4 <= NP ? 4 : 1), ACC>,
+                                  micro<MR, (5 <= NP ? 5 : 1), ACC>, micro<MR, (6 <= NP ? 6 : 1), ACC>,
+                                  micro<MR, (7 <= NP ? 7 : 1), ACC>};
   int64_t p = p0;
   for (; p + NP <= p1; p += NP)
-    micro<MR, NP>(x, ldx, k, packed + p * panel_stride, panel_stride, y + p * kPanel, ldy);
+    micro<MR, NP, ACC>(x, ldx, k, packed + p * panel_stride, panel_stride, y + p * kPanel, ldy);
   for (; p < p1;) {
     const int64_t np = std::min<int64_t>(p1 - p, NP > 7 ? 7 : NP);
     tail[np](x, ldx, k, packed + p * panel_stride, panel_stride, y + p * kPanel, ldy);
     p += np;
   }
+}
+
+// Runs fn(u) for u in [0, units) on torch's threads, handing units out one at a time: a thread the OS preempts
+// (two cores shared with Ray's processes) holds back only the unit it is in, not a fixed half of the work.
+// Which thread computes a unit never changes its bits.
+template <typename Fn>
+void dynamic_for(int64_t units, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(units, at::get_num_threads()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed))
+      fn(u);
+  });
 }
 
 }  // namespace
@@ -177,18 +197,24 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ps = k * kPanel;
-  static const decltype(&run_rows<1>) by_rows[9] = {
-      nullptr, run_rows<1>, run_rows<2>, run_rows<3>, run_rows<4>, run_rows<5>, run_rows<6>,
-      run_rows<(7 <= kMaxRows ? 7 : 1)>, run_rows<(8 <= kMaxRows ? 8 : 1)>};
-  // Threads split the panels; every thread walks all rows so each panel is streamed once and stays in cache.
-  // Within a thread, panels go in chunks of about 1 MiB that stay in L2 while every row block uses them.
-  const int64_t chunk = std::max<int64_t>(8, (int64_t(1) << 20) / (ps * int64_t(sizeof(float))) / 8 * 8);
-  at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
-      const int64_t c1 = std::min(p1, c0 + chunk);
+  using RowsFn = decltype(&run_rows<1, false>);
+  static const RowsFn by_rows[2][9] = {
+      {nullptr, run_rows<1, false>, run_rows<2, false>, run_rows<3, false>, run_rows<4, false>, run_rows<5, false>,
+       run_rows<6, false>, run_rows<(7 <= kMaxRows ? 7 : 1), false>, run_rows<(8 <= kMaxRows ? 8 : 1), false>},
+      {nullptr, run_rows<1, true>, run_rows<2, true>, run_rows<3, true>, run_rows<4, true>, run_rows<5, true>,
+       run_rows<6, true>, run_rows<(7 <= kMaxRows ? 7 : 1), true>, run_rows<(8 <= kMaxRows ? 8 : 1), true>}};
+  // A work unit is a chunk of panels for every row, so each panel is streamed once and stays in L2 while every
+  // row block uses it. With more rows than one block, k is cut into blocks so the chunk's slice (about 1 MiB)
+  // fits L2 even for a long k (the 8960-wide down projection); a few rows stream the whole of k instead.
+  const int64_t kblock = m > kMaxRows ? std::min<int64_t>(k, 2048) : k;
+  const int64_t chunk = std::max<int64_t>(8, (int64_t(1) << 20) / (kblock * kPanel * int64_t(sizeof(float))) / 8 * 8);
+  dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
+    const int64_t c0 = u * chunk, c1 = std::min(panels, c0 + chunk);
+    for (int64_t k0 = 0; k0 < k; k0 += kblock) {
+      const int64_t kb = std::min(kblock, k - k0);
       for (int64_t r = 0; r < m; r += kMaxRows) {
         const int64_t mr = std::min<int64_t>(kMaxRows, m - r);
-        by_rows[mr](xp + r * k, k, k, wp, ps, yp + r * ldy, ldy, c0, c1);
+        by_rows[k0 > 0][mr](xp + r * k + k0, k, kb, wp + k0 * kPanel, ps, yp + r * ldy, ldy, c0, c1);
       }
     }
   });
@@ -225,10 +251,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const float* qp = q.data_ptr<float>(); const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>(); float* op = out.data_ptr<float>();
   const int64_t row = KVH * D, block_stride = bs * row;
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+  // Units of a few (token, head) pairs, handed out as threads free up (see dynamic_for).
+  constexpr int64_t kPairs = 4;
+  dynamic_for((T * H + kPairs - 1) / kPairs, [&](int64_t u) {
     std::vector<float> scores;
     std::vector<float> acc(D);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = u * kPairs; i < std::min(T * H, (u + 1) * kPairs); ++i) {
       const int64_t t = i / H, h = i % H, kvh = h / group;
       const int32_t* table = btp + sop[t] * max_blocks;
       const int64_t len = klp[t];
