@@ -32,7 +32,8 @@ class ControllerState:
     def status(self) -> dict:
         now = time.monotonic()
         replicas = {rid: {"age_s": round(now - t, 2), **{k: v for k, v in r.items() if k != "policy"},
-                          "alpha_prior": (r.get("policy") or {}).get("alpha_prior")}
+                          "alpha_prior": (r.get("policy") or {}).get("alpha_prior"),
+                          "prior_strength": (r.get("policy") or {}).get("prior_strength")}
                     for rid, (t, r) in self.reports.items()}
         policies = [r["policy"] for _, r in self.reports.values() if r.get("policy")]
         return {"replicas": replicas, "merged_policy": merge_states(policies) if policies else None}

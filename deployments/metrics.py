@@ -65,6 +65,8 @@ REPLICA_FAMILIES = {
     "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine", (None, "waiting")),
     "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", (None, "free_blocks")),
     "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate", (None, "alpha_prior")),
+    "smartspec_acceptance_prior_strength": ("gauge", "Outcomes the prior is worth against a request's own, learned "
+                                            "from how much finished requests differ", (None, "prior_strength")),
 }
 
 

@@ -51,6 +51,26 @@ def test_request_without_evidence_drifts_to_the_prior():
     assert abs(est.alpha("bad") - est.prior) < 0.02 and est.prior > 0.6
 
 
+def test_prior_strength_is_learned_from_how_much_finished_requests_differ():
+    rng = random.Random(2)
+
+    def finished(alphas):
+        est = AcceptanceEstimator(prior_alpha=0.5)
+        for i, alpha in enumerate(alphas):
+            for _ in range(12):
+                est.observe(f"r{i}", 4, geometric_accepted(rng, alpha, 4))
+            est.forget(f"r{i}")
+        return est
+
+    assert finished([0.9] * 7).prior_strength == 4.0  # too few finished requests: the weak default
+    alike, mixed = finished([0.9] * 32), finished([0.3, 0.95] * 16)
+    assert alike.prior_strength >= 32 and mixed.prior_strength <= 8, (alike.prior_strength, mixed.prior_strength)
+    # one early rejection barely moves a new request when requests are alike, and moves it a lot when they differ
+    for est in (alike, mixed):
+        est.observe("new", 4, 0)
+    assert alike.prior - alike.alpha("new") < 0.03 < 0.1 < mixed.prior - mixed.alpha("new")
+
+
 # ---- cost model ------------------------------------------------------------------------------------------------
 def true_verify(n, c):
     return 0.05 + 0.002 * n + 1e-5 * c + 0.004 * max(0, n - 16)

@@ -3,9 +3,15 @@
 A step that proposed k tokens of which a were accepted gives a accepted tokens and one rejection if a < k: the
 estimate accepted / (accepted + rejections) is then the probability that a proposed token is accepted given its
 predecessors were (the alpha of the goodput model). Evidence decays with time, so a request that stops
-proposing (k = 0) drifts back to the prior."""
+proposing (k = 0) drifts back to the prior.
+
+How far a request's estimate is pulled toward the prior (the prior's strength, in pseudo-outcomes) is learned from
+finished requests, as in empirical Bayes: when requests differ little beyond what their counts' noise explains, a
+few early rejections should not talk one request out of drafting; when they differ a lot, each request's own
+evidence decides."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -24,10 +30,17 @@ class Counts:
 
 
 class AcceptanceEstimator:
-    def __init__(self, prior_alpha: float = 0.5, prior_strength: float = 4.0, request_decay: float = 0.9,
-                 prior_decay: float = 0.995, max_alpha: float = 0.99) -> None:
+    def __init__(self, prior_alpha: float = 0.5, prior_strength: float | None = None, request_decay: float = 0.9,
+                 prior_decay: float = 0.995, max_alpha: float = 0.99, strength_range: tuple[float, float] = (4.0, 64.0),
+                 finished_window: int = 64, min_finished: int = 8, min_outcomes: int = 8) -> None:
         self.initial_prior = prior_alpha
-        self.prior_strength = prior_strength  # pseudo-observations the prior is worth against a request's own
+        # pseudo-outcomes the prior is worth against a request's own; None: learned from finished requests
+        self.fixed_strength = prior_strength
+        self.strength_range = strength_range
+        self.min_finished = min_finished  # finished requests needed before the strength is learned
+        self.min_outcomes = min_outcomes  # a finished request counts toward it with at least this many outcomes
+        self.finished: deque[tuple[float, float]] = deque(maxlen=finished_window)  # (accepted, outcomes)
+        self.totals: dict[str, Counts] = {}  # per request, undecayed: what it showed over its whole life
         self.request_decay = request_decay
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
@@ -39,9 +52,27 @@ class AcceptanceEstimator:
     def prior(self) -> float:
         accepted = self.prior_counts.accepted + self.shared_counts.accepted
         rejected = self.prior_counts.rejected + self.shared_counts.rejected
-        # the initial prior is itself worth prior_strength observations, so one lucky request cannot swing it
-        a = accepted + self.initial_prior * self.prior_strength
-        return min(self.max_alpha, a / (accepted + rejected + self.prior_strength))
+        # the initial prior is itself worth a few observations, so one lucky request cannot swing it
+        low = self.strength_range[0]
+        return min(self.max_alpha, (accepted + self.initial_prior * low) / (accepted + rejected + low))
+
+    @property
+    def prior_strength(self) -> float:
+        """Beta concentration of requests' acceptance around the prior, by moments over finished requests: the
+        spread of their rates less the part their finite counts explain. Little spread left: a strong prior."""
+        if self.fixed_strength is not None:
+            return self.fixed_strength
+        low, high = self.strength_range
+        if len(self.finished) < self.min_finished:
+            return low
+        accepted = sum(a for a, _ in self.finished)
+        outcomes = sum(n for _, n in self.finished)
+        mean = accepted / outcomes
+        spread = sum(n * (a / n - mean) ** 2 for a, n in self.finished) / outcomes
+        between = spread - len(self.finished) * mean * (1 - mean) / outcomes
+        if between <= 0:
+            return high
+        return min(high, max(low, mean * (1 - mean) / between - 1))
 
     @property
     def evidence(self) -> float:
@@ -54,14 +85,15 @@ class AcceptanceEstimator:
         prior = self.prior
         if c is None:
             return prior
-        a = c.accepted + prior * self.prior_strength
-        return min(self.max_alpha, a / (c.accepted + c.rejected + self.prior_strength))
+        strength = self.prior_strength
+        return min(self.max_alpha, (c.accepted + prior * strength) / (c.accepted + c.rejected + strength))
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
         rejected = 1.0 if accepted < proposed else 0.0
         self.requests.setdefault(request_id, Counts()).add(accepted, rejected)
+        self.totals.setdefault(request_id, Counts()).add(accepted, rejected)
         self.prior_counts.decay(self.prior_decay)
         self.prior_counts.add(accepted, rejected)
 
@@ -74,3 +106,6 @@ class AcceptanceEstimator:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        total = self.totals.pop(request_id, None)
+        if total is not None and total.accepted + total.rejected >= self.min_outcomes:
+            self.finished.append((total.accepted, total.accepted + total.rejected))

@@ -155,7 +155,8 @@ class SmartSpecPolicy(Policy):
     def export_state(self) -> dict:
         c = self.acceptance.prior_counts
         return {"key": self.key, "prior": {"accepted": c.accepted, "rejected": c.rejected},
-                "alpha_prior": self.acceptance.prior, "cost": self.cost.export_state(), "steps": self.step,
+                "alpha_prior": self.acceptance.prior, "prior_strength": self.acceptance.prior_strength,
+                "cost": self.cost.export_state(), "steps": self.step,
                 "calibration": self.calibration.export_state()}
 
     def import_state(self, state: dict) -> None:
@@ -170,7 +171,8 @@ class SmartSpecPolicy(Policy):
             self.cost.import_state(state["cost"])
 
     def stats(self) -> dict:
-        return {"alpha_prior": self.acceptance.prior, "cost_coefficients": self.cost.v,
+        return {"alpha_prior": self.acceptance.prior, "prior_strength": self.acceptance.prior_strength,
+                "cost_coefficients": self.cost.v,
                 "draft_coefficients": self.cost.d, "fits_refused": self.cost.refused,
                 "mean_relative_error": self.cost.mean_relative_error, "steps": self.step}
 
