@@ -41,6 +41,7 @@ class AcceptanceEstimator:
         self.min_outcomes = min_outcomes  # a finished request counts toward it with at least this many outcomes
         self.finished: deque[tuple[float, float]] = deque(maxlen=finished_window)  # (accepted, outcomes)
         self.totals: dict[str, Counts] = {}  # per request, undecayed: what it showed over its whole life
+        self._learned_strength = strength_range[0]  # relearned when a request finishes, not on every alpha()
         self.request_decay = request_decay
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
@@ -53,15 +54,16 @@ class AcceptanceEstimator:
         accepted = self.prior_counts.accepted + self.shared_counts.accepted
         rejected = self.prior_counts.rejected + self.shared_counts.rejected
         # the initial prior is itself worth a few observations, so one lucky request cannot swing it
-        low = self.strength_range[0]
-        return min(self.max_alpha, (accepted + self.initial_prior * low) / (accepted + rejected + low))
+        weight = self.fixed_strength if self.fixed_strength is not None else self.strength_range[0]
+        return min(self.max_alpha, (accepted + self.initial_prior * weight) / (accepted + rejected + weight))
 
     @property
     def prior_strength(self) -> float:
+        return self.fixed_strength if self.fixed_strength is not None else self._learned_strength
+
+    def _learn_strength(self) -> float:
         """Beta concentration of requests' acceptance around the prior, by moments over finished requests: the
         spread of their rates less the part their finite counts explain. Little spread left: a strong prior."""
-        if self.fixed_strength is not None:
-            return self.fixed_strength
         low, high = self.strength_range
         if len(self.finished) < self.min_finished:
             return low
@@ -107,5 +109,6 @@ class AcceptanceEstimator:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         total = self.totals.pop(request_id, None)
-        if total is not None and total.accepted + total.rejected >= self.min_outcomes:
+        if total is not None and total.accepted + total.rejected >= max(1, self.min_outcomes):
             self.finished.append((total.accepted, total.accepted + total.rejected))
+            self._learned_strength = self._learn_strength()
