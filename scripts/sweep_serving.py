@@ -14,12 +14,18 @@ no other Ray may run on it (after each of our servers, `ray stop --force` clears
 label, bench_serving writes <out>/<label>.parquet and <out>/<label>_summary.parquet and redraws
 <out>/latency_vs_rate.png, and each server's /metrics after its runs goes to <out>/metrics-<server>.txt. At the end
 this prints mean latency per rate with each configuration's ratio to the best of the others, and writes the same
-as a Markdown table to <out>/comparison.md."""
+as a Markdown table to <out>/comparison.md.
+
+The box's own speed is probed before each server starts and once at the end (memory bandwidth and matmul
+throughput, ~5 s, to <out>/speed_probe.csv). A shared VM can slow by tens of percent within an hour; a spread
+wider than 10% is flagged, since it is then larger than the differences the sweep is asked to resolve."""
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -131,6 +137,51 @@ def save_metrics(url: str, path: Path) -> None:
         print(f"  no /metrics: {exc!r}", flush=True)
 
 
+def speed_probe() -> dict:
+    """Median of 5: GB/s reading 512 MiB of fp32, and GFLOP/s of a 1024^3 fp32 matmul, on torch's threads."""
+    import torch
+
+    data = torch.ones(128 * 2**20)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+
+    def median_s(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+        return statistics.median(samples)
+
+    return {"read_gb_s": data.numel() * 4 / median_s(data.sum) / 1e9,
+            "matmul_gflop_s": 2 * 1024**3 / median_s(lambda: a @ b) / 1e9}
+
+
+def record_probe(out: Path, before: str) -> None:
+    probe = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "before": before, **speed_probe()}
+    path = out / "speed_probe.csv"
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(probe))
+        if new:
+            writer.writeheader()
+        writer.writerow(probe)
+    print(f"  box speed before {before}: {probe['read_gb_s']:.1f} GB/s read, {probe['matmul_gflop_s']:.0f} GFLOP/s "
+          "matmul", flush=True)
+
+
+def print_probe_spread(folders: list[Path]) -> None:
+    rows = [row for folder in folders if (folder / "speed_probe.csv").exists()
+            for row in csv.DictReader((folder / "speed_probe.csv").open())]
+    if len(rows) < 2:
+        return
+    for key, unit in (("read_gb_s", "GB/s read"), ("matmul_gflop_s", "GFLOP/s matmul")):
+        values = [float(r[key]) for r in rows]
+        spread = max(values) / min(values) - 1
+        flag = "  <- wider than 10%: rankings closer than this are not settled" if spread > 0.10 else ""
+        print(f"box speed over the sweep: {min(values):.1f}-{max(values):.1f} {unit} (spread {spread:.0%}){flag}")
+
+
 def print_comparison(out: Path, sources: list[Path] | None = None) -> None:
     """Mean latency per configuration and rate, with the ratio to the best other configuration there; the same
     as a Markdown table (with TTFT, TPOT and acceptance) in <out>/comparison.md. sources: folders of earlier runs
@@ -166,6 +217,7 @@ def print_comparison(out: Path, sources: list[Path] | None = None) -> None:
                  "-" if pd.isna(acc) else f"{acc:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
+    print_probe_spread(sources or [out])
 
 
 def main() -> int:
@@ -199,6 +251,7 @@ def main() -> int:
     for n, (kind, settings, labels) in enumerate(server_plan(args.configs), 1):
         print(f"[server {n}] {kind} {settings}: {', '.join(label for label, _ in labels)}", flush=True)
         name = settings.get("policy") or settings.get("mode")
+        record_probe(out, f"{kind}-{name}")
         try:
             proc, url = start_server(kind, settings, args, out / f"server-{kind}-{name}.log")
         except Exception as exc:
@@ -212,6 +265,7 @@ def main() -> int:
             save_metrics(url, out / f"metrics-{kind}-{name}.txt")
         finally:
             stop_server(kind, proc)
+    record_probe(out, "end")
     print_comparison(out)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
