@@ -37,10 +37,10 @@ class SmartSpecPolicy(Policy):
         # tokens it has seen per request, and the length at which each request last asked for a draft
         self.catchup_horizon = catchup_horizon  # the most steps one catch-up is spread over when choosing k
         self._draft_seen: dict[str, int] = {}
+        self._chosen_at: dict[str, int] = {}
         # until the prior rests on this many outcomes, probes ignore catch-up: the initial prior is a guess, and a
         # policy that never drafts would never learn the proposer is better than that guess
         self.min_prior_evidence = min_prior_evidence
-        self._chosen_at: dict[str, int] = {}
         self.step = 0
         self.last_prediction: float | None = None
 
