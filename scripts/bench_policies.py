@@ -4,10 +4,20 @@ HumanEval prompts (chat template, the shortest problems first so a run fits in m
 Qwen2.5-Coder-1.5B with each proposer (the 0.5B draft model, prompt lookup) and each policy: off, fixed 1/3/5,
 batch_table, smartspec. Per rate: mean / p50 / p99 latency, TTFT, TPOT, throughput; and for smartspec the
 policy's step-time prediction error. Latency counts from the scheduled arrival, so time spent waiting for a
-running step is included. Prints a table; writes results/bench_policies.parquet (one row per request),
-results/bench_policies_summary.parquet and results/bench_policies.png.
+running step is included.
+
+--repeats R runs every (configuration, rate) R times. All configurations at one rate run back to back, and each
+repeat reverses their order, so a drift in the box's speed (see smartspec/box_speed.py: probed before every run,
+logged to <out>/speed_probe.csv) falls on all of them alike. A smartspec policy lives for the whole run, as it
+would in a server: it keeps learning across rates and repeats.
+
+Prints a table per run and the issue's bar (smartspec against the best fixed:K and off, pooled over repeats and
+per repeat); writes <out>/bench_policies.parquet (one row per request), <out>/bench_policies_summary.parquet (one
+row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled means).
 
     python scripts/bench_policies.py                        # the full sweep (about an hour on 2 cores)
+    python scripts/bench_policies.py --policies off fixed:1 fixed:3 fixed:5 smartspec --rates 0.08 0.15 0.3 \\
+        --requests 8 --max-tokens 32 --repeats 2 --out results/policies5
     python scripts/bench_policies.py --rates 0.1 --requests 3 --max-tokens 16 --policies off smartspec
     python scripts/bench_policies.py --proposers draft_model draft_tree --tree 8:4:2 --policies off fixed:5 smartspec
 """
@@ -23,6 +33,7 @@ from pathlib import Path
 import torch
 
 from smartspec import EngineConfig, SamplingParams
+from smartspec.box_speed import print_probe_spread, record_probe
 from smartspec.engine.llm_engine import LLMEngine, make_proposer
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
@@ -91,9 +102,13 @@ def main() -> int:
     ap.add_argument("--variant", default="chat", choices=["raw", "chat"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every (configuration, rate) this many times, interleaved; tables pool the repeats")
     ap.add_argument("--out", default="results")
     ap.add_argument("--trace-dir", default=None, help="write each run's step trace (Parquet) here")
     args = ap.parse_args()
+    if args.repeats < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.rates) <= 0:
+        ap.error("--repeats, --requests and --max-tokens must be at least 1, and every rate above 0")
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
@@ -112,7 +127,7 @@ def main() -> int:
             proposers[name] = make_proposer(spec, engine, engine.speculator.proposer.blocks.num_blocks)
     problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
     prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
-    requests, summary = [], []
+    configs = []  # (label, proposer, policy name, policy): one policy object per config for the whole run
     for proposer_name in args.proposers:
         for policy_name in args.policies:
             if policy_name == "off" and proposer_name != args.proposers[0]:
@@ -121,15 +136,29 @@ def main() -> int:
             k_max = tree.max_nodes if is_tree else args.k_max
             policy = make_policy(policy_name, k_max, default_batch_table(k_max), key=f"{proposer_name}:{args.draft}",
                                  tree_depth=tree.max_depth if is_tree else None)
-            engine.set_speculation(proposers[proposer_name], policy, k_max)
             if policy.wants_profile:
+                engine.set_speculation(proposers[proposer_name], policy, k_max)
                 engine.profile_steps()
             label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"
-            for rate in args.rates:
-                print(f"[{label}] rate {rate} req/s ...", file=sys.stderr, flush=True)
+            configs.append((label, proposer_name, policy_name, policy, k_max))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    requests, summary = [], []
+    total, n = args.repeats * len(args.rates) * len(configs), 0
+    for repeat in range(args.repeats):
+        for rate in args.rates:
+            # Every configuration at one rate runs back to back, and each repeat reverses the order (A B C, C B A):
+            # the box's speed drifts over minutes, and this way a drift falls on all configurations alike.
+            for label, proposer_name, policy_name, policy, k_max in configs[:: 1 if repeat % 2 == 0 else -1]:
+                n += 1
+                print(f"[{n}/{total}] {label} rate {rate} req/s, repeat {repeat + 1}/{args.repeats}",
+                      file=sys.stderr, flush=True)
+                probe = record_probe(out, f"{label}@{rate}#{repeat}")
+                engine.set_speculation(proposers[proposer_name], policy, k_max)
                 if args.trace_dir:  # every step of this run, for the simulator (smartspec sim --trace ...)
-                    engine.trace = StepTraceWriter(Path(args.trace_dir) / f"{label.replace(' ', '_')}@{rate}.parquet",
-                                                   policy.name)
+                    suffix = f"#{repeat}" if args.repeats > 1 else ""
+                    engine.trace = StepTraceWriter(
+                        Path(args.trace_dir) / f"{label.replace(' ', '_')}@{rate}{suffix}.parquet", policy.name)
                 t0 = time.monotonic()
                 rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed)
                 wall = time.monotonic() - t0
@@ -138,26 +167,67 @@ def main() -> int:
                     engine.trace = None
                 stats = getattr(policy, "stats", lambda: {})()
                 for r in rows:
-                    requests.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate, **r))
+                    requests.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate,
+                                         repeat=repeat, **r))
                 summary.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate,
-                                    wall_s=wall, throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
-                                    step_time_rel_error=stats.get("mean_relative_error"), **summarize(rows)))
+                                    repeat=repeat, wall_s=wall,
+                                    throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
+                                    step_time_rel_error=stats.get("mean_relative_error"),
+                                    probe_read_gb_s=probe["read_gb_s"], probe_matmul_gflop_s=probe["matmul_gflop_s"],
+                                    **summarize(rows)))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(requests), out / "bench_policies.parquet")
     pq.write_table(pa.Table.from_pylist(summary), out / "bench_policies_summary.parquet")
-    print(f"\n{'config':26s} {'rate':>5s} {'mean s':>7s} {'p50 s':>6s} {'p99 s':>6s} {'TTFT s':>7s} "
-          f"{'TPOT s':>7s} {'tok/s':>6s} {'pred err':>8s}")
+    print(f"\n{'config':26s} {'rate':>5s} {'rep':>3s} {'mean s':>7s} {'p50 s':>6s} {'p99 s':>6s} {'TTFT s':>7s} "
+          f"{'TPOT s':>7s} {'tok/s':>6s} {'pred err':>8s} {'GB/s':>5s}")
     for s in summary:
         err = f"{s['step_time_rel_error']:.1%}" if s["step_time_rel_error"] is not None else "-"
-        print(f"{s['config']:26s} {s['rate']:5.2f} {s['mean_latency_s']:7.2f} {s['p50_latency_s']:6.2f} "
-              f"{s['p99_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
-              f"{s['throughput_tok_s']:6.2f} {err:>8s}")
+        print(f"{s['config']:26s} {s['rate']:5.2f} {s['repeat'] + 1:3d} {s['mean_latency_s']:7.2f} "
+              f"{s['p50_latency_s']:6.2f} {s['p99_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
+              f"{s['throughput_tok_s']:6.2f} {err:>8s} {s['probe_read_gb_s']:5.1f}")
+    bar = bar_table(summary)
+    print("\n" + bar)
+    (out / "bench_policies_bar.md").write_text(bar + "\n")
+    print_probe_spread([out])
     _plot(summary, out / "bench_policies.png")
     return 0
+
+
+def pooled(summary: list[dict]) -> dict[tuple[str, float], float]:
+    """Mean latency per (config, rate) over all repeats (every repeat has the same requests)."""
+    runs: dict[tuple[str, float], list[float]] = {}
+    for s in summary:
+        runs.setdefault((s["config"], s["rate"]), []).append(s["mean_latency_s"])
+    return {key: statistics.mean(v) for key, v in runs.items()}
+
+
+def bar_table(summary: list[dict]) -> str:
+    """The issue's bar as a Markdown table: per proposer and rate, smartspec against the best fixed:K (by mean
+    latency over all repeats) and against off; then the same ratio within each repeat, to show whether the
+    ranking held in every repeat or only on average."""
+    means = pooled(summary)
+    per_run = {(s["config"], s["rate"], s["repeat"]): s["mean_latency_s"] for s in summary}
+    repeats = sorted({s["repeat"] for s in summary})
+    lines = ["| proposer | rate | smartspec s | best fixed s | off s | vs best fixed | vs off "
+             "| vs best fixed, per repeat |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
+        for rate in dict.fromkeys(s["rate"] for s in summary):
+            ours = means.get((f"{proposer} smartspec", rate))
+            fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
+            if ours is None or not fixed:
+                continue
+            best = min(fixed, key=fixed.get)
+            off = means.get(("off", rate))
+            each = [per_run[(f"{proposer} smartspec", rate, k)] / per_run[(best, rate, k)] - 1 for k in repeats
+                    if (best, rate, k) in per_run and (f"{proposer} smartspec", rate, k) in per_run]
+            lines.append(f"| {proposer} | {rate:g} | {ours:.2f} | {fixed[best]:.2f} ({best.split()[-1]}) | "
+                         + (f"{off:.2f} | " if off else "- | ") + f"{ours / fixed[best] - 1:+.1%} | "
+                         + (f"{ours / off - 1:+.1%} | " if off else "- | ") + " / ".join(f"{e:+.1%}" for e in each)
+                         + " |")
+    return "\n".join(lines)
 
 
 def _plot(summary, path) -> None:
@@ -169,7 +239,7 @@ def _plot(summary, path) -> None:
     fig, axes = plt.subplots(1, len(proposers), figsize=(6 * len(proposers), 4.5), squeeze=False)
     for ax, prop in zip(axes[0], proposers):
         for label in dict.fromkeys(s["config"] for s in summary if s["proposer"] == prop or s["policy"] == "off"):
-            pts = sorted((s["rate"], s["mean_latency_s"]) for s in summary if s["config"] == label)
+            pts = sorted((rate, v) for (c, rate), v in pooled(summary).items() if c == label)
             style = dict(lw=3, color="black") if "smartspec" in label else {}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **style)
         ax.set_xlabel("request rate (req/s)")

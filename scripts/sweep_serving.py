@@ -8,6 +8,8 @@ Configurations (--configs, default all):
   off, fixed:1, fixed:3, fixed:5  one SmartSpec server with policy fixed:K; each label caps k per request
                                   ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
   vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
+Our configurations use config.yaml's draft model; --proposers ngram serves them with prompt lookup instead
+(labels smartspec-ngram, fixed:5-ngram, ...), --proposers draft_model ngram with each in turn.
 
 Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle, and
 no other Ray may run on it (after each of our servers, `ray stop --force` clears the Ray that `serve run` started). Per
@@ -18,14 +20,18 @@ as a Markdown table to <out>/comparison.md.
 
 The box's own speed is probed before each server starts and once at the end (memory bandwidth and matmul
 throughput, ~5 s, to <out>/speed_probe.csv). A shared VM can slow by tens of percent within an hour; a spread
-wider than 10% is flagged, since it is then larger than the differences the sweep is asked to resolve."""
+wider than 10% is flagged, since it is then larger than the differences the sweep is asked to resolve.
+--cycles 2 serves the whole plan twice, the second time in reverse order (A B C, C B A), each cycle in
+<out>/cycle-N, and the final table averages the cycles and lists each run, so a drift falls on all
+configurations alike and shows as disagreement between the cycles:
+
+    python scripts/sweep_serving.py --configs smartspec fixed:5 vllm-ngram --proposers ngram --rates 0 0.1 \\
+        --num-requests 5 --max-tokens 64 --cycles 2 --out results/sweep-v5"""
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +40,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from smartspec.box_speed import print_probe_spread, record_probe
 from smartspec.report import plot_latency_vs_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,24 +50,34 @@ VLLM_LABELS = {"vllm-none": "none", "vllm-ngram": "ngram", "vllm-draft": "draft"
 ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS]
 
 
-def server_plan(configs: list[str]) -> list[tuple[str, dict, list[tuple[str, int | None]]]]:
-    """(server kind, its settings, [(label, max_k)]) in run order; the fixed labels share one server."""
+def server_plan(configs: list[str], proposers: tuple[str, ...] = ("draft_model",)) \
+        -> list[tuple[str, dict, list[tuple[str, int | None]]]]:
+    """(server kind, its settings, [(label, max_k)]) in run order; the fixed labels share one server. Our
+    servers are planned once per proposer; labels name it when it is not the draft model (smartspec-ngram)."""
     plan = []
-    if "smartspec" in configs:
-        plan.append(("ours", {"policy": "smartspec"}, [("smartspec", None)]))
-    fixed = [(label, FIXED_LABELS[label]) for label in FIXED_LABELS if label in configs]
-    if fixed:
-        plan.append(("ours", {"policy": "fixed"}, fixed))
-    if "batch_table" in configs:
-        plan.append(("ours", {"policy": "batch_table"}, [("batch_table", None)]))
+    for proposer in proposers:
+        tag = "" if proposer == "draft_model" else f"-{proposer}"
+        if "smartspec" in configs:
+            plan.append(("ours", {"policy": "smartspec", "method": proposer}, [(f"smartspec{tag}", None)]))
+        # off (k = 0) runs no proposer at all, so its label names none
+        fixed = [(label + ("" if label == "off" else tag), FIXED_LABELS[label])
+                 for label in FIXED_LABELS if label in configs]
+        if fixed:
+            plan.append(("ours", {"policy": "fixed", "method": proposer}, fixed))
+        if "batch_table" in configs:
+            plan.append(("ours", {"policy": "batch_table", "method": proposer}, [(f"batch_table{tag}", None)]))
     plan += [("vllm", {"mode": VLLM_LABELS[c]}, [(c, None)]) for c in VLLM_LABELS if c in configs]
     return plan
 
 
-def write_config(policy: str, k: int, path: Path) -> Path:
+def write_config(policy: str, k: int, path: Path, method: str = "draft_model") -> Path:
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     spec = config["applications"][0]["args"]["speculation"]
     spec["policy"], spec["num_speculative_tokens"] = policy, k
+    if method != "draft_model":  # prompt lookup: no draft model, no draft actor
+        spec["method"] = method
+        for key in ("model", "draft_actor"):
+            spec.pop(key, None)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -83,7 +100,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
     if kind == "ours":
-        config = write_config(settings["policy"], args.k, Path(args.out) / f"config-{settings['policy']}.yaml")
+        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"])
         cmd, ready, url = ["serve", "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:
@@ -119,11 +136,11 @@ def stop_server(kind: str, proc: subprocess.Popen) -> None:
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
 
 
-def bench(url: str, label: str, max_k: int | None, args) -> int:
+def bench(url: str, label: str, max_k: int | None, args, out: Path) -> int:
     cmd = [sys.executable, str(ROOT / "scripts/bench_serving.py"), "--url", url, "--model", args.model,
            "--label", label.replace(":", ""), "--workload", args.workload, "--rates", *map(str, args.rates),
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--ignore-eos",
-           "--seed", str(args.seed), "--out", args.out]
+           "--seed", str(args.seed), "--out", str(out)]
     if max_k is not None:
         cmd += ["--max-k", str(max_k)]
     return subprocess.run(cmd, cwd=ROOT).returncode
@@ -137,61 +154,23 @@ def save_metrics(url: str, path: Path) -> None:
         print(f"  no /metrics: {exc!r}", flush=True)
 
 
-def speed_probe() -> dict:
-    """Median of 5: GB/s reading 512 MiB of fp32, and GFLOP/s of a 1024^3 fp32 matmul, on torch's threads."""
-    import torch
-
-    data = torch.ones(128 * 2**20)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-
-    def median_s(fn) -> float:
-        fn()
-        samples = []
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t)
-        return statistics.median(samples)
-
-    return {"read_gb_s": data.numel() * 4 / median_s(data.sum) / 1e9,
-            "matmul_gflop_s": 2 * 1024**3 / median_s(lambda: a @ b) / 1e9}
-
-
-def record_probe(out: Path, before: str) -> None:
-    probe = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "before": before, **speed_probe()}
-    path = out / "speed_probe.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(probe))
-        if new:
-            writer.writeheader()
-        writer.writerow(probe)
-    print(f"  box speed before {before}: {probe['read_gb_s']:.1f} GB/s read, {probe['matmul_gflop_s']:.0f} GFLOP/s "
-          "matmul", flush=True)
-
-
-def print_probe_spread(folders: list[Path]) -> None:
-    rows = [row for folder in folders if (folder / "speed_probe.csv").exists()
-            for row in csv.DictReader((folder / "speed_probe.csv").open())]
-    if len(rows) < 2:
-        return
-    for key, unit in (("read_gb_s", "GB/s read"), ("matmul_gflop_s", "GFLOP/s matmul")):
-        values = [float(r[key]) for r in rows]
-        spread = max(values) / min(values) - 1
-        flag = "  <- wider than 10%: rankings closer than this are not settled" if spread > 0.10 else ""
-        print(f"box speed over the sweep: {min(values):.1f}-{max(values):.1f} {unit} (spread {spread:.0%}){flag}")
-
-
-def print_comparison(out: Path, sources: list[Path] | None = None) -> None:
+def print_comparison(out: Path, sources: list[Path] | None = None, pool: bool = False) -> None:
     """Mean latency per configuration and rate, with the ratio to the best other configuration there; the same
     as a Markdown table (with TTFT, TPOT and acceptance) in <out>/comparison.md. sources: folders of earlier runs
-    to merge (a later folder's (label, rate) replaces an earlier one's); the plot is then redrawn in <out>."""
+    to merge: a later folder's (label, rate) replaces an earlier one's or, with pool, the runs of one (label,
+    rate) are averaged (interleaved repeats; every run has the same requests). The plot is then redrawn in <out>."""
     import pandas as pd
 
     paths = [p for folder in (sources or [out]) for p in sorted(folder.glob("*_summary.parquet"))]
     if not paths:
         return
-    df = pd.concat([pd.read_parquet(p) for p in paths]).drop_duplicates(["label", "rate"], keep="last")
+    df = pd.concat([pd.read_parquet(p) for p in paths])
+    if pool:
+        runs = df.groupby(["label", "rate"]).size().rename("runs")
+        df = df.groupby(["label", "rate"]).mean(numeric_only=True).join(runs).reset_index()
+        print_runs(pd.concat([pd.read_parquet(p).assign(source=p.parent.name) for p in paths]))
+    else:
+        df = df.drop_duplicates(["label", "rate"], keep="last")
     if sources:
         out.mkdir(parents=True, exist_ok=True)
         df.to_parquet(out / "summary.parquet")
@@ -220,6 +199,13 @@ def print_comparison(out: Path, sources: list[Path] | None = None) -> None:
     print_probe_spread(sources or [out])
 
 
+def print_runs(df) -> None:
+    """Each run's mean latency, folder by folder: whether a ranking held in every repeat or only on average."""
+    table = df.pivot_table(index=["label", "source"], columns="rate", values="latency_s_mean")
+    print("\nmean latency (s) of each run")
+    print(table.round(2).to_string())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=ALL, choices=ALL)
@@ -232,12 +218,21 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--out", default="results/sweep")
+    ap.add_argument("--proposers", nargs="+", default=["draft_model"], choices=["draft_model", "ngram"],
+                    help="our servers' proposers: the draft model of config.yaml, and/or prompt lookup (labels get "
+                         "-ngram); our configurations are served once with each")
+    ap.add_argument("--cycles", type=int, default=1,
+                    help="serve the whole plan this many times, in reverse order every other cycle (A B C, C B A), "
+                         "each cycle in <out>/cycle-N; the table then averages the cycles")
     ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
                     help="run nothing: merge the summaries in these folders (rate 0 from one sweep, the other rates "
                          "from another) into --out's table, comparison.md and plot")
+    ap.add_argument("--pool", action="store_true",
+                    help="with --report: average the runs of one (label, rate) across the folders instead of keeping "
+                         "the last (the cycles of --cycles, or separate sweeps run in turn)")
     args = ap.parse_args()
     if args.report:
-        print_comparison(Path(args.out), args.report)
+        print_comparison(Path(args.out), args.report, args.pool)
         return 0
     fixed_ks = [FIXED_LABELS[c] for c in args.configs if c in FIXED_LABELS]
     if fixed_ks and max(fixed_ks) > args.k:
@@ -245,28 +240,38 @@ def main() -> int:
     if any(c in VLLM_LABELS for c in args.configs) and not (ROOT / ".venv-vllm").exists() \
             and "VLLM_VENV" not in os.environ:
         ap.error("vLLM configurations need scripts/vllm_peer.sh install first")
+    if args.cycles < 1:
+        ap.error("--cycles must be at least 1")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    plan = server_plan(args.configs, tuple(args.proposers))
+    folders = [out] if args.cycles == 1 else [out / f"cycle-{c + 1}" for c in range(args.cycles)]
     failed = []
-    for n, (kind, settings, labels) in enumerate(server_plan(args.configs), 1):
-        print(f"[server {n}] {kind} {settings}: {', '.join(label for label, _ in labels)}", flush=True)
-        name = settings.get("policy") or settings.get("mode")
-        record_probe(out, f"{kind}-{name}")
-        try:
-            proc, url = start_server(kind, settings, args, out / f"server-{kind}-{name}.log")
-        except Exception as exc:
-            print(f"  could not start: {exc}", flush=True)
-            failed += [label for label, _ in labels]
-            continue
-        try:
-            for label, max_k in labels:
-                if bench(url, label, max_k, args):
-                    failed.append(label)
-            save_metrics(url, out / f"metrics-{kind}-{name}.txt")
-        finally:
-            stop_server(kind, proc)
-    record_probe(out, "end")
-    print_comparison(out)
+    for cycle, folder in enumerate(folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        # every other cycle runs the servers in reverse, so a drift in the box's speed falls on all of them alike
+        for n, (kind, settings, labels) in enumerate(plan[:: -1 if cycle % 2 else 1], 1):
+            print(f"[cycle {cycle + 1}/{len(folders)}, server {n}/{len(plan)}] {kind} {settings}: "
+                  f"{', '.join(label for label, _ in labels)}", flush=True)
+            name = "-".join(str(v) for v in settings.values())
+            record_probe(folder, f"{kind}-{name}")
+            try:
+                proc, url = start_server(kind, settings, args, folder / f"server-{kind}-{name}.log")
+            except Exception as exc:
+                print(f"  could not start: {exc}", flush=True)
+                failed += [label for label, _ in labels]
+                continue
+            try:
+                for label, max_k in labels:
+                    if bench(url, label, max_k, args, folder):
+                        failed.append(label)
+                save_metrics(url, folder / f"metrics-{kind}-{name}.txt")
+            finally:
+                stop_server(kind, proc)
+        record_probe(folder, "end")
+    if args.cycles == 1:
+        print_comparison(out)
+    else:
+        print_comparison(out, folders, pool=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

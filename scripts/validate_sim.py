@@ -52,9 +52,10 @@ def main() -> int:
     profiles = profiles_by_proposer(traces)
     measured = pq.read_table(Path(args.results) / "bench_policies.parquet").to_pylist()
     out = []
-    for (config, policy, rate) in sorted({(r["config"], r["policy"], r["rate"]) for r in measured}):
-        rows = sorted((r for r in measured if r["config"] == config and r["rate"] == rate),
-                      key=lambda r: int(r["request"][1:]))
+    runs = sorted({(r["config"], r["policy"], r["rate"], r.get("repeat", 0)) for r in measured})
+    for (config, policy, rate, repeat) in runs:  # each repeat of bench_policies --repeats is its own run
+        rows = sorted((r for r in measured if r["config"] == config and r["rate"] == rate
+                       and r.get("repeat", 0) == repeat), key=lambda r: int(r["request"][1:]))
         rng, t, arrivals = random.Random(args.seed), 0.0, []
         for _ in rows:  # bench_policies' schedule: exponential gaps from Random(seed)
             t += rng.expovariate(rate)
@@ -66,7 +67,7 @@ def main() -> int:
         sim = simulate(profile, policy, args.k_max, arrivals, [r["prompt_tokens"] for r in rows],
                        [r["output_tokens"] for r in rows], seed=args.seed, max_num_seqs=16, max_model_len=2048)
         real, simulated = np.mean([r["latency_s"] for r in rows]), np.mean([r["latency_s"] for r in sim])
-        out.append({"config": config, "rate": rate, "measured_mean_latency_s": float(real),
+        out.append({"config": config, "rate": rate, "repeat": repeat, "measured_mean_latency_s": float(real),
                     "simulated_mean_latency_s": float(simulated), "rel_error": float(simulated / real - 1)})
     import pyarrow as pa
 
@@ -75,9 +76,9 @@ def main() -> int:
         print(f"profile {name}: {len(profile.alphas)} requests, mean acceptance "
               f"{np.mean(profile.alphas) if profile.alphas else 0:.2f}, draft coefficients "
               f"{[round(d, 5) for d in profile.cost.d]}")
-    print(f"{'config':24s} {'rate':>5s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s}")
+    print(f"{'config':24s} {'rate':>5s} {'rep':>3s} {'measured s':>10s} {'simulated s':>11s} {'error':>7s}")
     for r in out:
-        print(f"{r['config']:24s} {r['rate']:5.2f} {r['measured_mean_latency_s']:10.2f} "
+        print(f"{r['config']:24s} {r['rate']:5.2f} {r['repeat'] + 1:3d} {r['measured_mean_latency_s']:10.2f} "
               f"{r['simulated_mean_latency_s']:11.2f} {r['rel_error']:+7.1%}")
     print(f"mean |error|: {np.mean([abs(r['rel_error']) for r in out]):.1%}")
     return 0
