@@ -11,7 +11,8 @@ from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, mer
 from smartspec.policy.acceptance import AcceptanceEstimator
 from smartspec.policy.base import StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import charge_start_costs, goodput, select_from_gains, select_k
+from smartspec.policy.goodput import (chain_gains, charge_start_costs, expected_tokens, goodput, select_from_gains,
+                                      select_k)
 
 
 def geometric_accepted(rng, alpha, k):
@@ -166,6 +167,48 @@ def test_greedy_is_within_a_few_percent_of_brute_force():
         assert mine >= gp([0] * b) - 1e-12  # never worse than not speculating
         worst = min(worst, mine / best)
     assert worst > 0.97, worst
+
+
+def test_priced_selection_is_the_exact_optimum_of_tokens_minus_price_times_time():
+    rng = random.Random(4)
+    for _ in range(200):
+        b, k_max = rng.randint(1, 3), 4
+        alphas = [rng.uniform(0.05, 0.98) for _ in range(b)]
+        cost = linear_cost(rng.uniform(0.02, 0.3), rng.uniform(0.0, 0.05), rng.uniform(0, 0.05), rng.uniform(0, 0.02))
+        base, price = rng.randint(0, 200), rng.uniform(1, 80)
+        ks, _ = select_from_gains(chain_gains(alphas, k_max), [k_max] * b, np.arange(1, k_max + 1), cost, b + base,
+                                  base, price)
+
+        def value(combo):
+            t = cost(b + base + sum(combo), base + sum(combo), max(combo), sum(combo))
+            return sum(expected_tokens(k, a) for k, a in zip(combo, alphas)) - price * t
+
+        best = max(value(c) for c in itertools.product(range(k_max + 1), repeat=b))
+        assert value(ks) >= best - 1e-9
+
+
+def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
+    params = SamplingParams(max_tokens=64)
+
+    def choose(base_tokens, held):
+        p = drafting_policy(0.0)
+        p.cost.d = [0.02, 0.001, 0.0]  # 20 ms a draft depth
+        requests = [Request(f"r{i}", list(range(100)), params) for i in range(2)]
+        for r in requests:
+            for _ in range(30):
+                p.acceptance.observe(r.request_id, 4, 3)
+        return p.choose(requests, 5, base_tokens=base_tokens, base_context=base_tokens, held=held), p
+
+    alone, p = choose(0, 0)
+    assert min(alone) >= 2
+    # by goodput's ratio, a 100-token prefill that is paid anyway makes drafting look cheaper, not dearer
+    gains = chain_gains([p.acceptance.alpha("r0"), p.acceptance.alpha("r1")], 5)
+    by_ratio, _ = select_from_gains(gains, [5, 5], np.arange(1, 6), p.cost.predict, 102, 300)
+    assert sum(by_ratio) >= sum(alone)
+    with_prefill, _ = choose(100, 1)
+    assert sum(with_prefill) < sum(alone)
+    holding_more, _ = choose(100, 4)
+    assert sum(holding_more) <= sum(with_prefill)
 
 
 def test_start_costs_keep_gains_non_increasing_and_price_what_does_not_pay():

@@ -30,9 +30,10 @@ class Policy:
     wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_cost
     last_prediction: float | None = None  # predicted time of the step last chosen, if the policy predicts
 
-    def choose(self, requests: list[Request], k_max: int, *, base_tokens: int = 0, base_context: int = 0) -> list[int]:
+    def choose(self, requests: list[Request], k_max: int, *, base_tokens: int = 0, base_context: int = 0,
+               held: int = 0) -> list[int]:
         """k in [0, k_max] per decoding request. base_tokens / base_context: the rest of the step (prefill
-        chunks), which the verify forward carries anyway."""
+        chunks), which the verify forward carries anyway; held: the requests those chunks belong to."""
         raise NotImplementedError
 
     def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:

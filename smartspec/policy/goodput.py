@@ -7,7 +7,12 @@ has a fixed cost (d0: one more lockstep draft forward): no single increment pays
 would (measured: 0.66 of the optimum on random instances). The step cost depends on k only through the number of
 draft tokens M = sum k_i and the depth D = max k_i, so the optimum is found exactly: for each depth bound D, the best
 choice of M tokens is the M largest marginal gains a_i^j (j <= D), which is automatically a prefix per request
-because a^j falls with j. One sort per D and a scan of prefix sums: O(K * BK log BK), vectorised."""
+because a^j falls with j. One sort per D and a scan of prefix sums: O(K * BK log BK), vectorised.
+
+A step that also carries prefill chunks is priced differently (select_from_gains' price). Its prefill is paid
+whatever k is, so in the ratio it makes every draft look cheap; and every second of drafting in it holds up the
+prefilling requests, which gain nothing from the drafts. Such a step keeps the drafts whose marginal tokens per
+second beat the decode batch's own goodput, scaled by the requests the step holds per request it serves."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -40,12 +45,18 @@ def chain_gains(alphas, k: int) -> np.ndarray:
 
 
 def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
-                      base_context: int) -> tuple[list[int], float]:
+                      base_context: int, price: float | None = None) -> tuple[list[int], float]:
     """gains [B, K]: the expected tokens the j-th speculated token (chain) or node (tree) of request i adds,
-    non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth))."""
+    non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth)).
+    price None: maximise goodput, tokens / T. price p (tokens per second): maximise tokens - p * T instead, which
+    keeps a draft only if it adds more than p tokens per second it adds to the step (see the module docstring)."""
     b = len(caps)
     t0 = float(cost(base_tokens, base_context, 0, 0))
-    ks, best_t, best_goodput = np.zeros(b, dtype=np.int64), t0, b / t0 if b else 0.0
+
+    def value(tokens, t):
+        return tokens / t if price is None else tokens - price * t
+
+    ks, best_t, best_goodput = np.zeros(b, dtype=np.int64), t0, value(b, t0) if b else 0.0
     caps_arr = np.asarray(caps, dtype=np.int64)
     k_top = int(caps_arr.max()) if b else 0
     if k_top == 0:
@@ -59,7 +70,7 @@ def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, 
         order = np.argsort(-g, kind="stable")
         m = np.arange(1, len(order) + 1)
         t = cost(base_tokens + m, base_context + m, depth, m)
-        gp = (b + np.cumsum(g[order])) / t
+        gp = value(b + np.cumsum(g[order]), t)
         i = int(np.argmax(gp))
         if gp[i] > best_goodput:
             best_goodput = float(gp[i])

@@ -44,7 +44,8 @@ class SmartSpecPolicy(Policy):
         self.step = 0
         self.last_prediction: float | None = None
 
-    def choose(self, requests: list[Request], k_max: int, base_tokens: int = 0, base_context: int = 0) -> list[int]:
+    def choose(self, requests: list[Request], k_max: int, base_tokens: int = 0, base_context: int = 0,
+               held: int = 0) -> list[int]:
         self.step += 1
         self.acceptance.tick(r.request_id for r in requests)
         if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
@@ -67,7 +68,8 @@ class SmartSpecPolicy(Policy):
         if start_s.any():
             gains = charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s,
                                                                                tokens, context))
-        ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
+        price = self._prefill_step_price(requests, gains, caps, depth_of, held) if base_tokens else None
+        ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context, price)
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
         learning = self.acceptance.evidence < self.min_prior_evidence
@@ -86,6 +88,17 @@ class SmartSpecPolicy(Policy):
         self.last_prediction = float(predicted + sum(s for s, k in zip(start_s, ks) if k))
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
+
+    def _prefill_step_price(self, requests: list[Request], gains: np.ndarray, caps: list[int], depth_of: np.ndarray,
+                            held: int) -> float:
+        """Tokens per second a draft must add to a step that carries prefill: the goodput the decode batch would
+        reach in a step of its own, times the requests this step holds (decoding + `held` prefilling) per decoding
+        request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs."""
+        b = len(requests)
+        tokens, context = b, sum(r.num_tokens for r in requests)
+        ks, t = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
+        expected = b + sum(float(gains[i, :k].sum()) for i, k in enumerate(ks))
+        return expected / t * (b + max(1, held)) / b
 
     def _catchup_tokens(self, requests: list[Request]) -> np.ndarray:
         """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of

@@ -62,7 +62,8 @@ class SimReplica:
         base_tokens = sum(s.num_tokens for s in prefill)
         ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
                                     self.blocks, self.max_model_len, base_tokens=base_tokens,
-                                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill))
+                                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
+                                    held=len(prefill))
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)

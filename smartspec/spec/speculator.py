@@ -38,14 +38,15 @@ class Speculator:
         self.metrics = SpecDecodeMetrics()
 
     def choose(self, decoding: list[Request], budget: int, blocks: BlockManager, max_model_len: int,
-               base_tokens: int = 0, base_context: int = 0) -> list[int]:
+               base_tokens: int = 0, base_context: int = 0, held: int = 0) -> list[int]:
         """k per decoding request, capped so no draft goes past max_tokens, the context, the step's token budget
         or the free KV blocks; the blocks for the drafts are reserved here. A policy that fails or answers
         nonsense costs speculation for this step, never a request."""
         if self.proposer is None or not decoding or not self.proposer.available:
             return [0] * len(decoding)
         try:
-            ks = self.policy.choose(decoding, self.k_max, base_tokens=base_tokens, base_context=base_context)
+            ks = self.policy.choose(decoding, self.k_max, base_tokens=base_tokens, base_context=base_context,
+                                    held=held)
             if len(ks) != len(decoding) or any(not isinstance(k, int) or not 0 <= k <= self.k_max for k in ks):
                 raise ValueError(f"invalid k {ks!r} for {len(decoding)} requests (K={self.k_max})")
         except Exception:
