@@ -56,7 +56,7 @@ def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, 
     def value(tokens, t):
         return tokens / t if price is None else tokens - price * t
 
-    ks, best_t, best_goodput = np.zeros(b, dtype=np.int64), t0, value(b, t0) if b else 0.0
+    ks, best_t, best_value = np.zeros(b, dtype=np.int64), t0, value(b, t0) if b else 0.0
     caps_arr = np.asarray(caps, dtype=np.int64)
     k_top = int(caps_arr.max()) if b else 0
     if k_top == 0:
@@ -70,10 +70,10 @@ def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, 
         order = np.argsort(-g, kind="stable")
         m = np.arange(1, len(order) + 1)
         t = cost(base_tokens + m, base_context + m, depth, m)
-        gp = value(b + np.cumsum(g[order]), t)
-        i = int(np.argmax(gp))
-        if gp[i] > best_goodput:
-            best_goodput = float(gp[i])
+        values = value(b + np.cumsum(g[order]), t)
+        i = int(np.argmax(values))
+        if values[i] > best_value:
+            best_value = float(values[i])
             chosen = order[: i + 1]
             ks = np.bincount(rows[chosen], minlength=b)
             best_t = float(cost(base_tokens + i + 1, base_context + i + 1, int(depth_of[cols[chosen].max()]), i + 1))
