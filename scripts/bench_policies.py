@@ -127,7 +127,7 @@ def main() -> int:
             proposers[name] = make_proposer(spec, engine, engine.speculator.proposer.blocks.num_blocks)
     problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
     prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
-    configs = []  # (label, proposer, policy name, policy): one policy object per config for the whole run
+    configs = []  # (label, proposer, policy name, policy, K): one policy object per config for the whole run
     for proposer_name in args.proposers:
         for policy_name in args.policies:
             if policy_name == "off" and proposer_name != args.proposers[0]:
