@@ -237,9 +237,10 @@ def _plot(summary, path) -> None:
 
     proposers = sorted({s["proposer"] for s in summary if s["policy"] != "off"})
     fig, axes = plt.subplots(1, len(proposers), figsize=(6 * len(proposers), 4.5), squeeze=False)
+    means = pooled(summary)
     for ax, prop in zip(axes[0], proposers):
         for label in dict.fromkeys(s["config"] for s in summary if s["proposer"] == prop or s["policy"] == "off"):
-            pts = sorted((rate, v) for (c, rate), v in pooled(summary).items() if c == label)
+            pts = sorted((rate, v) for (c, rate), v in means.items() if c == label)
             style = dict(lw=3, color="black") if "smartspec" in label else {}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **style)
         ax.set_xlabel("request rate (req/s)")

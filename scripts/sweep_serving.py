@@ -19,7 +19,7 @@ this prints mean latency per rate with each configuration's ratio to the best of
 as a Markdown table to <out>/comparison.md.
 
 The box's own speed is probed before each server starts and once at the end (memory bandwidth and matmul
-throughput, ~5 s, to <out>/speed_probe.csv). A shared VM can slow by tens of percent within an hour; a spread
+throughput, ~1 s, to <out>/speed_probe.csv). A shared VM can slow by tens of percent within an hour; a spread
 wider than 10% is flagged, since it is then larger than the differences the sweep is asked to resolve.
 --cycles 2 serves the whole plan twice, the second time in reverse order (A B C, C B A), each cycle in
 <out>/cycle-N, and the final table averages the cycles and lists each run, so a drift falls on all
@@ -164,13 +164,13 @@ def print_comparison(out: Path, sources: list[Path] | None = None, pool: bool = 
     paths = [p for folder in (sources or [out]) for p in sorted(folder.glob("*_summary.parquet"))]
     if not paths:
         return
-    df = pd.concat([pd.read_parquet(p) for p in paths])
+    runs = pd.concat([pd.read_parquet(p).assign(source=p.parent.name) for p in paths])
     if pool:
-        runs = df.groupby(["label", "rate"]).size().rename("runs")
-        df = df.groupby(["label", "rate"]).mean(numeric_only=True).join(runs).reset_index()
-        print_runs(pd.concat([pd.read_parquet(p).assign(source=p.parent.name) for p in paths]))
+        print_runs(runs)
+        counts = runs.groupby(["label", "rate"]).size().rename("runs")
+        df = runs.groupby(["label", "rate"]).mean(numeric_only=True).join(counts).reset_index()
     else:
-        df = df.drop_duplicates(["label", "rate"], keep="last")
+        df = runs.drop(columns="source").drop_duplicates(["label", "rate"], keep="last")
     if sources:
         out.mkdir(parents=True, exist_ok=True)
         df.to_parquet(out / "summary.parquet")

@@ -2,8 +2,8 @@
 
 A shared VM can lose tens of percent of memory bandwidth within an hour, and decoding here is bound by memory
 bandwidth, so two configurations run half an hour apart are compared on different machines. The probe takes
-~2 s; a spread wider than 10% over a benchmark is flagged, since it is then larger than the differences the
-benchmark is asked to resolve."""
+about a second; a spread wider than 10% over a benchmark is flagged, since it is then larger than the differences
+the benchmark is asked to resolve."""
 from __future__ import annotations
 
 import csv

@@ -68,7 +68,8 @@ class SmartSpecPolicy(Policy):
         if start_s.any():
             gains = charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s,
                                                                                tokens, context))
-        price = self._prefill_step_price(requests, gains, caps, depth_of, held) if base_tokens else None
+        price = (self._prefill_step_price(gains, caps, depth_of, len(requests), context - base_context, held)
+                 if base_tokens else None)
         ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context, price)
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
@@ -89,14 +90,13 @@ class SmartSpecPolicy(Policy):
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
 
-    def _prefill_step_price(self, requests: list[Request], gains: np.ndarray, caps: list[int], depth_of: np.ndarray,
-                            held: int) -> float:
+    def _prefill_step_price(self, gains: np.ndarray, caps: list[int], depth_of: np.ndarray, b: int,
+                            decode_context: int, held: int) -> float:
         """Tokens per second a draft must add to a step that carries prefill: the goodput the decode batch would
         reach in a step of its own, times the requests this step holds (decoding + `held` prefilling) per decoding
-        request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs."""
-        b = len(requests)
-        tokens, context = b, sum(r.num_tokens for r in requests)
-        ks, t = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context)
+        request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs. b: the
+        decoding requests; decode_context: their context tokens."""
+        ks, t = select_from_gains(gains, caps, depth_of, self.cost.predict, b, decode_context)
         expected = b + sum(float(gains[i, :k].sum()) for i, k in enumerate(ks))
         return expected / t * (b + max(1, held)) / b
 
