@@ -13,7 +13,13 @@ T_verify here is everything in a step but drafting (verify forward, sampling, bo
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
 fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
 request starts drafting (SmartSpecPolicy). Windowed weighted least squares with exponential
-forgetting, refitted on every step; a degenerate fit is refused and the last good one kept."""
+forgetting, refitted on every step; a degenerate fit is refused and the last good one kept.
+
+The fit leaves out steps that disagree with it by far more than steps usually do: a shared or noisy machine now
+and then stalls a step for several times its usual time (a preempted core, a collector pause), and plain least
+squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified token costs, which is
+what k is chosen on. A sustained change of speed moves the fit all the same: the typical residual is measured
+with the forgetting weights, so once most of the recent weight is at the new speed, the new speed is typical."""
 from __future__ import annotations
 
 from collections import deque
@@ -23,8 +29,11 @@ import numpy as np
 SEGMENTS = ((0, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, float("inf")))
 
 
-def verify_features(n: float, c: float) -> list[float]:
-    return [1.0] + [min(max(n - a, 0.0), b - a) for a, b in SEGMENTS] + [c]
+def verify_features(n: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """One row per step: [1, tokens within each segment of SEGMENTS, context tokens]."""
+    n = np.asarray(n, dtype=np.float64)
+    pieces = [np.clip(n - a, 0.0, b - a) for a, b in SEGMENTS]
+    return np.stack([np.ones_like(n), *pieces, np.asarray(c, dtype=np.float64)], axis=-1)
 
 
 def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
@@ -42,9 +51,20 @@ def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable
     return None
 
 
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, 0.5 * cumulative[-1])])
+
+
 class StepCostModel:
-    def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4) -> None:
+    def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4,
+                 outlier_cut: float = 3.5, robust_rounds: int = 4) -> None:
         self.window = window
+        # a step whose relative residual lies this many robust deviations from the typical one is left out of the
+        # fit (0: plain least squares); robust_rounds: refits at most, until the set left out stops changing
+        self.outlier_cut = outlier_cut
+        self.robust_rounds = robust_rounds
         self.forget = forget
         self.ridge = ridge
         self.min_samples = min_samples
@@ -102,9 +122,9 @@ class StepCostModel:
         if len(self.verify_samples) < self.min_samples:
             return
         data = np.array(self.verify_samples, dtype=np.float64)
-        x = np.array([verify_features(n, c) for n, c, _ in data])
+        x = verify_features(data[:, 0], data[:, 1])
         reached = [bool((data[:, 0] > a).any()) for a, _ in SEGMENTS]
-        coef = nonnegative_lstsq(self._solve, x, data[:, 2], self._weights(len(data)), [True] + reached + [True])
+        coef = self._robust_fit(x, data[:, 2], self._weights(len(data)), [True] + reached + [True])
         if coef is None or coef[0] <= 0:  # no positive base cost: not a fit to trust
             self.refused += 1
             return
@@ -118,10 +138,32 @@ class StepCostModel:
         if len(self.draft_samples) < 2:
             return
         data = np.array(self.draft_samples, dtype=np.float64)
-        coef = nonnegative_lstsq(self._solve, data[:, :3], data[:, 3], self._weights(len(data)),
-                                 [True, True, bool(data[:, 2].any())])
+        coef = self._robust_fit(data[:, :3], data[:, 3], self._weights(len(data)),
+                                [True, True, bool(data[:, 2].any())])
         if coef is not None:
             self.d = coef.tolist()
+
+    def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
+        """Non-negative least squares without the outliers: r, each step's residual relative to its measured time;
+        a step is left out when |r - m| > outlier_cut * s, m the weighted median of r and s the weighted median
+        of |r - m| / 0.6745 (at least 1%, so an almost exact fit does not turn ordinary jitter into outliers).
+        Deviations are taken from the median residual, not from zero: stalls drag a plain fit above the typical
+        step, and then the typical steps, not the stalls, are the ones that agree with each other. Left out means
+        weight 0: a bounded weight (Huber's) still let a few stalls at short shapes tilt the slope negative."""
+        coef = nonnegative_lstsq(self._solve, x, y, w, usable)
+        kept = np.ones(len(y), dtype=bool)
+        for _ in range(self.robust_rounds if self.outlier_cut > 0 else 0):
+            if coef is None:
+                return None
+            r = (y - x @ coef) / np.maximum(np.abs(y), 1e-9)
+            middle = weighted_median(r, w)
+            scale = max(weighted_median(np.abs(r - middle), w) / 0.6745, 0.01)
+            now_kept = np.abs(r - middle) <= self.outlier_cut * scale
+            if (now_kept == kept).all():
+                break
+            kept = now_kept
+            coef = nonnegative_lstsq(self._solve, x[kept], y[kept], w[kept], usable)
+        return coef
 
     def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray | None:
         """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens)."""
