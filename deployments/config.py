@@ -72,6 +72,16 @@ class AppConfig(Strict):
     max_waiting: int = Field(64, ge=1)
     controller_interval_s: float = Field(1.0, gt=0)
     warmup_profile: bool = True
+    # each replica writes every step (shape, k, accepted, predicted and measured time) to Parquet part files in
+    # <step_trace_dir>/<replica id>/, readable while it serves; for diagnosing a server and for `smartspec sim`
+    step_trace_dir: str | None = None
+
+    @field_validator("step_trace_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isabs(v):
+            raise ValueError(f"step_trace_dir must be an absolute path (replicas run in Ray's working directory): {v!r}")
+        return v
 
     @field_validator("model")
     @classmethod
@@ -95,8 +105,10 @@ class AppConfig(Strict):
     def name(self) -> str:
         return self.served_model_name or self.model
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, replica_id: str = "replica") -> EngineConfig:
+        trace = os.path.join(self.step_trace_dir, replica_id) if self.step_trace_dir else None
         return EngineConfig(model=self.model, kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             num_threads=self.threads, use_kernels=self.use_kernels, device=self.device,
-                            speculative_config=self.speculation.engine_dict(), warmup_profile=self.warmup_profile)
+                            speculative_config=self.speculation.engine_dict(), warmup_profile=self.warmup_profile,
+                            trace_path=trace)

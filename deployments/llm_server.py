@@ -32,7 +32,7 @@ class LLMServer:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else uuid.uuid4().hex[:8]
         self.draft_actor_name = None
-        engine = LLMEngine(self.cfg.engine_config(), runner_factory=self._runner_factory(),
+        engine = LLMEngine(self.cfg.engine_config(self.replica_id), runner_factory=self._runner_factory(),
                            proposer_factory=self._proposer_factory())
         self.engine = AsyncEngine(engine=engine)
         self.controller = controller

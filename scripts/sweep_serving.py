@@ -70,8 +70,10 @@ def server_plan(configs: list[str], proposers: tuple[str, ...] = ("draft_model",
     return plan
 
 
-def write_config(policy: str, k: int, path: Path, method: str = "draft_model") -> Path:
+def write_config(policy: str, k: int, path: Path, method: str = "draft_model", trace_dir: Path | None = None) -> Path:
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    if trace_dir is not None:  # every step of every replica, in <trace_dir>/<replica>/part-*.parquet
+        config["applications"][0]["args"]["step_trace_dir"] = str(trace_dir.resolve())
     spec = config["applications"][0]["args"]["speculation"]
     spec["policy"], spec["num_speculative_tokens"] = policy, k
     if method != "draft_model":  # prompt lookup: no draft model, no draft actor
@@ -100,7 +102,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
     if kind == "ours":
-        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"])
+        traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
+        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces)
         cmd, ready, url = ["serve", "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:
@@ -224,6 +227,9 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=1,
                     help="serve the whole plan this many times, in reverse order every other cycle (A B C, C B A), "
                          "each cycle in <out>/cycle-N; the table then averages the cycles")
+    ap.add_argument("--server-traces", action="store_true",
+                    help="our servers write every step to <out>/steps-<server>/<replica>/part-*.parquet "
+                         "(step_trace_dir; for smartspec sim --trace or a look at single steps)")
     ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
                     help="run nothing: merge the summaries in these folders (rate 0 from one sweep, the other rates "
                          "from another) into --out's table, comparison.md and plot")

@@ -26,7 +26,9 @@ class EngineConfig:
     # Speculative decoding: None, or {"method": "draft_model" | "ngram", "model": <draft>,
     # "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "policy": "off" | "fixed"}
     speculative_config: SpeculativeConfig | dict | None = None
-    trace_path: str | None = None  # write every step's record to this Parquet file
+    # write every step's record: to this Parquet file (*.parquet, complete at close), or to part files in this
+    # directory (any other path; each part complete when written, for a server)
+    trace_path: str | None = None
     # Seed a learning policy's cost model with a few measured step shapes at start (a few seconds on CPU).
     warmup_profile: bool = True
 

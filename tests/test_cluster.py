@@ -72,7 +72,14 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"kv_cache": 1}, "Extra inputs are not permitted"),
     ({"speculation": {"method": "ngram", "tree": {"max_nodes": 99}}}, "tree.max_nodes must be at most 63"),
+    ({"step_trace_dir": "traces"}, "step_trace_dir must be an absolute path"),
 ])
 def test_bad_app_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):
         AppConfig.model_validate(args)
+
+
+def test_each_replica_traces_its_steps_to_a_folder_of_its_own(tmp_path):
+    cfg = AppConfig.model_validate({"model": "m", "step_trace_dir": str(tmp_path)})
+    assert cfg.engine_config("r1").trace_path == str(tmp_path / "r1")
+    assert AppConfig.model_validate({"model": "m"}).engine_config("r1").trace_path is None

@@ -109,3 +109,35 @@ def test_profile_from_a_measured_trace(tmp_path, tiny_qwen):
     prof.save(tmp_path / "p.json")
     loaded = SimProfile.load(tmp_path / "p.json")
     assert loaded.step_time(4, 100, 2, 6) == pytest.approx(prof.step_time(4, 100, 2, 6))
+
+
+def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp_path, tiny_qwen):
+    """A server replica's trace (EngineConfig(trace_path=<folder>)): part files, each whole when written."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from smartspec import EngineConfig, SamplingParams
+    from smartspec.engine.llm_engine import LLMEngine
+    from smartspec.engine.trace import trace_schema
+    from smartspec.policy.base import StepRecord
+
+    folder = tmp_path / "steps" / "replica-1"
+    engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=128, max_model_len=256, trace_path=str(folder),
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "policy": "smartspec"}))
+    engine.trace.flush_every, engine.trace.flush_interval_s = 4, float("inf")  # by count only: no timing
+    for p in ("abcabcabcabc", "hello hello hello", "xyzxyzxyz"):
+        engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    steps = engine.num_steps
+    assert steps > 8
+    assert pq.read_table(folder).num_rows == steps // 4 * 4  # the parts written so far, with the engine still open
+    engine.close()
+    table = pq.read_table(folder)
+    assert table.num_rows == steps and table["step"].to_pylist() == sorted(table["step"].to_pylist())
+    assert table.schema.equals(trace_schema())
+    fields = {f.name for f in dataclasses.fields(StepRecord)} - {"extra"}
+    assert set(trace_schema().names) == fields | {"time", "policy"}  # a new StepRecord field needs a column
+    assert SimProfile.from_traces([folder]).cost.ready  # the simulator reads a folder like a file

@@ -14,7 +14,8 @@ from smartspec.sim.simulator import simulate
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", nargs="+", help="step traces (Parquet) measured with EngineConfig(trace_path=...)")
+    src.add_argument("--trace", nargs="+", help="step traces measured with EngineConfig(trace_path=...): Parquet "
+                     "files, or folders of parts (a server replica's <step_trace_dir>/<replica>)")
     src.add_argument("--profile", help="a profile saved with --save-profile")
     p.add_argument("--save-profile", help="write the fitted profile (JSON) here")
     p.add_argument("--policies", nargs="+", default=["off", "fixed:1", "fixed:3", "batch_table", "smartspec"])
