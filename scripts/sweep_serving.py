@@ -228,8 +228,8 @@ def main() -> int:
                     help="serve the whole plan this many times, in reverse order every other cycle (A B C, C B A), "
                          "each cycle in <out>/cycle-N; the table then averages the cycles")
     ap.add_argument("--server-traces", action="store_true",
-                    help="our servers write every step to <out>/steps-<server>/<replica>/part-*.parquet "
-                         "(step_trace_dir; for smartspec sim --trace or a look at single steps)")
+                    help="our servers write every step to steps-<server>/<replica>/part-*.parquet next to their "
+                         "logs (step_trace_dir; for smartspec sim --trace or a look at single steps)")
     ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
                     help="run nothing: merge the summaries in these folders (rate 0 from one sweep, the other rates "
                          "from another) into --out's table, comparison.md and plot")
