@@ -80,7 +80,8 @@ class AppConfig(Strict):
     @classmethod
     def _absolute(cls, v: str | None) -> str | None:
         if v is not None and not os.path.isabs(v):
-            raise ValueError(f"step_trace_dir must be an absolute path (replicas run in Ray's working directory): {v!r}")
+            raise ValueError(f"step_trace_dir must be an absolute path (replicas run in Ray's working directory): "
+                             f"{v!r}")
         return v
 
     @field_validator("model")

@@ -171,9 +171,7 @@ class LLMEngine:
         prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
         spec = self.speculator
         ks = spec.choose(decoding, self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch),
-                         self.blocks, self.max_model_len, base_tokens=sum(s.num_tokens for s in prefill),
-                         base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
-                         held=len(prefill))
+                         self.blocks, self.max_model_len, prefill=prefill)
         t_draft = time.perf_counter()
         drafts = spec.propose(decoding, ks)
         items = []

@@ -59,11 +59,8 @@ class SimReplica:
         batch = self.scheduler.schedule()
         decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
         prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
-        base_tokens = sum(s.num_tokens for s in prefill)
         ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
-                                    self.blocks, self.max_model_len, base_tokens=base_tokens,
-                                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
-                                    held=len(prefill))
+                                    self.blocks, self.max_model_len, prefill=prefill)
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
@@ -98,8 +95,9 @@ class SimReplica:
                 req.status, req.finish_time = RequestStatus.FINISHED, end
                 finished.append(req)
         self.steps += 1
+        num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
-                            n_tokens, base_tokens, n_context, draft_s, duration - draft_s, duration,
+                            n_tokens, num_prefill, n_context, draft_s, duration - draft_s, duration,
                             predicted_s=self.speculator.policy.last_prediction if decoding else None,
                             draft_catchup_tokens=catchup)
         self.speculator.policy.observe(record)
