@@ -23,7 +23,9 @@ throughput, ~1 s, to <out>/speed_probe.csv). A shared VM can slow by tens of per
 wider than 10% is flagged, since it is then larger than the differences the sweep is asked to resolve.
 --cycles 2 serves the whole plan twice, the second time in reverse order (A B C, C B A), each cycle in
 <out>/cycle-N, and the final table averages the cycles and lists each run, so a drift falls on all
-configurations alike and shows as disagreement between the cycles:
+configurations alike and shows as disagreement between the cycles. With --server-traces our servers keep step
+traces, and the end of the run prints (and writes to <out>/steps.md) the work each replica did and where its time
+went, to tell a gap in what the servers did from a gap in how fast the box ran them:
 
     python scripts/sweep_serving.py --configs smartspec fixed:5 vllm-ngram --proposers ngram --rates 0 0.1 \\
         --num-requests 5 --max-tokens 64 --cycles 2 --out results/sweep-v5"""
@@ -41,7 +43,7 @@ import httpx
 import yaml
 
 from smartspec.box_speed import print_probe_spread, record_probe
-from smartspec.report import plot_latency_vs_rate
+from smartspec.report import plot_latency_vs_rate, step_work
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS_PORT, VLLM_PORT = 8000, 8001
@@ -202,6 +204,34 @@ def print_comparison(out: Path, sources: list[Path] | None = None, pool: bool = 
     print_probe_spread(sources or [out])
 
 
+def print_step_work(out: Path, folders: list[Path]) -> None:
+    """Per replica of each of our servers that kept a step trace (--server-traces): the work it did and where its
+    time went (smartspec.report.step_work); the same as Markdown in <out>/steps.md. Two servers that drafted and
+    accepted the same tokens in the same number of steps did the same work: a latency gap between them is then
+    time per step, and forward_s against other_ms / between_steps_ms says whether the model or our code took it."""
+    import pandas as pd
+
+    rows = []
+    for folder in folders:
+        for server in sorted(folder.glob("steps-*")):
+            for replica in sorted(p for p in server.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                if not any(replica.glob("part-*.parquet")):
+                    continue
+                work = step_work(pd.read_parquet(replica))
+                rows.append({"folder": folder.name, "server": server.name.removeprefix("steps-"),
+                             "replica": replica.name, **work})
+    if not rows:
+        return
+    df = pd.DataFrame(rows)
+    print("\nstep traces: the work each replica did, and where its time went")
+    print(df.round(2).to_string(index=False))
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + " --- |" * len(df.columns)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steps.md").write_text("\n".join(lines) + "\n")
+
+
 def print_runs(df) -> None:
     """Each run's mean latency, folder by folder: whether a ranking held in every repeat or only on average."""
     table = df.pivot_table(index=["label", "source"], columns="rate", values="latency_s_mean")
@@ -239,6 +269,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.report:
         print_comparison(Path(args.out), args.report, args.pool)
+        print_step_work(Path(args.out), args.report)
         return 0
     fixed_ks = [FIXED_LABELS[c] for c in args.configs if c in FIXED_LABELS]
     if fixed_ks and max(fixed_ks) > args.k:
@@ -278,6 +309,7 @@ def main() -> int:
         print_comparison(out)
     else:
         print_comparison(out, folders, pool=True)
+    print_step_work(out, folders)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -57,3 +57,20 @@ def plot_latency_vs_rate(summaries: list[dict], path: str | Path, title: str = "
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def step_work(steps, back_to_back_s: float = 0.05) -> dict:
+    """What one replica's step trace (a DataFrame in trace_schema) did and where its time went: whether two servers
+    did the same work (steps, drafted and accepted tokens), and if so, whether one spent its time in the forward
+    (the model on this box, at that hour) or around it. other_ms: median time of a step outside the target's forward
+    and the drafting (scheduling, choosing k, acceptance, commit). between_steps_ms: median time from one step's end
+    to the next one's start, over steps that follow each other within back_to_back_s (idle waits for a request are
+    not overhead); it holds the policy's observe and refit, and the serving loop."""
+    steps = steps.sort_values("time")
+    gaps = steps["time"].diff().to_numpy()[1:] - steps["total_s"].to_numpy()[1:]
+    gaps = gaps[gaps < back_to_back_s]
+    return {"steps": len(steps), "drafted": int(steps["proposed"].map(sum).sum()),
+            "accepted": int(steps["accepted"].map(sum).sum()), "busy_s": float(steps["total_s"].sum()),
+            "forward_s": float(steps["verify_s"].sum()), "draft_s": float(steps["draft_s"].sum()),
+            "other_ms": float((steps["total_s"] - steps["verify_s"] - steps["draft_s"]).median() * 1e3),
+            "between_steps_ms": float(np.median(gaps) * 1e3) if len(gaps) else None}

@@ -141,3 +141,33 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
     fields = {f.name for f in dataclasses.fields(StepRecord)} - {"extra"}
     assert set(trace_schema().names) == fields | {"time", "policy"}  # a new StepRecord field needs a column
     assert SimProfile.from_traces([folder]).cost.ready  # the simulator reads a folder like a file
+
+
+def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):
+    """sweep_serving's per-replica summary (smartspec.report.step_work) read from a real engine's trace folder
+    agrees with the steps the engine reported as it ran them."""
+    import pandas as pd
+
+    from smartspec import EngineConfig, SamplingParams
+    from smartspec.engine.llm_engine import LLMEngine
+    from smartspec.report import step_work
+
+    folder = tmp_path / "steps" / "replica-1"
+    engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=128, max_model_len=256, trace_path=str(folder),
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "policy": "fixed"}))
+    for p in ("abcabcabcabc", "hello hello hello"):
+        engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
+    records = []
+    while engine.has_unfinished():
+        engine.step()
+        records.append(engine.last_step)
+    engine.close()
+    work = step_work(pd.read_parquet(folder))
+    drafted = sum(sum(r.proposed) for r in records)
+    assert drafted > 0  # prompt lookup found something to draft in these prompts
+    assert (work["steps"], work["drafted"], work["accepted"]) == (len(records), drafted,
+                                                                  sum(sum(r.accepted) for r in records))
+    assert work["busy_s"] == pytest.approx(sum(r.total_s for r in records))
+    assert work["forward_s"] == pytest.approx(sum(r.verify_s for r in records))
+    assert 0 <= work["other_ms"] < work["busy_s"] * 1e3
