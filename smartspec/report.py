@@ -63,9 +63,10 @@ def step_work(steps, back_to_back_s: float = 0.05) -> dict:
     """What one replica's step trace (a DataFrame in trace_schema) did and where its time went: whether two servers
     did the same work (steps, drafted and accepted tokens), and if so, whether one spent its time in the forward
     (the model on this box, at that hour) or around it. other_ms: median time of a step outside the target's forward
-    and the drafting (scheduling, choosing k, acceptance, commit). between_steps_ms: median time from one step's end
-    to the next one's start, over steps that follow each other within back_to_back_s (idle waits for a request are
-    not overhead); it holds the policy's observe and refit, and the serving loop."""
+    and the drafting (scheduling, choosing k, acceptance, commit). between_steps_ms: a step's time outside any step,
+    i.e. the time from one step's trace record to the next less the later step's own time (median, over steps that
+    follow each other within back_to_back_s: an idle wait for a request is not overhead); it holds the policy's
+    observe and cost refit, which run after the step is timed, and the serving loop."""
     steps = steps.sort_values("time")
     gaps = steps["time"].diff().to_numpy()[1:] - steps["total_s"].to_numpy()[1:]
     gaps = gaps[gaps < back_to_back_s]
