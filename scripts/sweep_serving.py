@@ -210,6 +210,7 @@ def print_step_work(out: Path, folders: list[Path]) -> None:
     accepted the same tokens in the same number of steps did the same work: a latency gap between them is then
     time per step, and forward_s against other_ms / between_steps_ms says whether the model or our code took it."""
     import pandas as pd
+    import pyarrow.parquet as pq
 
     rows = []
     for folder in folders:
@@ -217,7 +218,7 @@ def print_step_work(out: Path, folders: list[Path]) -> None:
             for replica in sorted(p for p in server.iterdir() if p.is_dir() and not p.name.startswith(".")):
                 if not any(replica.glob("part-*.parquet")):
                     continue
-                work = step_work(pd.read_parquet(replica))
+                work = step_work(pq.read_table(replica).to_pylist())
                 rows.append({"folder": folder.name, "server": server.name.removeprefix("steps-"),
                              "replica": replica.name, **work})
     if not rows:

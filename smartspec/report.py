@@ -59,19 +59,23 @@ def plot_latency_vs_rate(summaries: list[dict], path: str | Path, title: str = "
     plt.close(fig)
 
 
-def step_work(steps, back_to_back_s: float = 0.05) -> dict:
-    """What one replica's step trace (a DataFrame in trace_schema) did and where its time went: whether two servers
-    did the same work (steps, drafted and accepted tokens), and if so, whether one spent its time in the forward
-    (the model on this box, at that hour) or around it. other_ms: median time of a step outside the target's forward
-    and the drafting (scheduling, choosing k, acceptance, commit). between_steps_ms: a step's time outside any step,
-    i.e. the time from one step's trace record to the next less the later step's own time (median, over steps that
-    follow each other within back_to_back_s: an idle wait for a request is not overhead); it holds the policy's
-    observe and cost refit, which run after the step is timed, and the serving loop."""
-    steps = steps.sort_values("time")
-    gaps = steps["time"].diff().to_numpy()[1:] - steps["total_s"].to_numpy()[1:]
+def step_work(steps: list[dict], back_to_back_s: float = 0.05) -> dict:
+    """What one replica's step trace (its rows, e.g. pyarrow.parquet.read_table(folder).to_pylist()) did and where
+    its time went: whether two servers did the same work (steps, drafted and accepted tokens), and if so, whether
+    one spent its time in the forward (the model on this box, at that hour) or around it. other_ms: median time of
+    a step outside the target's forward and the drafting (scheduling, choosing k, acceptance, commit).
+    between_steps_ms: a step's time outside any step, i.e. the time from one step's trace record to the next less
+    the later step's own time (median, over steps that follow each other within back_to_back_s: an idle wait for
+    a request is not overhead); it holds the policy's observe and cost refit, which run after the step is timed,
+    and the serving loop."""
+    steps = sorted(steps, key=lambda r: r["time"])
+    total = np.array([r["total_s"] for r in steps], dtype=np.float64)
+    forward = np.array([r["verify_s"] for r in steps], dtype=np.float64)
+    draft = np.array([r["draft_s"] for r in steps], dtype=np.float64)
+    gaps = np.diff([r["time"] for r in steps]) - total[1:]
     gaps = gaps[gaps < back_to_back_s]
-    return {"steps": len(steps), "drafted": int(steps["proposed"].map(sum).sum()),
-            "accepted": int(steps["accepted"].map(sum).sum()), "busy_s": float(steps["total_s"].sum()),
-            "forward_s": float(steps["verify_s"].sum()), "draft_s": float(steps["draft_s"].sum()),
-            "other_ms": float((steps["total_s"] - steps["verify_s"] - steps["draft_s"]).median() * 1e3),
+    return {"steps": len(steps), "drafted": int(sum(sum(r["proposed"]) for r in steps)),
+            "accepted": int(sum(sum(r["accepted"]) for r in steps)), "busy_s": float(total.sum()),
+            "forward_s": float(forward.sum()), "draft_s": float(draft.sum()),
+            "other_ms": float(np.median(total - forward - draft) * 1e3) if steps else None,
             "between_steps_ms": float(np.median(gaps) * 1e3) if len(gaps) else None}

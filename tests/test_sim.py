@@ -146,7 +146,7 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
 def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):
     """sweep_serving's per-replica summary (smartspec.report.step_work) read from a real engine's trace folder
     agrees with the steps the engine reported as it ran them."""
-    import pandas as pd
+    import pyarrow.parquet as pq
 
     from smartspec import EngineConfig, SamplingParams
     from smartspec.engine.llm_engine import LLMEngine
@@ -163,7 +163,7 @@ def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):
         engine.step()
         records.append(engine.last_step)
     engine.close()
-    work = step_work(pd.read_parquet(folder))
+    work = step_work(pq.read_table(folder).to_pylist())
     drafted = sum(sum(r.proposed) for r in records)
     assert drafted > 0  # prompt lookup found something to draft in these prompts
     assert (work["steps"], work["drafted"], work["accepted"]) == (len(records), drafted,
