@@ -14,7 +14,7 @@ from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request, RequestStatus
-from smartspec.engine.scheduler import Scheduler
+from smartspec.engine.scheduler import Scheduler, split_batch
 from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
@@ -167,8 +167,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
-        prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
+        decoding, prefill = split_batch(batch)
         spec = self.speculator
         ks = spec.choose(decoding, self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch),
                          self.blocks, self.max_model_len, prefill=prefill)

@@ -20,6 +20,18 @@ class ScheduledRequest:
         self.completes = self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
+def split_batch(batch: list[ScheduledRequest]) -> tuple[list[Request], list[ScheduledRequest]]:
+    """(decoding requests, prefill chunks): a request decodes when its one scheduled token is its last, and only
+    those can carry drafts; every other chunk is prefill, which the policy prices as the rest of the step."""
+    decoding, prefill = [], []
+    for s in batch:
+        if s.completes and s.num_tokens == 1:
+            decoding.append(s.request)
+        else:
+            prefill.append(s)
+    return decoding, prefill
+
+
 class Scheduler:
     """Running requests go first (oldest first); waiting requests are admitted while the token budget, the
     sequence limit and free KV blocks allow. When blocks run out, the youngest running request is preempted:

@@ -12,7 +12,7 @@ import numpy as np
 
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.request import Request, RequestStatus
-from smartspec.engine.scheduler import Scheduler
+from smartspec.engine.scheduler import Scheduler, split_batch
 from smartspec.policy.base import StepRecord
 from smartspec.sampling_params import SamplingParams
 from smartspec.sim.profile import SimProfile
@@ -57,8 +57,7 @@ class SimReplica:
     def step(self, now: float) -> tuple[float, list[Request]]:
         """Run one step starting at `now`; return its end time and the requests that finished in it."""
         batch = self.scheduler.schedule()
-        decoding = [s.request for s in batch if s.completes and s.num_tokens == 1]
-        prefill = [s for s in batch if not (s.completes and s.num_tokens == 1)]
+        decoding, prefill = split_batch(batch)
         ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
                                     self.blocks, self.max_model_len, prefill=prefill)
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
