@@ -63,7 +63,7 @@ def test_prior_strength_is_learned_from_how_much_finished_requests_differ():
             est.forget(f"r{i}")
         return est
 
-    assert finished([0.9] * 7).prior_strength == 4.0  # too few finished requests: the weak default
+    assert finished([0.9] * 7).prior_strength == pytest.approx(16.0)  # too few finished: not learned (range middle)
     alike, mixed = finished([0.9] * 32), finished([0.3, 0.95] * 16)
     assert alike.prior_strength >= 32 and mixed.prior_strength <= 8, (alike.prior_strength, mixed.prior_strength)
     # one early rejection barely moves a new request when requests are alike, and moves it a lot when they differ
@@ -71,6 +71,25 @@ def test_prior_strength_is_learned_from_how_much_finished_requests_differ():
         est.observe("new", 4, 0)
     assert alike.prior - alike.alpha("new") < 0.03
     assert mixed.prior - mixed.alpha("new") > 0.1
+
+
+def test_a_cold_estimator_trusts_a_new_requests_outcomes_as_they_accumulate():
+    """Before any request finished: one rejected first draft barely moves a request (prompt lookup often misses on
+    an answer's first tokens), a run of rejections moves it as far as the weakest prior would."""
+    cold, weak, strong = (AcceptanceEstimator(prior_alpha=0.5, prior_strength=s) for s in (None, 4.0, 64.0))
+    for est in (cold, weak, strong):
+        for _ in range(50):  # other requests: 0.9
+            est.observe("other", 5, 5)
+            est.observe("other", 5, 4)
+        est.observe("new", 5, 0)
+    assert cold.prior == pytest.approx(weak.prior)
+    one = [est.prior - est.alpha("new") for est in (cold, weak, strong)]
+    assert one[0] < 0.1 < one[1] and one[0] < 2 * one[2] + 0.05, one
+    for est in (cold, weak, strong):
+        for _ in range(9):
+            est.observe("new", 5, 0)
+    ten = [est.alpha("new") for est in (cold, weak, strong)]
+    assert ten[0] < ten[1] + 0.05 and ten[0] < 0.4 < ten[2], ten
 
 
 # ---- cost model ------------------------------------------------------------------------------------------------

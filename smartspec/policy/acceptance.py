@@ -8,9 +8,18 @@ proposing (k = 0) drifts back to the prior.
 How far a request's estimate is pulled toward the prior (the prior's strength, in pseudo-outcomes) is learned from
 finished requests, as in empirical Bayes: when requests differ little beyond what their counts' noise explains, a
 few early rejections should not talk one request out of drafting; when they differ a lot, each request's own
-evidence decides."""
+evidence decides.
+
+Until enough requests have finished to learn it, the strength is unknown, and no single guess is right: a weak
+prior lets one rejected first draft talk a request out of drafting (prompt lookup often misses on the first tokens
+of an answer, then copies the prompt for the rest), a strong one keeps a request that never gets a draft accepted
+drafting for many steps. So a cold estimator averages the request's estimate over strengths spread evenly in log
+scale across the range, each weighted by how likely it makes the request's own outcomes (a beta-binomial
+marginal likelihood): a couple of outcomes leave the strengths almost equally likely and the estimate near the
+prior; a run of rejections makes the strong priors unlikely and the estimate follows the request."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,7 +41,8 @@ class Counts:
 class AcceptanceEstimator:
     def __init__(self, prior_alpha: float = 0.5, prior_strength: float | None = None, request_decay: float = 0.9,
                  prior_decay: float = 0.995, max_alpha: float = 0.99, strength_range: tuple[float, float] = (4.0, 64.0),
-                 finished_window: int = 64, min_finished: int = 8, min_outcomes: int = 8) -> None:
+                 finished_window: int = 64, min_finished: int = 8, min_outcomes: int = 8,
+                 cold_strengths: int = 5) -> None:
         self.initial_prior = prior_alpha
         # pseudo-outcomes the prior is worth against a request's own; None: learned from finished requests
         self.fixed_strength = prior_strength
@@ -41,7 +51,10 @@ class AcceptanceEstimator:
         self.min_outcomes = min_outcomes  # a finished request counts toward it with at least this many outcomes
         self.finished: deque[tuple[float, float]] = deque(maxlen=finished_window)  # (accepted, outcomes)
         self.totals: dict[str, Counts] = {}  # per request, undecayed: what it showed over its whole life
-        self._learned_strength = strength_range[0]  # relearned when a request finishes, not on every alpha()
+        self._learned_strength: float | None = None  # relearned when a request finishes, not on every alpha()
+        low, high = strength_range
+        # before the strength is learned: the strengths a request's estimate is averaged over
+        self.cold_strengths = [low * (high / low) ** (i / max(1, cold_strengths - 1)) for i in range(cold_strengths)]
         self.request_decay = request_decay
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
@@ -59,14 +72,20 @@ class AcceptanceEstimator:
 
     @property
     def prior_strength(self) -> float:
-        return self.fixed_strength if self.fixed_strength is not None else self._learned_strength
+        """Pseudo-outcomes the prior is worth: fixed, or learned; before it is learned, the middle (in log scale) of
+        the strengths a request's estimate is averaged over."""
+        if self.fixed_strength is not None:
+            return self.fixed_strength
+        if self._learned_strength is not None:
+            return self._learned_strength
+        return math.sqrt(self.strength_range[0] * self.strength_range[1])
 
-    def _learn_strength(self) -> float:
+    def _learn_strength(self) -> float | None:
         """Beta concentration of requests' acceptance around the prior, by moments over finished requests: the
         spread of their rates less the part their finite counts explain. Little spread left: a strong prior."""
         low, high = self.strength_range
         if len(self.finished) < self.min_finished:
-            return low
+            return None
         accepted = sum(a for a, _ in self.finished)
         outcomes = sum(n for _, n in self.finished)
         mean = accepted / outcomes
@@ -87,8 +106,26 @@ class AcceptanceEstimator:
         prior = self.prior
         if c is None:
             return prior
+        if self.fixed_strength is None and self._learned_strength is None:
+            return min(self.max_alpha, self._averaged_over_strengths(c, prior))
         strength = self.prior_strength
         return min(self.max_alpha, (c.accepted + prior * strength) / (c.accepted + c.rejected + strength))
+
+    def _averaged_over_strengths(self, c: Counts, prior: float) -> float:
+        """The request's estimate averaged over cold_strengths, each weighted by the beta-binomial likelihood of
+        its outcomes under a Beta(prior * s, (1 - prior) * s) acceptance (the binomial coefficient is the same for
+        every s and drops out)."""
+        prior = min(max(prior, 1e-3), 1 - 1e-3)
+        a, r = c.accepted, c.rejected
+        logs, means = [], []
+        for s in self.cold_strengths:
+            a0, r0 = prior * s, (1 - prior) * s
+            logs.append(math.lgamma(a + a0) + math.lgamma(r + r0) - math.lgamma(a + r + s)
+                        - math.lgamma(a0) - math.lgamma(r0) + math.lgamma(s))
+            means.append((a + a0) / (a + r + s))
+        top = max(logs)
+        weights = [math.exp(v - top) for v in logs]
+        return sum(w * m for w, m in zip(weights, means)) / sum(weights)
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
