@@ -33,6 +33,7 @@ class ControllerState:
         now = time.monotonic()
         replicas = {rid: {"age_s": round(now - t, 2), **{k: v for k, v in r.items() if k != "policy"},
                           "alpha_prior": (r.get("policy") or {}).get("alpha_prior"),
+                          "alpha_prior_later": (r.get("policy") or {}).get("alpha_prior_later"),
                           "prior_strength": (r.get("policy") or {}).get("prior_strength")}
                     for rid, (t, r) in self.reports.items()}
         policies = [r["policy"] for _, r in self.reports.values() if r.get("policy")]

@@ -25,12 +25,12 @@ def test_controller_aggregates_two_replicas_without_double_counting():
     assert merged_for_b["prior"] == good.export_state()["prior"] and merged_for_b["replicas"] == 1
     assert merged_for_a["prior"] == bad.export_state()["prior"]
 
-    own_before = dict(vars(good.acceptance.prior_counts))
-    alone = good.acceptance.prior
+    own_before = dict(vars(good.acceptance.first.prior_counts))
+    alone = good.acceptance.first.prior
     good.import_state(merged_for_a)
     good.import_state(merged_for_a)  # importing again replaces, never accumulates
-    assert dict(vars(good.acceptance.prior_counts)) == own_before  # its own evidence is what it exports
-    assert bad.acceptance.prior < good.acceptance.prior < alone  # both replicas' evidence now counts
+    assert dict(vars(good.acceptance.first.prior_counts)) == own_before  # its own evidence is what it exports
+    assert bad.acceptance.first.prior < good.acceptance.first.prior < alone  # both replicas' evidence now counts
 
     status = state.status()
     assert set(status["replicas"]) == {"a", "b"} and status["replicas"]["b"]["running"] == 3

@@ -8,7 +8,7 @@ import pytest
 from smartspec import LLM, SamplingParams
 from smartspec.engine.request import Request
 from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, merge_states
-from smartspec.policy.acceptance import AcceptanceEstimator
+from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance
 from smartspec.policy.base import StepRecord
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import (chain_gains, charge_start_costs, expected_tokens, goodput, select_from_gains,
@@ -37,6 +37,44 @@ def test_estimator_converges_on_bernoulli_streams(alpha):
             per_request.append(est.alpha("r0"))
     assert abs(est.prior - alpha) < 0.04, est.prior
     assert abs(sum(per_request) / len(per_request) - alpha) < 0.06
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.8])
+def test_chain_stages_agree_when_every_depth_is_equally_hard(alpha):
+    """A draft model's acceptance: the same rate at every depth. Both stages find it, and the chain's gains are the
+    single-rate model's alpha^j."""
+    rng = random.Random(3)
+    chain = ChainAcceptance(prior_alpha=0.5)
+    for _ in range(400):
+        chain.tick(["r0", "r1"])
+        for rid in ("r0", "r1"):
+            chain.observe(rid, 5, geometric_accepted(rng, alpha, 5))
+    # the later stage hears only from drafts whose first token was accepted: fewer outcomes, more noise at low alpha
+    assert chain.first.prior == pytest.approx(alpha, abs=0.05) and chain.later.prior == pytest.approx(alpha, abs=0.1)
+    assert chain.gains(["x"], 5)[0] == pytest.approx(alpha ** np.arange(1, 6), abs=0.08)
+
+
+def test_a_first_token_miss_lowers_every_depth_alike():
+    """Prompt lookup: the first token is accepted 85% of the time, a later one always after an accepted predecessor.
+    A new request whose first draft missed keeps a flat gains curve, so at batch 5 on this machine's step cost it
+    drafts the whole chain or nothing, never the 1-2 tokens the single-rate model chose."""
+    rng = random.Random(4)
+    chain, single = ChainAcceptance(prior_alpha=0.5), AcceptanceEstimator(prior_alpha=0.5)
+    for i in range(60):
+        a = 5 if rng.random() < 0.85 else 0
+        for est in (chain, single):
+            est.observe(f"old{i % 6}", 5, a)
+    for est in (chain, single):
+        est.observe("new", 5, 0)
+    ids = ["new"] + [f"old{i}" for i in range(4)]
+    cost = linear_cost(0.3, 0.024)  # about what batch 5 cost on the CPU: 24 ms a token
+    chain_ks, _ = select_from_gains(chain.gains(ids, 5), [5] * 5, np.arange(1, 6), cost, 5, 5000)
+    gains = chain_gains([single.alpha(r) for r in ids], 5)
+    single_ks, _ = select_from_gains(gains, [5] * 5, np.arange(1, 6), cost, 5, 5000)
+    assert chain_ks[0] in (0, 5) and chain_ks[1:] == [5] * 4, chain_ks
+    assert 0 < single_ks[0] < 5, single_ks  # what the single rate did: a short chain for the request that missed
+    curve = chain.gains(["new"], 5)[0]
+    assert curve[-1] / curve[0] > 0.9
 
 
 def test_request_without_evidence_drifts_to_the_prior():
@@ -253,7 +291,7 @@ def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
     alone, p = choose(0, 0)
     assert min(alone) >= 2
     # by goodput's ratio, a 100-token prefill that is paid anyway makes drafting look cheaper, not dearer
-    gains = chain_gains([p.acceptance.alpha("r0"), p.acceptance.alpha("r1")], 5)
+    gains = p.acceptance.gains(["r0", "r1"], 5)
     by_ratio, _ = select_from_gains(gains, [5, 5], np.arange(1, 6), p.cost.predict, 102, 300)
     assert sum(by_ratio) >= sum(alone)
     with_prefill, _ = choose(100, 1)
@@ -323,11 +361,11 @@ def test_state_export_merge_import():
         a.cost.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
         b.cost.observe(n, 100, 0, 0, 0.0, 2 * true_verify(n, 100))
     merged = merge_states([a.export_state(), b.export_state(), {"key": "draft_model:x", "prior": {
-        "accepted": 1e6, "rejected": 0}, "cost": {}}])
+        "first": {"accepted": 1e6, "rejected": 0}}, "cost": {}}])
     assert merged["replicas"] == 2  # another proposer's evidence is not mixed in
     fresh = SmartSpecPolicy(key="ngram")
     fresh.import_state(merged)
-    assert a.acceptance.prior > fresh.acceptance.prior > b.acceptance.prior
+    assert a.acceptance.first.prior > fresh.acceptance.first.prior > b.acceptance.first.prior
     assert fresh.cost.predict_verify(4, 100) == pytest.approx(1.5 * true_verify(4, 100), rel=0.02)
 
 

@@ -23,6 +23,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class Counts:
@@ -149,3 +151,57 @@ class AcceptanceEstimator:
         if total is not None and total.accepted + total.rejected >= max(1, self.min_outcomes):
             self.finished.append((total.accepted, total.accepted + total.rejected))
             self._learned_strength = self._learn_strength()
+
+
+class ChainAcceptance:
+    """A chain draft's acceptance in two stages, each estimated per request as above: its first token, and each later
+    token given the one before it was accepted. The expected tokens the j-th drafted token adds are then
+    first * later^(j - 1).
+
+    One rate for every depth (alpha^j) fits a draft model, whose tokens are about equally hard at every depth, but not
+    prompt lookup: measured here, its first token was accepted 82-88% of the time and each later one, after an
+    accepted predecessor, 90-100% (a copy that starts right goes on right). A single rate averages the two, so a
+    rejected first token also lowered the value of every deeper one, and at batch 5 that made drafts of 1-2 tokens
+    look best where the copy would have given five. Two stages keep a first-token miss where it belongs: it lowers
+    every depth's value alike, so drafting either pays with a long chain or not at all. When the stages agree (a
+    draft model), this is the single-rate model again."""
+
+    def __init__(self, prior_alpha: float = 0.5) -> None:
+        self.first = AcceptanceEstimator(prior_alpha=prior_alpha)
+        self.later = AcceptanceEstimator(prior_alpha=prior_alpha)
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.first.observe(request_id, 1, min(accepted, 1))
+        if accepted >= 1 and proposed >= 2:  # the later tokens were tried only if the first was accepted
+            self.later.observe(request_id, proposed - 1, accepted - 1)
+
+    def tick(self, request_ids) -> None:
+        request_ids = list(request_ids)
+        self.first.tick(request_ids)
+        self.later.tick(request_ids)
+
+    def forget(self, request_id: str) -> None:
+        self.first.forget(request_id)
+        self.later.forget(request_id)
+
+    def gains(self, request_ids: list[str], k: int) -> np.ndarray:
+        """[B, k]: the expected tokens the j-th drafted token of each request's chain adds."""
+        first = np.array([self.first.alpha(r) for r in request_ids], dtype=np.float64)
+        later = np.array([self.later.alpha(r) for r in request_ids], dtype=np.float64)
+        return first[:, None] * later[:, None] ** np.arange(k)[None, :]
+
+    @property
+    def evidence(self) -> float:
+        return self.first.evidence + self.later.evidence
+
+    def export_counts(self) -> dict:
+        return {stage: {"accepted": e.prior_counts.accepted, "rejected": e.prior_counts.rejected}
+                for stage, e in (("first", self.first), ("later", self.later))}
+
+    def import_counts(self, counts: dict) -> None:
+        """Other replicas' evidence, as last received: replaces what came before, never accumulates."""
+        for stage, e in (("first", self.first), ("later", self.later)):
+            if stage in counts:
+                e.shared_counts = Counts(float(counts[stage]["accepted"]), float(counts[stage]["rejected"]))

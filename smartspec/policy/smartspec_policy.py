@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from smartspec.engine.request import Request
-from smartspec.policy.acceptance import AcceptanceEstimator
+from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import chain_gains, charge_start_costs, select_from_gains
+from smartspec.policy.goodput import charge_start_costs, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
@@ -19,7 +19,7 @@ class SmartSpecPolicy(Policy):
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
                  catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0) -> None:
         self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
-        self.acceptance = AcceptanceEstimator(prior_alpha=prior_alpha)
+        self.acceptance = ChainAcceptance(prior_alpha=prior_alpha)
         # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
         self.tree_depth = tree_depth
         self.calibration = NodeCalibration()
@@ -57,7 +57,7 @@ class SmartSpecPolicy(Policy):
         tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
         self._step_shape = (tokens, context)
         if self.tree_depth is None:
-            gains = chain_gains([self.acceptance.alpha(r.request_id) for r in requests], k_max)
+            gains = self.acceptance.gains([r.request_id for r in requests], k_max)
             depth_of = np.arange(1, k_max + 1)
         else:
             if self.tree_gains is None or self.tree_gains.k_max != k_max:
@@ -166,9 +166,7 @@ class SmartSpecPolicy(Policy):
 
     # ---- state shared across replicas ----------------------------------------------------------------------
     def export_state(self) -> dict:
-        c = self.acceptance.prior_counts
-        return {"key": self.key, "prior": {"accepted": c.accepted, "rejected": c.rejected},
-                "alpha_prior": self.acceptance.prior, "prior_strength": self.acceptance.prior_strength,
+        return {"key": self.key, "prior": self.acceptance.export_counts(), **self._acceptance_stats(),
                 "cost": self.cost.export_state(), "steps": self.step,
                 "calibration": self.calibration.export_state()}
 
@@ -176,16 +174,18 @@ class SmartSpecPolicy(Policy):
         """Adopt other replicas' merged state: their acceptance evidence joins this one's own (which stays apart,
         so exporting never sends others' evidence back); their cost fit is used until this one has its own."""
         if state.get("key") == self.key and "prior" in state:
-            self.acceptance.shared_counts.accepted = float(state["prior"]["accepted"])
-            self.acceptance.shared_counts.rejected = float(state["prior"]["rejected"])
+            self.acceptance.import_counts(state["prior"])
             if state.get("calibration"):
                 self.calibration.import_state(state["calibration"])
         if state.get("cost"):
             self.cost.import_state(state["cost"])
 
+    def _acceptance_stats(self) -> dict:
+        first, later = self.acceptance.first, self.acceptance.later
+        return {"alpha_prior": first.prior, "alpha_prior_later": later.prior, "prior_strength": first.prior_strength}
+
     def stats(self) -> dict:
-        return {"alpha_prior": self.acceptance.prior, "prior_strength": self.acceptance.prior_strength,
-                "cost_coefficients": self.cost.v,
+        return {**self._acceptance_stats(), "cost_coefficients": self.cost.v,
                 "draft_coefficients": self.cost.d, "fits_refused": self.cost.refused,
                 "mean_relative_error": self.cost.mean_relative_error, "steps": self.step}
 
@@ -197,8 +197,8 @@ def merge_states(states: list[dict]) -> dict:
         return {}
     key = states[0]["key"]
     same = [s for s in states if s.get("key") == key]
-    accepted = sum(s["prior"]["accepted"] for s in same)
-    rejected = sum(s["prior"]["rejected"] for s in same)
+    prior = {stage: {side: sum(s["prior"].get(stage, {}).get(side, 0.0) for s in same)
+                     for side in ("accepted", "rejected")} for stage in ("first", "later")}
     fitted = [s["cost"] for s in same if s.get("cost", {}).get("verify")]
     cost = {}
     if fitted:
@@ -211,5 +211,5 @@ def merge_states(states: list[dict]) -> dict:
     calibrations = [s["calibration"] for s in same if s.get("calibration")]
     calibration = ({name: np.sum([c[name] for c in calibrations], axis=0).tolist() for name in ("accepted", "total")}
                    if calibrations else {})
-    return {"key": key, "prior": {"accepted": accepted, "rejected": rejected}, "cost": cost,
+    return {"key": key, "prior": prior, "cost": cost,
             "calibration": calibration, "replicas": len(same)}
