@@ -1,4 +1,5 @@
 import itertools
+import math
 import random
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from smartspec import LLM, SamplingParams
 from smartspec.engine.request import Request
 from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, merge_states
-from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance
+from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance, log_gamma
 from smartspec.policy.base import StepRecord
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import (chain_gains, charge_start_costs, expected_tokens, goodput, select_from_gains,
@@ -109,6 +110,11 @@ def test_prior_strength_is_learned_from_how_much_finished_requests_differ():
         est.observe("new", 4, 0)
     assert alike.prior - alike.alpha("new") < 0.03
     assert mixed.prior - mixed.alpha("new") > 0.1
+
+
+def test_log_gamma_matches_the_standard_library():
+    xs = np.geomspace(1e-3, 5000, 400)
+    assert np.abs(log_gamma(xs) - np.array([math.lgamma(x) for x in xs])).max() < 1e-8
 
 
 def test_a_cold_estimator_trusts_a_new_requests_outcomes_as_they_accumulate():
