@@ -78,6 +78,23 @@ def test_a_first_token_miss_lowers_every_depth_alike():
     assert curve[-1] / curve[0] > 0.9
 
 
+def test_later_tokens_never_tried_are_guessed_like_first_ones():
+    """At k = 1 the later stage hears nothing; it must not hold the policy at k = 1 with a pessimistic guess."""
+    chain = ChainAcceptance(prior_alpha=0.5)
+    for i in range(40):
+        chain.observe(f"r{i % 4}", 1, 1)
+    assert chain.later.evidence == 0 and chain.first.prior > 0.9
+    # guessed like first tokens (the single-rate model): deep drafts worth almost as much as the first
+    assert chain.later.prior == pytest.approx(chain.first.prior) and chain.gains(["r0"], 5)[0, -1] > 0.75
+    policy = SmartSpecPolicy(key="draft")
+    policy.cost.v = [0.3] + [0.001] * 6 + [0.0]
+    policy.cost.d = [0.01, 0.001, 0.0]
+    for i in range(40):
+        policy.acceptance.observe(f"r{i % 4}", 1, 1)
+    ks = policy.choose([Request(f"r{i}", list(range(50)), SamplingParams(max_tokens=64)) for i in range(4)], 5)
+    assert min(ks) > 1, ks
+
+
 def test_request_without_evidence_drifts_to_the_prior():
     est = AcceptanceEstimator(prior_alpha=0.5)
     for _ in range(50):  # the prior learns from other requests: about 0.8

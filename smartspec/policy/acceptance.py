@@ -187,6 +187,13 @@ class ChainAcceptance:
         self.first.observe(request_id, 1, min(accepted, 1))
         if accepted >= 1 and proposed >= 2:  # the later tokens were tried only if the first was accepted
             self.later.observe(request_id, proposed - 1, accepted - 1)
+        self._later_starts_from_first()
+
+    def _later_starts_from_first(self) -> None:
+        """Until later tokens have been tried, guess them as likely accepted as first ones (the single-rate model).
+        A fixed guess would trap the policy: at k = 1 the later stage hears nothing, and a pessimistic guess
+        keeps k at 1 (measured: a draft model accepted 100% of its drafts and stayed at k = 1)."""
+        self.later.initial_prior = self.first.prior
 
     def tick(self, request_ids) -> None:
         request_ids = list(request_ids)
@@ -215,3 +222,4 @@ class ChainAcceptance:
         for stage, e in (("first", self.first), ("later", self.later)):
             if stage in counts:
                 e.shared_counts = Counts(float(counts[stage]["accepted"]), float(counts[stage]["rejected"]))
+        self._later_starts_from_first()
