@@ -1,4 +1,6 @@
-"""Per-step cost of the SmartSpec policy's k selection (select_k with a fitted cost model), by batch size.
+"""Per-step cost of the SmartSpec policy, by batch size: the k selection alone (select_k with a fitted cost model),
+and the policy's whole choose (acceptance estimates for the batch, caps, selection, probes), cold (before 8 requests
+have finished, when each estimate averages over prior strengths) and warm.
 
     python scripts/bench_select.py            # prints a table; writes results/bench_select.parquet
 """
@@ -10,17 +12,46 @@ import sys
 import time
 from pathlib import Path
 
+from smartspec import SamplingParams
+from smartspec.engine.request import Request
+from smartspec.policy import SmartSpecPolicy
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import select_k
+
+
+def fitted(model: StepCostModel, rng: random.Random) -> None:
+    """A fitted model shaped like the CPU measurements (flat to ~8 rows, then rising)."""
+    for _ in range(64):
+        n, c = rng.randint(1, 256), rng.randint(100, 20000)
+        depth = rng.randint(0, 5)
+        model.observe(n, c, depth, depth * 2, 0.1 * depth, 0.25 + 0.012 * max(0, n - 8) + 2e-6 * c)
+
+
+def time_choose(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[float]:
+    policy = SmartSpecPolicy(key="bench")
+    fitted(policy.cost, rng)
+    if warm:  # enough finished requests for the prior's strength to be learned
+        for i in range(10):
+            for _ in range(12):
+                policy.acceptance.observe(f"done{i}", k_max, rng.choice([k_max, k_max, 0, 3]))
+            policy.acceptance.forget(f"done{i}")
+    params = SamplingParams(max_tokens=256)
+    requests = [Request(f"r{i}", list(range(500)), params) for i in range(batch)]
+    for r in requests:
+        for _ in range(3):
+            policy.acceptance.observe(r.request_id, k_max, rng.choice([k_max, 0, 3]))
+    samples = []
+    for _ in range(50):
+        t = time.perf_counter()
+        policy.choose(requests, k_max)
+        samples.append(time.perf_counter() - t)
+    return samples
 
 
 def main() -> int:
     rng = random.Random(0)
     model = StepCostModel()
-    for _ in range(64):  # a fitted model shaped like the CPU measurements (flat to ~8 rows, then rising)
-        n, c = rng.randint(1, 256), rng.randint(100, 20000)
-        depth = rng.randint(0, 5)
-        model.observe(n, c, depth, depth * 2, 0.1 * depth, 0.25 + 0.012 * max(0, n - 8) + 2e-6 * c)
+    fitted(model, rng)
     rows = []
     for batch in (1, 8, 32, 64, 128, 256):
         for k_max in (5, 10):
@@ -30,11 +61,17 @@ def main() -> int:
                 t = time.perf_counter()
                 select_k(alphas, [k_max] * batch, model.predict, batch, 500 * batch)
                 samples.append(time.perf_counter() - t)
-            rows.append({"batch": batch, "k_max": k_max, "median_ms": 1e3 * statistics.median(samples),
+            rows.append({"part": "select_k", "batch": batch, "k_max": k_max,
+                         "median_ms": 1e3 * statistics.median(samples),
                          "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]})
-    print(f"{'batch':>6s} {'K':>3s} {'median ms':>10s} {'p99 ms':>8s}")
+            for warm in (False, True):
+                samples = time_choose(batch, k_max, warm, rng)
+                rows.append({"part": f"choose ({'warm' if warm else 'cold'})", "batch": batch, "k_max": k_max,
+                             "median_ms": 1e3 * statistics.median(samples),
+                             "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]})
+    print(f"{'part':>15s} {'batch':>6s} {'K':>3s} {'median ms':>10s} {'p99 ms':>8s}")
     for r in rows:
-        print(f"{r['batch']:6d} {r['k_max']:3d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f}")
+        print(f"{r['part']:>15s} {r['batch']:6d} {r['k_max']:3d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f}")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
