@@ -66,8 +66,9 @@ REPLICA_FAMILIES = {
     "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", (None, "free_blocks")),
     "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate of a draft's first token",
                                    (None, "alpha_prior")),
-    "smartspec_acceptance_prior_later": ("gauge", "The policy's shared acceptance estimate of each later draft token, "
-                                         "given the one before it was accepted", (None, "alpha_prior_later")),
+    "smartspec_acceptance_prior_later": ("gauge", ("The policy's shared acceptance estimate of each later draft "
+                                                   "token, given the one before it was accepted"),
+                                         (None, "alpha_prior_later")),
     "smartspec_acceptance_prior_strength": ("gauge", "Outcomes the prior is worth against a request's own, learned "
                                             "from how much finished requests differ", (None, "prior_strength")),
 }

@@ -4,6 +4,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from deployments.controller import ControllerState  # noqa: E402
+from deployments.metrics import render_replica_metrics  # noqa: E402
 from smartspec.policy.smartspec_policy import SmartSpecPolicy  # noqa: E402
 
 
@@ -35,6 +36,9 @@ def test_controller_aggregates_two_replicas_without_double_counting():
     status = state.status()
     assert set(status["replicas"]) == {"a", "b"} and status["replicas"]["b"]["running"] == 3
     assert status["merged_policy"]["replicas"] == 2
+    # both acceptance stages reach /metrics, per replica
+    assert 0 < status["replicas"]["a"]["alpha_prior_later"] < 1
+    assert 'smartspec_acceptance_prior_later{replica="a"}' in render_replica_metrics(status)
 
 
 def test_controller_forgets_replicas_that_stop_reporting():
