@@ -299,6 +299,87 @@ def test_priced_selection_is_the_exact_optimum_of_tokens_minus_price_times_time(
         assert value(ks) >= best - 1e-9
 
 
+def seen_verify(n, c):
+    """What a policy that always drafted 5 tokens could have learned: tokens cheap, context dear."""
+    return 0.10 + 0.005 * n + 0.0008 * c
+
+
+def runs_verify(n, c):
+    """What the steps cost: context free, tokens beyond 16 twice as dear. Equal to seen_verify at 5-token drafts for
+    four requests of 110 tokens (24 tokens, 440 context), so running only those shapes cannot tell them apart."""
+    return 0.092 + 0.015 * min(n, 16) + 0.03 * max(0, n - 16)
+
+
+def draft_cost(depth, sum_k):
+    return 0.06 * depth + 0.007 * sum_k
+
+
+def run_fully_accepted_batch(policy, steps, b=4):
+    """b requests whose drafts are always accepted, each step costed by runs_verify; the ks of each step."""
+    requests = [Request(f"r{i}", list(range(105)), SamplingParams(max_tokens=10_000)) for i in range(b)]
+    for r in requests:
+        for _ in range(20):
+            policy.acceptance.observe(r.request_id, 5, 5)
+    chosen = []
+    for step in range(steps):
+        ks = policy.choose(requests, 5)
+        n, c, depth = b + sum(ks), sum(r.num_tokens for r in requests) + sum(ks), max(ks)
+        verify, drafting = runs_verify(n, c), draft_cost(depth, sum(ks))
+        policy.observe(StepRecord(step, b, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting, verify,
+                                  verify + drafting))
+        chosen.append(ks)
+    return chosen
+
+
+def test_cost_model_keeps_steps_that_ran_faster_than_its_fit():
+    """A stall makes a step slower, never faster: a step far below the fit is a shape the fit has wrong, and left
+    out as an outlier (as the fit did before), it could never be corrected."""
+    model = StepCostModel()
+    for _ in range(20):
+        for b in range(1, 6):
+            model.observe(6 * b, 110 * b, 0, 0, 0.0, seen_verify(6 * b, 110 * b))
+    assert model.predict_verify(12, 440) > 1.4 * runs_verify(12, 440)  # the history cannot tell
+    for _ in range(3):  # another shape, run now and then: half the time the fit gives it
+        model.observe(24, 440, 0, 0, 0.0, runs_verify(24, 440))
+        model.observe(12, 440, 0, 0, 0.0, runs_verify(12, 440))
+    assert model.predict_verify(12, 440) < 1.3 * runs_verify(12, 440)  # still 1.47x if they were left out
+
+
+def test_shape_probes_teach_the_cost_model_what_one_draft_length_cannot():
+    def true_goodput(ks):
+        n = len(ks) + sum(ks)
+        return n / (runs_verify(n, 440 + sum(ks)) + draft_cost(max(ks), sum(ks)))
+
+    best = max(true_goodput([k] * 4) for k in range(6))
+    outcome = {}
+    for interval in (0, 8):  # 0: no shape probes
+        policy = SmartSpecPolicy(key="t", shape_probe_interval=interval)
+        for _ in range(20):  # the history: 5-token drafts at batch 1-5, context growing with the batch
+            for b in range(1, 6):
+                n, c = 6 * b, 110 * b
+                policy.cost.observe(n, c, 5, 5 * b, draft_cost(5, 5 * b), seen_verify(n, c))
+        chosen = run_fully_accepted_batch(policy, 200)
+        assert chosen[0] == [5] * 4  # both start where the history points
+        steady = [ks for step, ks in enumerate(chosen[-48:], start=152) if (step + 1) % 8]  # not the probe steps
+        outcome[interval] = (min(true_goodput(ks) for ks in steady), policy.shape_probes)
+    assert outcome[0][0] < 0.9 * best and outcome[0][1] == 0  # never learns that 5 tokens are too many
+    assert outcome[8][0] > 0.98 * best and 0 < outcome[8][1] <= 200 // 8
+
+
+def test_no_shape_probe_where_the_optimum_is_sharp():
+    policy = drafting_policy(0.0)
+    policy.cost.v = [0.1] + [0.0001] * 6 + [0.0]  # verification almost free: 5 tokens beat any shorter draft
+    requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=64)) for i in range(4)]
+    for r in requests:
+        for _ in range(30):
+            policy.acceptance.observe(r.request_id, 5, 5)
+    assert all(policy.choose(requests, 5) == [5] * 4 for _ in range(32))
+    assert policy.shape_probes == 0
+    for bad in ({"shape_probe_interval": -1}, {"shape_probe_interval": 2.5}, {"shape_probe_loss": 1.0}):
+        with pytest.raises(ValueError, match="shape_probe"):
+            SmartSpecPolicy(**bad)
+
+
 def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
     params = SamplingParams(max_tokens=64)
 

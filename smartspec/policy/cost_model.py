@@ -15,10 +15,11 @@ fitted as its own term so that it does not inflate the per-step draft cost; the 
 request starts drafting (SmartSpecPolicy). Windowed weighted least squares with exponential
 forgetting, refitted on every step; a degenerate fit is refused and the last good one kept.
 
-The fit leaves out steps that disagree with it by far more than steps usually do: a shared or noisy machine now
-and then stalls a step for several times its usual time (a preempted core, a collector pause), and plain least
-squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified token costs, which is
-what k is chosen on. A sustained change of speed moves the fit all the same: the typical residual is measured
+The fit leaves out steps that ran far slower than it predicts, by far more than steps usually disagree with it: a
+shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector
+pause), and plain least squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified
+token costs, which is what k is chosen on. A step that ran far faster than predicted is kept: no stall does that,
+so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; SmartSpecPolicy). A sustained change of speed moves the fit all the same: the typical residual is measured
 with the forgetting weights, so once most of the recent weight is at the new speed, the new speed is typical."""
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ class StepCostModel:
 
     def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
         """Non-negative least squares without the outliers: r, each step's residual relative to its measured time;
-        a step is left out when |r - m| > outlier_cut * s, m the weighted median of r and s the weighted median
+        a step is left out when r - m > outlier_cut * s (slower than typical: a stall), m the weighted median of r and s the weighted median
         of |r - m| / 0.6745 (at least 1%, so an almost exact fit does not turn ordinary jitter into outliers).
         Deviations are taken from the median residual, not from zero: stalls drag a plain fit above the typical
         step, and then the typical steps, not the stalls, are the ones that agree with each other. Left out means
@@ -158,7 +159,7 @@ class StepCostModel:
             r = (y - x @ coef) / np.maximum(np.abs(y), 1e-9)
             middle = weighted_median(r, w)
             scale = max(weighted_median(np.abs(r - middle), w) / 0.6745, 0.01)
-            now_kept = np.abs(r - middle) <= self.outlier_cut * scale
+            now_kept = r - middle <= self.outlier_cut * scale
             if (now_kept == kept).all():
                 break
             kept = now_kept

@@ -16,6 +16,7 @@ second beat the decode batch's own goodput, scaled by the requests the step hold
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,23 +45,30 @@ def chain_gains(alphas, k: int) -> np.ndarray:
     return np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, k + 1)[None, :]
 
 
-def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
-                      base_context: int, price: float | None = None) -> tuple[list[int], float]:
-    """gains [B, K]: the expected tokens the j-th speculated token (chain) or node (tree) of request i adds,
-    non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth)).
-    price None: maximise goodput, tokens / T. price p (tokens per second): maximise tokens - p * T instead, which
-    keeps a draft only if it adds more than p tokens per second it adds to the step (see the module docstring)."""
+@dataclass
+class Plan:
+    """One choice of k per request, with its predicted step time and its value (goodput, or tokens - price * T)."""
+    ks: list[int]
+    seconds: float
+    value: float
+    depth: int  # draft forwards it takes (0: no speculation)
+    tokens: int  # draft tokens it verifies
+
+
+def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
+                   base_context: int, price: float | None = None) -> list[Plan]:
+    """The best plan under each draft depth, the plan without speculation first (see select_from_gains)."""
     b = len(caps)
     t0 = float(cost(base_tokens, base_context, 0, 0))
 
     def value(tokens, t):
         return tokens / t if price is None else tokens - price * t
 
-    ks, best_t, best_value = np.zeros(b, dtype=np.int64), t0, value(b, t0) if b else 0.0
+    plans = [Plan([0] * b, t0, value(b, t0) if b else 0.0, 0, 0)]
     caps_arr = np.asarray(caps, dtype=np.int64)
     k_top = int(caps_arr.max()) if b else 0
     if k_top == 0:
-        return ks.tolist(), t0
+        return plans
     gains, depth_of = gains[:, :k_top], np.asarray(depth_of[:k_top])
     rank = np.arange(1, k_top + 1)
     allowed = rank[None, :] <= caps_arr[:, None]
@@ -69,15 +77,32 @@ def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, 
         g = gains[rows, cols]
         order = np.argsort(-g, kind="stable")
         m = np.arange(1, len(order) + 1)
-        t = cost(base_tokens + m, base_context + m, depth, m)
-        values = value(b + np.cumsum(g[order]), t)
+        values = value(b + np.cumsum(g[order]), cost(base_tokens + m, base_context + m, depth, m))
         i = int(np.argmax(values))
-        if values[i] > best_value:
-            best_value = float(values[i])
-            chosen = order[: i + 1]
-            ks = np.bincount(rows[chosen], minlength=b)
-            best_t = float(cost(base_tokens + i + 1, base_context + i + 1, int(depth_of[cols[chosen].max()]), i + 1))
-    return ks.tolist(), best_t
+        chosen = order[: i + 1]
+        used = int(depth_of[cols[chosen].max()])
+        seconds = float(cost(base_tokens + i + 1, base_context + i + 1, used, i + 1))
+        plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i]), used, i + 1))
+    return plans
+
+
+def best_plan(plans: list[Plan]) -> Plan:
+    """The highest value; on a tie the shallower plan (no speculation unless it is predicted to pay)."""
+    best = plans[0]
+    for plan in plans[1:]:
+        if plan.value > best.value:
+            best = plan
+    return best
+
+
+def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
+                      base_context: int, price: float | None = None) -> tuple[list[int], float]:
+    """gains [B, K]: the expected tokens the j-th speculated token (chain) or node (tree) of request i adds,
+    non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth)).
+    price None: maximise goodput, tokens / T. price p (tokens per second): maximise tokens - p * T instead, which
+    keeps a draft only if it adds more than p tokens per second it adds to the step (see the module docstring)."""
+    plan = best_plan(plans_by_depth(gains, caps, depth_of, cost, base_tokens, base_context, price))
+    return plan.ks, plan.seconds
 
 
 def charge_start_costs(gains: np.ndarray, caps: list[int], start_tokens: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ from smartspec.engine.request import Request
 from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import charge_start_costs, select_from_gains
+from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plans_by_depth, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
@@ -17,7 +17,8 @@ class SmartSpecPolicy(Policy):
 
     def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
-                 catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0) -> None:
+                 catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
+                 shape_probe_loss: float = 0.1) -> None:
         self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
         self.acceptance = ChainAcceptance(prior_alpha=prior_alpha)
         # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
@@ -41,6 +42,14 @@ class SmartSpecPolicy(Policy):
         # until the prior rests on this many outcomes, probes ignore catch-up: the initial prior is a guess, and a
         # policy that never drafts would never learn the proposer is better than that guess
         self.min_prior_evidence = min_prior_evidence
+        # every shape_probe_interval-th decode step, the plan of another draft length whose predicted goodput is
+        # within shape_probe_loss of the best (see _shape_probe); 0: never
+        if not (isinstance(shape_probe_interval, int) and shape_probe_interval >= 0 and 0 <= shape_probe_loss < 1):
+            raise ValueError(f"shape_probe_interval must be an integer >= 0 and shape_probe_loss in [0, 1): got "
+                             f"{shape_probe_interval!r}, {shape_probe_loss!r}")
+        self.shape_probe_interval = shape_probe_interval
+        self.shape_probe_loss = shape_probe_loss
+        self.shape_probes = 0
         self.step = 0
         self.last_prediction: float | None = None
 
@@ -70,7 +79,9 @@ class SmartSpecPolicy(Policy):
                                                                                tokens, context))
         price = (self._prefill_step_price(gains, caps, depth_of, len(requests), context - base_context, held)
                  if base_tokens else None)
-        ks, predicted = select_from_gains(gains, caps, depth_of, self.cost.predict, tokens, context, price)
+        plans = plans_by_depth(gains, caps, depth_of, self.cost.predict, tokens, context, price)
+        plan = best_plan(plans) if price is not None else self._shape_probe(plans)
+        ks, predicted = list(plan.ks), plan.seconds
         self._probing = set()
         budget = max(1, int(self.explore_fraction * len(requests)))
         learning = self.acceptance.evidence < self.min_prior_evidence
@@ -89,6 +100,26 @@ class SmartSpecPolicy(Policy):
         self.last_prediction = float(predicted + sum(s for s, k in zip(start_s, ks) if k))
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
+
+    def _shape_probe(self, plans: list[Plan]) -> Plan:
+        """The best plan, or now and then a plan of another draft length that is predicted to lose little.
+
+        The cost model learns only the shapes the policy runs. In steady decoding the context grows with the batch,
+        so a policy that always runs one draft length gives the fit no way to tell the cost of a verified token
+        from the cost of context: measured here (draft model, batch 4-5), the fit put the cost on context and
+        predicted 3-token drafts 20-30% slower than they ran, so it kept 5 where 3 was faster. Where the model's
+        optimum is flat, running a nearby plan costs little by the model's own account and gives the fit the
+        shape it lacks; where it is sharp, no plan qualifies and none is run."""
+        best = best_plan(plans)
+        if (not self.shape_probe_interval or self.step % self.shape_probe_interval or best.depth == 0
+                or best.value <= 0):
+            return best
+        near = [p for p in plans if p.depth > 0 and p.tokens != best.tokens
+                and p.value >= (1.0 - self.shape_probe_loss) * best.value]
+        if not near:
+            return best
+        self.shape_probes += 1
+        return max(near, key=lambda p: abs(p.tokens - best.tokens))  # the most different shape teaches the most
 
     def _prefill_step_price(self, gains: np.ndarray, caps: list[int], depth_of: np.ndarray, b: int,
                             decode_context: int, held: int) -> float:
@@ -187,7 +218,8 @@ class SmartSpecPolicy(Policy):
     def stats(self) -> dict:
         return {**self._acceptance_stats(), "cost_coefficients": self.cost.v,
                 "draft_coefficients": self.cost.d, "fits_refused": self.cost.refused,
-                "mean_relative_error": self.cost.mean_relative_error, "steps": self.step}
+                "mean_relative_error": self.cost.mean_relative_error, "steps": self.step,
+                "shape_probes": self.shape_probes}
 
 
 def merge_states(states: list[dict]) -> dict:
