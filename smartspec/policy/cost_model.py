@@ -19,8 +19,9 @@ The fit leaves out steps that ran far slower than it predicts, by far more than 
 shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector
 pause), and plain least squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified
 token costs, which is what k is chosen on. A step that ran far faster than predicted is kept: no stall does that,
-so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; SmartSpecPolicy). A sustained change of speed moves the fit all the same: the typical residual is measured
-with the forgetting weights, so once most of the recent weight is at the new speed, the new speed is typical."""
+so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; SmartSpecPolicy). A
+sustained change of speed moves the fit all the same: the typical residual is measured with the forgetting
+weights, so once most of the recent weight is at the new speed, the new speed is typical."""
 from __future__ import annotations
 
 from collections import deque
@@ -146,8 +147,9 @@ class StepCostModel:
 
     def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
         """Non-negative least squares without the outliers: r, each step's residual relative to its measured time;
-        a step is left out when r - m > outlier_cut * s (slower than typical: a stall), m the weighted median of r and s the weighted median
-        of |r - m| / 0.6745 (at least 1%, so an almost exact fit does not turn ordinary jitter into outliers).
+        a step is left out when r - m > outlier_cut * s (slower than typical: a stall), m the weighted median of r
+        and s the weighted median of |r - m| / 0.6745 (at least 1%, so an almost exact fit does not turn ordinary
+        jitter into outliers).
         Deviations are taken from the median residual, not from zero: stalls drag a plain fit above the typical
         step, and then the typical steps, not the stalls, are the ones that agree with each other. Left out means
         weight 0: a bounded weight (Huber's) still let a few stalls at short shapes tilt the slope negative."""
