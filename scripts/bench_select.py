@@ -48,6 +48,11 @@ def time_choose(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[
     return samples
 
 
+def timing_row(part: str, batch: int, k_max: int, samples: list[float]) -> dict:
+    return {"part": part, "batch": batch, "k_max": k_max, "median_ms": 1e3 * statistics.median(samples),
+            "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]}
+
+
 def main() -> int:
     rng = random.Random(0)
     model = StepCostModel()
@@ -61,14 +66,10 @@ def main() -> int:
                 t = time.perf_counter()
                 select_k(alphas, [k_max] * batch, model.predict, batch, 500 * batch)
                 samples.append(time.perf_counter() - t)
-            rows.append({"part": "select_k", "batch": batch, "k_max": k_max,
-                         "median_ms": 1e3 * statistics.median(samples),
-                         "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]})
+            rows.append(timing_row("select_k", batch, k_max, samples))
             for warm in (False, True):
-                samples = time_choose(batch, k_max, warm, rng)
-                rows.append({"part": f"choose ({'warm' if warm else 'cold'})", "batch": batch, "k_max": k_max,
-                             "median_ms": 1e3 * statistics.median(samples),
-                             "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]})
+                rows.append(timing_row(f"choose ({'warm' if warm else 'cold'})", batch, k_max,
+                                       time_choose(batch, k_max, warm, rng)))
     print(f"{'part':>15s} {'batch':>6s} {'K':>3s} {'median ms':>10s} {'p99 ms':>8s}")
     for r in rows:
         print(f"{r['part']:>15s} {r['batch']:6d} {r['k_max']:3d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f}")
