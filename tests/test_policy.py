@@ -233,6 +233,58 @@ def test_cost_model_follows_a_sustained_change_of_speed():
         assert model.predict_verify(n, 400) == pytest.approx(1.4 * true_verify(n, 400), rel=0.06)
 
 
+def context_free_verify(n, c):
+    return 0.1 + 0.01 * n
+
+
+def profiled_policy(prior_weight):
+    """A policy whose cost model saw the engine's warm-up profile (batch 1 and 4 at 64 tokens of context each, k
+    0/1/2/5), timed by context_free_verify."""
+    policy = SmartSpecPolicy(key="t")
+    policy.cost.prior_weight = prior_weight
+    records = [StepRecord(0, b, [k] * b, [k] * b, [0] * b, [], b * (k + 1), 0, 64 * b + j, 0.0,
+                          context_free_verify(b * (k + 1), 64 * b), context_free_verify(b * (k + 1), 64 * b))
+               for b in (1, 4) for k in (0, 1, 2, 5) for j in range(2)]
+    policy.observe_profile(records)
+    return policy
+
+
+def test_the_profile_decides_the_split_the_running_data_cannot():
+    """Steps in which context grows exactly with the batched tokens (50 a token) fit any split of their cost
+    between the two; the profile measured them apart, so the fit keeps its split (context free) and prices a shape
+    with less context right."""
+    fits = {}
+    for weight in (0.0, 4.0):  # 0: no prior, the fit before the profile was kept
+        policy = profiled_policy(weight)
+        for i in range(300):
+            n = 2 + 2 * (i % 4)
+            policy.cost.observe(n, 50 * n, 0, 0, 0.0, context_free_verify(n, 50 * n))
+        fits[weight] = policy.cost
+    for n in (2, 8):  # where the data was, both fits are right
+        assert fits[0.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
+        assert fits[4.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
+    assert fits[4.0].predict_verify(8, 0) == pytest.approx(context_free_verify(8, 0), rel=0.03)
+    assert fits[4.0].predict_verify(8, 2000) == pytest.approx(context_free_verify(8, 0), rel=0.03)
+    assert fits[0.0].predict_verify(8, 2000) > 1.3 * context_free_verify(8, 0)  # the split noise leaves
+
+
+def test_the_fit_follows_the_data_away_from_the_profile():
+    """The machine slowed by 40% after the profile and context turned out to cost: where the data tells, the data
+    decides, not the profile."""
+    def slower(n, c):
+        return 1.4 * context_free_verify(n, c) + 2e-4 * c
+
+    policy = profiled_policy(4.0)  # the default weight
+    shapes = ((1, 100), (6, 1500), (16, 400), (30, 1000))
+    assert all(policy.cost.predict_verify(n, c) < 0.7 * slower(n, c) for n, c in shapes)
+    rng = random.Random(3)
+    for _ in range(300):
+        n, c = rng.randint(1, 30), rng.randint(100, 1500)
+        policy.cost.observe(n, c, 0, 0, 0.0, slower(n, c))
+    for n, c in shapes:
+        assert policy.cost.predict_verify(n, c) == pytest.approx(slower(n, c), rel=0.06)
+
+
 # ---- selection -------------------------------------------------------------------------------------------------
 def linear_cost(v0, v1, d0=0.0, d1=0.0):
     """n counts every token of the step: the decodes and the drafts."""

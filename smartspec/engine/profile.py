@@ -46,8 +46,7 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
                 if engine.last_step.num_prefill_tokens == 0:
                     records.append(engine.last_step)
     engine.speculator, engine.trace = spec, trace
-    for r in records:
-        policy.observe_cost(r)
+    policy.observe_profile(records)
     engine.timing = {key: 0 for key in engine.timing}
     engine.num_steps = 0
     engine.stats = StepStats()

@@ -27,7 +27,7 @@ class StepRecord:
 
 class Policy:
     name = "base"
-    wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_cost
+    wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_profile
     last_prediction: float | None = None  # predicted time of the step last chosen, if the policy predicts
 
     def choose(self, requests: list[Request], k_max: int, *, base_tokens: int = 0, base_context: int = 0,
@@ -41,8 +41,8 @@ class Policy:
         some)."""
         return trees
 
-    def observe_cost(self, record: StepRecord) -> None:
-        """A measured step shape that says nothing about acceptance (the warm-up profile)."""
+    def observe_profile(self, records: list[StepRecord]) -> None:
+        """The warm-up profile: measured step shapes that say nothing about acceptance."""
 
     def observe(self, record: StepRecord) -> None:
         """Called after every step; a policy that learns overrides it."""

@@ -38,11 +38,13 @@ def verify_features(n: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.stack([np.ones_like(n), *pieces, np.asarray(c, dtype=np.float64)], axis=-1)
 
 
-def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
-    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set)."""
+def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
+                      prior: np.ndarray | None = None) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set).
+    prior: coefficients the fit is drawn toward (see StepCostModel.hold_prior)."""
     cols = list(usable)
     while any(cols):
-        coef = solve(x[:, cols], y, w)
+        coef = solve(x[:, cols], y, w, None if prior is None else prior[np.array(cols)])
         if coef is None:
             return None
         full = np.zeros(len(cols))
@@ -61,7 +63,7 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 class StepCostModel:
     def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4,
-                 outlier_cut: float = 3.5, robust_rounds: int = 4) -> None:
+                 outlier_cut: float = 3.5, robust_rounds: int = 4, prior_weight: float = 4.0) -> None:
         self.window = window
         # a step whose relative residual lies this many robust deviations from the typical one is left out of the
         # fit (0: plain least squares); robust_rounds: refits at most, until the set left out stops changing
@@ -75,6 +77,11 @@ class StepCostModel:
         self.v: list[float] | None = None  # last good verify coefficients: [v0, s_1..s_6, v_c]
         self.d: list[float] = [0.0, 0.0, 0.0]  # draft coefficients (zero until drafting is measured)
         self.refused = 0
+        # the warm-up profile's fit, which the running fit is drawn toward with the weight of prior_weight steps
+        # (see hold_prior); None until held
+        self.prior_weight = prior_weight
+        self.v_prior: np.ndarray | None = None
+        self.d_prior: np.ndarray | None = None
         # relative errors of the fit's prediction of each step, for the shape that step really had (made before
         # the step is added to the fit)
         self.errors: deque = deque(maxlen=window)
@@ -112,6 +119,16 @@ class StepCostModel:
         if refit:
             self.refit(draft=depth > 0)
 
+    def hold_prior(self) -> None:
+        """Keep the current fit (the warm-up profile's, which ran chosen shapes) as the prior of every later fit.
+
+        Running data alone can leave the fit's shape undetermined: in steady decoding at one draft length, batched
+        tokens and context both grow with the batch, and their split, which k is chosen on, is then whatever noise
+        makes it. The profile measured tokens and context apart; drawn toward it with the weight of a few steps,
+        the fit keeps its split where the data cannot tell, and follows the data wherever the data can."""
+        self.v_prior = None if self.v is None else np.array(self.v)
+        self.d_prior = np.array(self.d) if self.draft_samples else None
+
     def refit(self, draft: bool = True) -> None:
         if draft:
             self._fit_draft()
@@ -126,7 +143,7 @@ class StepCostModel:
         data = np.array(self.verify_samples, dtype=np.float64)
         x = verify_features(data[:, 0], data[:, 1])
         reached = [bool((data[:, 0] > a).any()) for a, _ in SEGMENTS]
-        coef = self._robust_fit(x, data[:, 2], self._weights(len(data)), [True] + reached + [True])
+        coef = self._robust_fit(x, data[:, 2], self._weights(len(data)), [True] + reached + [True], self.v_prior)
         if coef is None or coef[0] <= 0:  # no positive base cost: not a fit to trust
             self.refused += 1
             return
@@ -141,11 +158,12 @@ class StepCostModel:
             return
         data = np.array(self.draft_samples, dtype=np.float64)
         coef = self._robust_fit(data[:, :3], data[:, 3], self._weights(len(data)),
-                                [True, True, bool(data[:, 2].any())])
+                                [True, True, bool(data[:, 2].any())], self.d_prior)
         if coef is not None:
             self.d = coef.tolist()
 
-    def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool]) -> np.ndarray | None:
+    def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
+                    prior: np.ndarray | None = None) -> np.ndarray | None:
         """Non-negative least squares without the outliers: r, each step's residual relative to its measured time;
         a step is left out when r - m > outlier_cut * s (slower than typical: a stall), m the weighted median of r
         and s the weighted median of |r - m| / 0.6745 (at least 1%, so an almost exact fit does not turn ordinary
@@ -153,7 +171,7 @@ class StepCostModel:
         Deviations are taken from the median residual, not from zero: stalls drag a plain fit above the typical
         step, and then the typical steps, not the stalls, are the ones that agree with each other. Left out means
         weight 0: a bounded weight (Huber's) still let a few stalls at short shapes tilt the slope negative."""
-        coef = nonnegative_lstsq(self._solve, x, y, w, usable)
+        coef = nonnegative_lstsq(self._solve, x, y, w, usable, prior)
         kept = np.ones(len(y), dtype=bool)
         for _ in range(self.robust_rounds if self.outlier_cut > 0 else 0):
             if coef is None:
@@ -165,19 +183,30 @@ class StepCostModel:
             if (now_kept == kept).all():
                 break
             kept = now_kept
-            coef = nonnegative_lstsq(self._solve, x[kept], y[kept], w[kept], usable)
+            coef = nonnegative_lstsq(self._solve, x[kept], y[kept], w[kept], usable, prior)
         return coef
 
-    def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray | None:
-        """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens)."""
+    def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, prior: np.ndarray | None = None
+               ) -> np.ndarray | None:
+        """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens), drawn
+        toward prior: a coefficient's departure from it costs what it would on prior_weight steps that spread its
+        feature as the data does. A feature the data holds constant (the base cost's) is not drawn at all, and one
+        it moves only together with another is split as the prior splits it."""
         sw = np.sqrt(w)[:, None]
         a = x * sw
         scale = np.sqrt((a * a).mean(axis=0))
         scale[scale == 0] = 1.0
         a = a / scale
-        gram = a.T @ a + self.ridge * len(a) * np.eye(a.shape[1])
+        diagonal = np.full(a.shape[1], self.ridge * len(a))
+        rhs = a.T @ (y * sw[:, 0])
+        if prior is not None:
+            spread = w @ (x - (w @ x) / w.sum()) ** 2  # sum of w (x - mean)^2, per feature
+            pull = self.prior_weight * spread / w.sum() / scale ** 2
+            diagonal += pull
+            rhs += pull * prior * scale
+        gram = a.T @ a + np.diag(diagonal)
         try:
-            coef = np.linalg.solve(gram, a.T @ (y * sw[:, 0])) / scale
+            coef = np.linalg.solve(gram, rhs) / scale
         except np.linalg.LinAlgError:
             return None
         return coef if np.isfinite(coef).all() else None

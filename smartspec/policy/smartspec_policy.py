@@ -183,6 +183,11 @@ class SmartSpecPolicy(Policy):
                 self._probe_due[rid] = self.step + self._probe_wait.get(rid, self.explore_interval)
         self.observe_cost(record)
 
+    def observe_profile(self, records: list[StepRecord]) -> None:
+        for record in records:
+            self.observe_cost(record)
+        self.cost.hold_prior()
+
     def observe_cost(self, record: StepRecord) -> None:
         depth = self._depth(max(record.proposed, default=0))
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),

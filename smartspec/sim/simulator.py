@@ -32,15 +32,15 @@ class SimReplica:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.speculator = Speculator(_SimProposer() if policy != "off" else None, policy, k_max)
         if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
-            context = 64  # the engine profiles prompts of 64 tokens
+            context, records = 64, []  # the engine profiles prompts of 64 tokens
             for n in (1, 2, 4, 8, 16, 32):
                 # a first draft reads its prompt (all but the last token) before drafting
                 for depth, catchup in ((0, 0), (1, (context - 1) * n), (1, 0), (k_max, 0)):
                     t = profile.step_time(n * (depth + 1), n * context, depth, n * depth, catchup)
                     d = float(profile.cost.predict_draft(depth, n * depth, catchup))
-                    self.speculator.policy.observe_cost(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [],
-                                                                   n * (depth + 1), 0, n * context, d, t - d, t,
-                                                                   draft_catchup_tokens=catchup))
+                    records.append(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [], n * (depth + 1), 0,
+                                              n * context, d, t - d, t, draft_catchup_tokens=catchup))
+            self.speculator.policy.observe_profile(records)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
         self.draft_seen: dict[str, int] = {}  # tokens a draft model has read per request (its catch-up is paid)
