@@ -21,7 +21,10 @@ pause), and plain least squares lets a handful of such steps bend the fitted sha
 token costs, which is what k is chosen on. A step that ran far faster than predicted is kept: no stall does that,
 so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; SmartSpecPolicy). A
 sustained change of speed moves the fit all the same: the typical residual is measured with the forgetting
-weights, so once most of the recent weight is at the new speed, the new speed is typical."""
+weights, so once most of the recent weight is at the new speed, the new speed is typical.
+
+Each fit is drawn toward the warm-up profile's (hold_prior) with the weight of a few steps: running data can move
+two features only together, and their split is then the profile's, not noise's."""
 from __future__ import annotations
 
 from collections import deque
