@@ -87,12 +87,9 @@ def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cos
 
 
 def best_plan(plans: list[Plan]) -> Plan:
-    """The highest value; on a tie the shallower plan (no speculation unless it is predicted to pay)."""
-    best = plans[0]
-    for plan in plans[1:]:
-        if plan.value > best.value:
-            best = plan
-    return best
+    """The highest value; on a tie the shallower plan (no speculation unless it is predicted to pay): plans come
+    shallowest first, and max keeps the first of equals."""
+    return max(plans, key=lambda plan: plan.value)
 
 
 def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
