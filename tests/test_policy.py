@@ -499,6 +499,28 @@ def test_a_draft_catch_up_is_charged_and_tracked():
         assert p._catchup_tokens([seen, fresh]).tolist() == [502 - p._draft_seen["seen"], 499]
 
 
+
+def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
+    """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward. Every request has
+    had its drafts rejected, so the plan is k = 0 and each is due for a probe. Alone, a request accepted almost
+    surely would gain ~1 token a step for 0.1 s on 0.28 s: worth finding out. In a batch of 8 a draft adds a
+    forward and a verify token past the flat part for under one token of 8 a step: no outcome pays for it."""
+    def choose(batch):
+        p = SmartSpecPolicy(key="t")
+        p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
+        p.cost.d = [0.10, 0.0, 0.0]
+        requests = [Request(f"r{i}", list(range(50)), SamplingParams(max_tokens=64)) for i in range(batch)]
+        for r in requests:
+            for _ in range(10):
+                p.acceptance.observe(r.request_id, 4, 0)
+        return p.choose(requests, 5), p
+
+    ks, alone = choose(1)
+    assert ks == [1] and alone._probing == {"r0"}
+    ks, batched = choose(8)
+    assert ks == [0] * 8 and not batched._probing
+    assert batched.last_prediction == pytest.approx(0.28)
+
 # ---- baselines, state, engine ----------------------------------------------------------------------------------
 def test_batch_table_policy():
     p = BatchTablePolicy({1: 4, 4: 2, 16: 0})

@@ -72,6 +72,25 @@ def test_smartspec_learns_a_good_draft_model_from_a_cold_start_one_request_at_a_
     assert mean["smartspec"] < 0.75 * mean["off"] and mean["smartspec"] < 1.1 * mean["fixed:5"], mean
 
 
+
+def test_under_saturation_smartspec_stays_near_no_speculation_where_drafting_costs_more_than_it_adds():
+    # the draft model's costs as fitted on this CPU: verify flat up to 8 tokens, then ~0.013-0.026 s a token; a
+    # draft forward 0.1 s; a catch-up 4.4 ms a token. All drafts accepted. At saturation the batch fills the flat
+    # part with plain decodes, and a draft forward costs more than the tokens it adds
+    cost = StepCostModel()
+    cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
+    cost.d = [0.10, 0.0, 0.0044]
+    prof = SimProfile(cost, [1.0])
+    mean = {}
+    for policy in ("off", "fixed:5", "smartspec"):
+        runs = []
+        for seed in range(4):
+            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0, size=8)).tolist()
+            runs += [r["latency_s"] for r in simulate(prof, policy, 5, arrivals, [150] * 8, 32, seed=seed)]
+        mean[policy] = float(np.mean(runs))
+    assert mean["fixed:5"] > 1.1 * mean["off"], mean
+    assert mean["smartspec"] < 1.03 * mean["off"], mean
+
 def test_simulation_is_deterministic_for_a_seed():
     args = (_profile(0.6), "smartspec", 4, [0.1 * i for i in range(20)], [40] * 20, 16)
     assert simulate(*args, seed=3) == simulate(*args, seed=3)
