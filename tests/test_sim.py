@@ -190,3 +190,29 @@ def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):
     assert work["busy_s"] == pytest.approx(sum(r.total_s for r in records))
     assert work["forward_s"] == pytest.approx(sum(r.verify_s for r in records))
     assert 0 <= work["other_ms"] < work["busy_s"] * 1e3
+
+
+def test_sim_command_pools_several_arrival_schedules(tmp_path, capsys):
+    import argparse
+
+    import pyarrow.parquet as pq
+
+    from smartspec.sim.cli import add_arguments, run
+
+    _profile(0.8).save(tmp_path / "profile.json")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    common = ["--profile", str(tmp_path / "profile.json"), "--policies", "off", "smartspec", "--rates", "0.5",
+              "--requests", "3", "--max-tokens", "8", "--prompt-len", "20"]
+    assert run(parser.parse_args([*common, "--seeds", "2", "--out", str(tmp_path / "two")])) == 0
+    rows = pq.read_table(tmp_path / "two" / "sim.parquet").to_pylist()
+    assert len(rows) == 2 * 2 * 3 and {r["seed"] for r in rows} == {0, 1}
+    summary = pq.read_table(tmp_path / "two" / "sim_summary.parquet").to_pylist()
+    assert [s["requests"] for s in summary] == [6, 6]
+    # the pooled mean is the mean over both schedules, each as a run of its own would give
+    assert run(parser.parse_args([*common, "--seed", "1", "--out", str(tmp_path / "one")])) == 0
+    second = [r for r in pq.read_table(tmp_path / "one" / "sim.parquet").to_pylist() if r["label"] == "off"]
+    pooled_second = [r for r in rows if r["label"] == "off" and r["seed"] == 1]
+    assert [r["latency_s"] for r in second] == [r["latency_s"] for r in pooled_second]
+    assert run(parser.parse_args([*common, "--seeds", "0"])) == 2
+    assert "--seeds" in capsys.readouterr().err

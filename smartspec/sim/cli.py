@@ -27,12 +27,15 @@ def add_arguments(p) -> None:
     p.add_argument("--k-max", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="run every (rate, policy) with this many arrival schedules "
+                   "(seeds --seed, --seed + 1, ...) and pool them: many short runs, like bench_policies', where one "
+                   "long run at a high rate would only measure its queue")
     p.add_argument("--out", default="results/sim")
 
 
 def run(args) -> int:
-    if args.requests < 1 or args.replicas < 1 or any(r <= 0 for r in args.rates):
-        print("smartspec sim: --requests, --replicas and --rates must be positive", file=sys.stderr)
+    if args.requests < 1 or args.replicas < 1 or args.seeds < 1 or any(r <= 0 for r in args.rates):
+        print("smartspec sim: --requests, --replicas, --seeds and --rates must be positive", file=sys.stderr)
         return 2
     profile = SimProfile.from_traces(args.trace) if args.trace else SimProfile.load(args.profile)
     if args.save_profile:
@@ -43,14 +46,18 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, summaries = [], []
     for rate in args.rates:
-        arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests)).tolist()
         for policy in args.policies:
-            result = simulate(profile, policy, args.k_max, arrivals, [args.prompt_len] * args.requests,
-                              args.max_tokens, replicas=args.replicas, seed=args.seed,
-                              max_num_seqs=args.max_num_seqs)
-            wall = max(r["arrival_s"] + r["latency_s"] for r in result)
-            summaries.append(summarise(result, policy, rate, wall))
-            rows += [{**r, "label": policy, "rate": rate, "replicas": args.replicas} for r in result]
+            pooled, wall = [], 0.0
+            for seed in range(args.seed, args.seed + args.seeds):
+                gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=args.requests)
+                result = simulate(profile, policy, args.k_max, np.cumsum(gaps).tolist(),
+                                  [args.prompt_len] * args.requests, args.max_tokens, replicas=args.replicas,
+                                  seed=seed, max_num_seqs=args.max_num_seqs)
+                wall += max(r["arrival_s"] + r["latency_s"] for r in result)
+                pooled += [{**r, "label": policy, "rate": rate, "replicas": args.replicas, "seed": seed}
+                           for r in result]
+            summaries.append(summarise(pooled, policy, rate, wall))
+            rows += pooled
             print(f"\rsimulated {len(summaries)}/{len(args.rates) * len(args.policies)}", end="", file=sys.stderr)
     print(file=sys.stderr)
     import pyarrow as pa
