@@ -121,8 +121,9 @@ class SmartSpecPolicy(Policy):
         and draft forwards cost more than they add, a catch-up that does not pay), no outcome of the probe could.
         Measured in the simulator with the draft model's fitted costs (verify flat up to 8 tokens, 0.1 s a draft
         forward): at batch 7-8 a one-token probe made its step 1.6-3.8x as long, and probes every few steps left
-        the policy 10% slower than no speculation at 0.3 req/s. Each request is tried alone on top of the chosen
-        plan, at every draft length up to its cap: one vectorised evaluation for all of them."""
+        the policy 13-20% slower than no speculation from 0.3 req/s on (docs/BENCH_POLICIES.md, run 19). Each
+        request is tried alone on top of the chosen plan, at every draft length up to its cap: one vectorised
+        evaluation for all of them."""
         if not due:
             return set()
         b, k_top = raw_gains.shape

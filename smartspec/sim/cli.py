@@ -65,6 +65,9 @@ def run(args) -> int:
 
     pq.write_table(pa.Table.from_pylist(rows), out / "sim.parquet")
     pq.write_table(pa.Table.from_pylist(summaries), out / "sim_summary.parquet")
-    plot_latency_vs_rate(summaries, out / "sim_latency_vs_rate.png", f"simulated, {args.replicas} replica(s)")
+    try:
+        plot_latency_vs_rate(summaries, out / "sim_latency_vs_rate.png", f"simulated, {args.replicas} replica(s)")
+    except ModuleNotFoundError as e:  # the table and Parquet do not need the plotting extra
+        print(f"smartspec sim: no plot ({e.name} is not installed: pip install -e '.[bench]')", file=sys.stderr)
     print_table(summaries)
     return 0
