@@ -501,18 +501,21 @@ def test_a_draft_catch_up_is_charged_and_tracked():
 
 
 def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
-    """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward. Every request has
-    had its drafts rejected, so the plan is k = 0 and each is due for a probe. Alone, a request accepted almost
-    surely would gain ~1 token a step for 0.1 s on 0.28 s: worth finding out. In a batch of 8 a draft adds a
-    forward and a verify token past the flat part for under one token of 8 a step: no outcome pays for it."""
+    """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a token of
+    catch-up; 150-token prompts the draft has not read. Every request has had its drafts rejected, so the plan is
+    k = 0 and each is due for a probe (and, the prior not yet learned, catch-up alone would not stop one). Alone,
+    a request accepted almost surely would pay for its catch-up and drafts many times over: worth finding out. In
+    a batch of 8 the catch-ups and the verify tokens past the flat part cost more than the drafts add, even if all
+    eight were accepted almost surely: no outcome pays for it."""
     def choose(batch):
         p = SmartSpecPolicy(key="t")
         p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
-        p.cost.d = [0.10, 0.0, 0.0]
-        requests = [Request(f"r{i}", list(range(50)), SamplingParams(max_tokens=64)) for i in range(batch)]
-        for r in requests:
-            for _ in range(10):
+        p.cost.d = [0.10, 0.0, 0.0044]
+        requests = [Request(f"r{i}", list(range(150)), SamplingParams(max_tokens=64)) for i in range(batch)]
+        for r in requests:  # three rejected drafts each: too few outcomes for the prior to count as learned
+            for _ in range(3):
                 p.acceptance.observe(r.request_id, 4, 0)
+        assert p.acceptance.evidence < p.min_prior_evidence
         return p.choose(requests, 5), p
 
     ks, alone = choose(1)

@@ -83,10 +83,10 @@ class SmartSpecPolicy(Policy):
         self._probing = set()
         due = [i for i, r in enumerate(requests)
                if ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0)]
-        worth = self._worth_probing(due, raw_gains, gains, requests, caps, depth_of, start_s, ks, predicted,
-                                    tokens, context, price)
-        budget = max(1, int(self.explore_fraction * len(requests)))
         learning = self.acceptance.evidence < self.min_prior_evidence
+        worth = self._worth_probing(due, raw_gains, gains, requests, caps, depth_of, start_s, plan, tokens, context,
+                                    price, together=learning)
+        budget = max(1, int(self.explore_fraction * len(requests)))
         for i in due:
             # a bounded probe: a request at k = 0 would otherwise never show it improved; once the prior is
             # learned, not one whose catch-up would cost more than a small share of the step (the prior speaks
@@ -111,35 +111,42 @@ class SmartSpecPolicy(Policy):
                                                                           context))
 
     def _worth_probing(self, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, requests: list[Request],
-                       caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, ks: list[int], t_plan: float,
-                       tokens: int, context: int, price: float | None) -> set[int]:
-        """The requests in `due` (at k = 0 in the chosen plan) whose drafts would raise the plan's value if they
-        were accepted almost surely (the estimator's ceiling), catch-up charged as usual.
+                       caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, plan: Plan, tokens: int,
+                       context: int, price: float | None, together: bool) -> set[int]:
+        """The requests in `due` (at k = 0 in the chosen plan) that would draft if their drafts were accepted almost
+        surely (the estimator's ceiling), catch-up charged as usual.
 
-        A probe buys evidence of one request's acceptance, and evidence is worth its cost only if it could change
-        that request's k: where even near-certain acceptance would leave it at k = 0 (a batch whose verify tokens
-        and draft forwards cost more than they add, a catch-up that does not pay), no outcome of the probe could.
-        Measured in the simulator with the draft model's fitted costs (verify flat up to 8 tokens, 0.1 s a draft
-        forward): at batch 7-8 a one-token probe made its step 1.6-3.8x as long, and probes every few steps left
-        the policy 13-20% slower than no speculation from 0.3 req/s on (docs/BENCH_POLICIES.md, run 19). Each
-        request is tried alone on top of the chosen plan, at every draft length up to its cap: one vectorised
-        evaluation for all of them."""
+        A probe buys evidence of acceptance, and evidence is worth its cost only if it could change a choice:
+        where even near-certain acceptance would leave the request at k = 0 (a batch whose verify tokens and draft
+        forwards cost more than they add, a catch-up that does not pay), no outcome of the probe could. Measured
+        in the simulator with the draft model's fitted costs (verify flat up to 8 tokens, 0.1 s a draft forward):
+        at batch 7-8 a one-token probe made its step 1.6-3.8x as long, and probes left the policy 13-20% slower
+        than no speculation from 0.3 req/s on (docs/BENCH_POLICIES.md, run 19).
+        together: while the prior is unlearned, what a probe tests is the proposer, so the due requests are
+        optimistic together, in one plan (a draft forward serves the whole batch: requests that could not pay for
+        a depth alone may together; tried alone, a fresh policy at batch 3 with the real Qwen pair never probed and
+        never learned that the pair agrees on almost every token). Once the prior is learned, the plan already
+        drafts wherever requests like the rest would pay together, and a probe tests one request: it is tried
+        alone on top of the chosen plan, at every draft length up to its cap."""
         if not due:
             return set()
-        b, k_top = raw_gains.shape
+        k_top = raw_gains.shape[1]
         hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
         hopeful[due] = self.acceptance.first.max_alpha ** np.arange(1, k_top + 1)[None, :]
-        hopeful = self._charge_starts(hopeful, requests, caps, start_s, tokens, context)[due]
-        taken = np.arange(k_top)[None, :] < np.asarray(ks)[:, None]
-        expected = b + float(gains[taken].sum())  # the plan's tokens, catch-up charged
-        m, depth = sum(ks), self._depth(max(ks, default=0))
+        hopeful = self._charge_starts(hopeful, requests, caps, start_s, tokens, context)
+        if together:
+            ks = best_plan(plans_by_depth(hopeful, caps, depth_of, self.cost.predict, tokens, context, price)).ks
+            return {i for i in due if ks[i] > 0}
+        taken = np.arange(k_top)[None, :] < np.asarray(plan.ks)[:, None]
+        expected = len(caps) + float(gains[taken].sum())  # the plan's tokens, catch-up charged
         j = np.arange(1, k_top + 1)
-        t = self.cost.predict(tokens + m + j, context + m + j, np.maximum(depth, depth_of), m + j)  # [K]
-        gained = expected + np.cumsum(hopeful, axis=1)  # [due, K]
+        m = plan.tokens + j
+        t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]
+        gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
         if price is None:
-            better = gained / t[None, :] > expected / t_plan
+            better = gained / t[None, :] > expected / plan.seconds
         else:
-            better = gained - price * t[None, :] > expected - price * t_plan
+            better = gained - price * t[None, :] > expected - price * plan.seconds
         better &= j[None, :] <= np.asarray(caps)[due][:, None]
         return {i for i, row in zip(due, better) if row.any()}
 
