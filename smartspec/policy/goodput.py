@@ -55,16 +55,19 @@ class Plan:
     tokens: int  # draft tokens it verifies
 
 
+def plan_value(tokens, seconds, price: float | None = None):
+    """What a plan is chosen by: goodput (tokens / seconds), or tokens - price * seconds (see select_from_gains).
+    Numbers or numpy arrays."""
+    return tokens / seconds if price is None else tokens - price * seconds
+
+
 def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
                    base_context: int, price: float | None = None) -> list[Plan]:
     """The best plan under each draft depth, the plan without speculation first (see select_from_gains)."""
     b = len(caps)
     t0 = float(cost(base_tokens, base_context, 0, 0))
 
-    def value(tokens, t):
-        return tokens / t if price is None else tokens - price * t
-
-    plans = [Plan([0] * b, t0, value(b, t0) if b else 0.0, 0, 0)]
+    plans = [Plan([0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
     caps_arr = np.asarray(caps, dtype=np.int64)
     k_top = int(caps_arr.max()) if b else 0
     if k_top == 0:
@@ -77,7 +80,7 @@ def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cos
         g = gains[rows, cols]
         order = np.argsort(-g, kind="stable")
         m = np.arange(1, len(order) + 1)
-        values = value(b + np.cumsum(g[order]), cost(base_tokens + m, base_context + m, depth, m))
+        values = plan_value(b + np.cumsum(g[order]), cost(base_tokens + m, base_context + m, depth, m), price)
         i = int(np.argmax(values))
         chosen = order[: i + 1]
         used = int(depth_of[cols[chosen].max()])

@@ -7,8 +7,16 @@ from smartspec.engine.request import Request
 from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.base import Policy, StepRecord
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plans_by_depth, select_from_gains
+from smartspec.policy.goodput import (Plan, best_plan, charge_start_costs, plan_value, plans_by_depth,
+                                      select_from_gains)
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
+
+
+
+def _expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
+    """Tokens a step is expected to generate: one per request, and the gains of each request's first k drafts."""
+    taken = np.arange(gains.shape[1])[None, :] < np.asarray(ks)[:, None]
+    return len(ks) + float(gains[taken].sum())
 
 
 class SmartSpecPolicy(Policy):
@@ -137,16 +145,12 @@ class SmartSpecPolicy(Policy):
         if together:
             ks = best_plan(plans_by_depth(hopeful, caps, depth_of, self.cost.predict, tokens, context, price)).ks
             return {i for i in due if ks[i] > 0}
-        taken = np.arange(k_top)[None, :] < np.asarray(plan.ks)[:, None]
-        expected = len(caps) + float(gains[taken].sum())  # the plan's tokens, catch-up charged
+        expected = _expected_tokens(gains, plan.ks)  # catch-up charged
         j = np.arange(1, k_top + 1)
         m = plan.tokens + j
         t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]
         gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
-        if price is None:
-            better = gained / t[None, :] > expected / plan.seconds
-        else:
-            better = gained - price * t[None, :] > expected - price * plan.seconds
+        better = plan_value(gained, t[None, :], price) > plan.value
         better &= j[None, :] <= np.asarray(caps)[due][:, None]
         return {i for i, row in zip(due, better) if row.any()}
 
@@ -177,7 +181,7 @@ class SmartSpecPolicy(Policy):
         request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs. b: the
         decoding requests; decode_context: their context tokens."""
         ks, t = select_from_gains(gains, caps, depth_of, self.cost.predict, b, decode_context)
-        expected = b + sum(float(gains[i, :k].sum()) for i, k in enumerate(ks))
+        expected = _expected_tokens(gains, ks)
         return expected / t * (b + max(1, held)) / b
 
     def _catchup_tokens(self, requests: list[Request]) -> np.ndarray:
