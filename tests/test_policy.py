@@ -10,6 +10,7 @@ from smartspec import LLM, SamplingParams
 from smartspec.engine.request import Request
 from smartspec.policy import BatchTablePolicy, SmartSpecPolicy, make_policy, merge_states
 from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance, log_gamma
+from smartspec.policy.arrivals import ArrivalGaps
 from smartspec.policy.base import StepRecord
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import (chain_gains, charge_start_costs, expected_tokens, goodput, select_from_gains,
@@ -436,13 +437,14 @@ def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
     params = SamplingParams(max_tokens=64)
 
     def choose(base_tokens, held):
+        prefilling = [Request(f"p{i}", list(range(base_tokens)), params) for i in range(held)]
         p = drafting_policy(0.0)
         p.cost.d = [0.02, 0.001, 0.0]  # 20 ms a draft depth
         requests = [Request(f"r{i}", list(range(100)), params) for i in range(2)]
         for r in requests:
             for _ in range(30):
                 p.acceptance.observe(r.request_id, 4, 3)
-        return p.choose(requests, 5, base_tokens=base_tokens, base_context=base_tokens, held=held), p
+        return p.choose(requests, 5, base_tokens=base_tokens, base_context=base_tokens, prefilling=prefilling), p
 
     alone, p = choose(0, 0)
     assert min(alone) >= 2
@@ -508,9 +510,7 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
     a batch of 8 the catch-ups and the verify tokens past the flat part cost more than the drafts add, even if all
     eight were accepted almost surely: no outcome pays for it."""
     def choose(batch):
-        p = SmartSpecPolicy(key="t")
-        p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
-        p.cost.d = [0.10, 0.0, 0.0044]
+        p = run19_draft_costs(SmartSpecPolicy(key="t"))
         requests = [Request(f"r{i}", list(range(150)), SamplingParams(max_tokens=64)) for i in range(batch)]
         for r in requests:  # three rejected drafts each: too few outcomes for the prior to count as learned
             for _ in range(3):
@@ -523,6 +523,81 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
     ks, batched = choose(8)
     assert ks == [0] * 8 and not batched._probing
     assert batched.last_prediction == pytest.approx(0.28)
+
+def run19_draft_costs(p: SmartSpecPolicy) -> SmartSpecPolicy:
+    """The draft model's costs as fitted on this CPU: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a
+    token of catch-up."""
+    p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
+    p.cost.d = [0.10, 0.0, 0.0044]
+    return p
+
+
+def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
+    """Five requests decode beside a prefill, none has drafted, the prior is unlearned. Were the proposer near
+    perfect, the five drafting together would beat plain decoding by a little a step; a probe (one request reading
+    its 150-token prompt, 0.66 s, for one outcome) costs more than that little over the two or so steps before the
+    next request is expected (arrivals 2 s apart). With arrivals a minute apart, the same edge lasts for the
+    catch-up horizon, and the probe runs."""
+    def probes(arrival_gap):
+        p = run19_draft_costs(SmartSpecPolicy(key="t"))
+        params = SamplingParams(max_tokens=32)
+        requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(5)]
+        prefilling = [Request("p", list(range(150)), params, arrival_time=5 * arrival_gap)]
+        p.acceptance.observe("finished", 2, 2)
+        assert p.acceptance.evidence < p.min_prior_evidence
+        ks = p.choose(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
+                      now=5 * arrival_gap + 0.5)
+        assert ks.count(1) == len(p._probing) and sum(ks) == len(p._probing)
+        return p._probing
+
+    assert not probes(2.0)
+    assert len(probes(60.0)) == 1
+
+
+def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected():
+    """A learned, near-perfect draft model; two requests decode, one of which has read its context, the other not
+    its 300-token prompt (1.3 s). Spread over the catch-up horizon (8 steps) that read pays; over the one or two
+    steps before the next arrival, when requests arrive every half second, it does not: arrivals bring prefill
+    steps and a larger batch, so drafting would not last long enough to pay it back."""
+    def choose(arrival_gap):
+        p = run19_draft_costs(SmartSpecPolicy(key="t"))
+        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
+                                              "later": {"accepted": 800, "rejected": 8}}})
+        params = SamplingParams(max_tokens=64)
+        earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
+        p.choose(earlier, 5, now=6 * arrival_gap)
+        for r in earlier:
+            p.release(r)
+        seen = Request("seen", list(range(300)), params, arrival_time=6 * arrival_gap)
+        fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
+        p._draft_seen["seen"] = seen.num_tokens - 1
+        return p.choose([seen, fresh], 5, now=7 * arrival_gap + 0.1)
+
+    sparse, dense = choose(60.0), choose(0.5)
+    assert sparse[0] > 0 and sparse[1] > 0
+    assert dense[0] > 0 and dense[1] == 0
+
+
+def test_expected_gap_to_the_next_arrival():
+    gaps = ArrivalGaps(window=4)
+    assert gaps.expected_gap(now=100.0, prior_gap=8.0) == 8.0  # none seen: the prior
+    for i in range(4):
+        gaps.see(f"r{i}", 10.0 * i)
+    gaps.see("r3", 30.0)  # seen again (a request is passed every step): counted once
+    assert gaps.expected_gap(now=32.0, prior_gap=8.0) == pytest.approx((32.0 + 8.0) / 4)
+    for i in range(4, 12):  # a faster stream pushes the slow one out of the window
+        gaps.see(f"r{i}", 30.0 + (i - 3))
+    assert gaps.expected_gap(now=39.0, prior_gap=8.0) == pytest.approx((39.0 - 35.0 + 8.0) / 4)
+    # no arrival for a while: the gap grows with the wait
+    assert gaps.expected_gap(now=80.0, prior_gap=8.0) > gaps.expected_gap(now=40.0, prior_gap=8.0)
+    # a burst is not yet a rate: four requests at once still expect a quarter of the prior
+    burst = ArrivalGaps(window=4)
+    for i in range(4):
+        burst.see(f"b{i}", 5.0)
+    assert burst.expected_gap(now=5.0, prior_gap=8.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="window"):
+        ArrivalGaps(window=0)
+
 
 # ---- baselines, state, engine ----------------------------------------------------------------------------------
 def test_batch_table_policy():

@@ -73,10 +73,13 @@ def test_smartspec_learns_a_good_draft_model_from_a_cold_start_one_request_at_a_
 
 
 
-def test_under_saturation_smartspec_stays_near_no_speculation_where_drafting_costs_more_than_it_adds():
+@pytest.mark.parametrize("rate", [0.3, 1.0])
+def test_under_load_smartspec_stays_near_no_speculation_where_drafting_costs_more_than_it_adds(rate):
     # the draft model's costs as fitted on this CPU: verify flat up to 8 tokens, then ~0.013-0.026 s a token; a
     # draft forward 0.1 s; a catch-up 4.4 ms a token. All drafts accepted. At saturation the batch fills the flat
-    # part with plain decodes, and a draft forward costs more than the tokens it adds
+    # part with plain decodes, and a draft forward costs more than the tokens it adds; at 0.3 req/s drafting pays
+    # while a request is alone, but a catch-up (0.66 s) pays back only if drafting lasts, and arrivals end it
+    # (the code before arrival-aware catch-up and probes: +3.8% over off here)
     cost = StepCostModel()
     cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
     cost.d = [0.10, 0.0, 0.0044]
@@ -84,12 +87,12 @@ def test_under_saturation_smartspec_stays_near_no_speculation_where_drafting_cos
     mean = {}
     for policy in ("off", "fixed:5", "smartspec"):
         runs = []
-        for seed in range(4):
-            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0, size=8)).tolist()
+        for seed in range(8):
+            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=8)).tolist()
             runs += [r["latency_s"] for r in simulate(prof, policy, 5, arrivals, [150] * 8, 32, seed=seed)]
         mean[policy] = float(np.mean(runs))
     assert mean["fixed:5"] > 1.1 * mean["off"], mean
-    assert mean["smartspec"] < 1.03 * mean["off"], mean
+    assert mean["smartspec"] < 1.02 * mean["off"], mean
 
 def test_simulation_is_deterministic_for_a_seed():
     args = (_profile(0.6), "smartspec", 4, [0.1 * i for i in range(20)], [40] * 20, 16)

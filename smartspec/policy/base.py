@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from smartspec.engine.request import Request
@@ -31,9 +32,10 @@ class Policy:
     last_prediction: float | None = None  # predicted time of the step last chosen, if the policy predicts
 
     def choose(self, requests: list[Request], k_max: int, *, base_tokens: int = 0, base_context: int = 0,
-               held: int = 0) -> list[int]:
+               prefilling: Sequence[Request] = (), now: float | None = None) -> list[int]:
         """k in [0, k_max] per decoding request. base_tokens / base_context: the rest of the step (prefill
-        chunks), which the verify forward carries anyway; held: the requests those chunks belong to."""
+        chunks), which the verify forward carries anyway; prefilling: the requests those chunks belong to; now: the
+        clock of the requests' arrival_time (time.monotonic() when None; a simulator passes its own)."""
         raise NotImplementedError
 
     def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:

@@ -59,7 +59,7 @@ class SimReplica:
         batch = self.scheduler.schedule()
         decoding, prefill = split_batch(batch)
         ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
-                                    self.blocks, self.max_model_len, prefill=prefill)
+                                    self.blocks, self.max_model_len, prefill=prefill, now=now)
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
@@ -124,8 +124,8 @@ def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float]
         if kind == "arrive":
             pair = rng.choice(replicas, size=min(2, replicas), replace=False)
             r = min(pair, key=lambda j: reps[j].load)
-            req = Request(f"s{idx}", [1] * prompt_lens[idx], SamplingParams(max_tokens=lengths[idx],
-                                                                                   ignore_eos=True))
+            req = Request(f"s{idx}", [1] * prompt_lens[idx], SamplingParams(max_tokens=lengths[idx], ignore_eos=True),
+                          arrival_time=now)
             placed[req.request_id] = (int(r), now)
             reps[r].add(req)
         else:

@@ -39,17 +39,18 @@ class Speculator:
         self.metrics = SpecDecodeMetrics()
 
     def choose(self, decoding: list[Request], budget: int, blocks: BlockManager, max_model_len: int,
-               prefill: list[ScheduledRequest] = ()) -> list[int]:
+               prefill: list[ScheduledRequest] = (), now: float | None = None) -> list[int]:
         """k per decoding request, capped so no draft goes past max_tokens, the context, the step's token budget
         or the free KV blocks; the blocks for the drafts are reserved here. prefill: the step's prefill chunks,
-        which the policy sees as the rest of the step. A policy that fails or answers nonsense costs speculation
+        which the policy sees as the rest of the step; now: the clock of requests' arrival_time (None: the
+        engine's, time.monotonic()). A policy that fails or answers nonsense costs speculation
         for this step, never a request."""
         if self.proposer is None or not decoding or not self.proposer.available:
             return [0] * len(decoding)
         try:
             ks = self.policy.choose(decoding, self.k_max, base_tokens=sum(s.num_tokens for s in prefill),
                                     base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
-                                    held=len(prefill))
+                                    prefilling=[s.request for s in prefill], now=now)
             if len(ks) != len(decoding) or any(not isinstance(k, int) or not 0 <= k <= self.k_max for k in ks):
                 raise ValueError(f"invalid k {ks!r} for {len(decoding)} requests (K={self.k_max})")
         except Exception:
