@@ -53,8 +53,9 @@ class SmartSpecPolicy(Policy):
         self._horizon_cap = catchup_horizon
         self._draft_seen: dict[str, int] = {}
         self._chosen_at: dict[str, int] = {}
-        # until the prior rests on this many outcomes, probes ignore catch-up: the initial prior is a guess, and a
-        # policy that never drafts would never learn the proposer is better than that guess
+        # until the prior rests on this many outcomes, a probe's catch-up is weighed against what the proposer could
+        # be worth (_probe_pays), not capped at a share of the step: the initial prior is a guess, and a policy that
+        # never drafts would never learn the proposer is better than that guess
         self.min_prior_evidence = min_prior_evidence
         # every shape_probe_interval-th decode step, the plan of another draft length whose predicted goodput is
         # within shape_probe_loss of the best (see _shape_probe); 0: never
@@ -237,7 +238,8 @@ class SmartSpecPolicy(Policy):
         the ones a catch-up pays back in); the prior gap is catchup_horizon such steps, so with no arrivals seen
         the bound is catchup_horizon."""
         sum_k = sum(caps)
-        step_s = float(self.cost.predict(tokens + sum_k, context + sum_k, self._depth(max(caps, default=0)), sum_k))
+        step_s = max(1e-9, float(self.cost.predict(tokens + sum_k, context + sum_k,
+                                                   self._depth(max(caps, default=0)), sum_k)))
         gap = self.arrivals.expected_gap(now, self.catchup_horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.catchup_horizon))
 
