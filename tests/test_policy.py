@@ -501,6 +501,13 @@ def test_a_draft_catch_up_is_charged_and_tracked():
         assert p._catchup_tokens([seen, fresh]).tolist() == [502 - p._draft_seen["seen"], 499]
 
 
+def run19_draft_costs(p: SmartSpecPolicy) -> SmartSpecPolicy:
+    """The draft model's costs as fitted on this CPU: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a
+    token of catch-up."""
+    p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
+    p.cost.d = [0.10, 0.0, 0.0044]
+    return p
+
 
 def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
     """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a token of
@@ -523,13 +530,6 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
     ks, batched = choose(8)
     assert ks == [0] * 8 and not batched._probing
     assert batched.last_prediction == pytest.approx(0.28)
-
-def run19_draft_costs(p: SmartSpecPolicy) -> SmartSpecPolicy:
-    """The draft model's costs as fitted on this CPU: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a
-    token of catch-up."""
-    p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
-    p.cost.d = [0.10, 0.0, 0.0044]
-    return p
 
 
 def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
