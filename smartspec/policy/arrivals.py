@@ -7,7 +7,7 @@ drafting adds. Measured in the simulator with the draft model's costs fitted on 
 catch-up 0.73 s, a plain step 0.28 s): spreading a catch-up over up to 8 steps left the policy 3.5-3.8% slower
 than no speculation at 0.3-0.5 req/s; over at most the steps to the next arrival (and with learning-time probes
 checked the same way, SmartSpecPolicy._probe_pays) 2.1% and 0.2% faster, while at 0.08 req/s it kept 23.5 points
-of its 24.2% gain (docs/BENCH_POLICIES.md, run 21).
+of its 24.2% gain (docs/BENCH_POLICIES.md, runs 21-23).
 
 Arrivals are taken as Poisson with an unknown rate, estimated from the last `window` arrivals seen and the time
 since the oldest of them; a prior worth one gap of `prior_gap` seconds keeps a few arrivals from saying much: a
