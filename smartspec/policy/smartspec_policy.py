@@ -16,7 +16,6 @@ from smartspec.policy.goodput import (Plan, best_plan, charge_start_costs, plan_
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
-
 def _expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
     """Tokens a step is expected to generate: one per request, and the gains of each request's first k drafts."""
     taken = np.arange(gains.shape[1])[None, :] < np.asarray(ks)[:, None]
@@ -156,31 +155,29 @@ class SmartSpecPolicy(Policy):
         hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
         hopeful[due] = self.acceptance.first.max_alpha ** np.arange(1, k_top + 1)[None, :]
         hopeful = self._charge_starts(hopeful, requests, caps, start_s, tokens, context)
+        j = np.arange(1, k_top + 1)
+        m = plan.tokens + j
+        t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
         if together:
             hope = best_plan(plans_by_depth(hopeful, caps, depth_of, self.cost.predict, tokens, context, price))
             return {i for i in due if hope.ks[i] > 0
-                    and self._probe_pays(hope, plan, raw_gains[i, 0], start_s[i], depth_of, tokens, context, price)}
+                    and self._probe_pays(hope, plan, raw_gains[i, 0], start_s[i], float(t[0]), price)}
         expected = _expected_tokens(gains, plan.ks)  # catch-up charged
-        j = np.arange(1, k_top + 1)
-        m = plan.tokens + j
-        t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]
         gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
         better = plan_value(gained, t[None, :], price) > plan.value
         better &= j[None, :] <= np.asarray(caps)[due][:, None]
         return {i for i, row in zip(due, better) if row.any()}
 
-    def _probe_pays(self, hope: Plan, plan: Plan, gain: float, start_s: float, depth_of: np.ndarray, tokens: int,
-                    context: int, price: float | None) -> bool:
+    def _probe_pays(self, hope: Plan, plan: Plan, gain: float, start_s: float, probe_s: float,
+                    price: float | None) -> bool:
         """Whether what a learning-time probe could reveal is worth what it costs, in tokens. Revealed: the hopeful
         plan's edge over the chosen one, for the steps a catch-up is spread over (the batch is not expected to hold
-        longer). Cost: the probe's own seconds (one draft token on top of the plan, its catch-up) at the plan's
-        rate, less the token it is expected to add. Measured in the simulator (draft model, 0.5 req/s): the hopeful
-        plan beat the plain one by 0.2 tokens a step at batch 2-5 beside a prefill, and each probe cost 0.8 s,
-        about 12 tokens of the batch's, for one outcome."""
+        longer). Cost: the probe's own seconds (probe_s: the step with one draft token on top of the plan; and its
+        catch-up) at the plan's rate, less the token it is expected to add. Measured in the simulator (draft
+        model, 0.5 req/s): the hopeful plan beat the plain one by 0.2 tokens a step at batch 2-5 beside a prefill,
+        and each probe cost 0.8 s, about 12 tokens of the batch's, for one outcome."""
         rate = plan.value if price is None else price  # tokens a second of this step is worth
         edge = (hope.value - plan.value) * (hope.seconds if price is None else 1.0)
-        m = plan.tokens + 1
-        probe_s = float(self.cost.predict(tokens + m, context + m, max(plan.depth, int(depth_of[0])), m))
         return edge * self._horizon_cap > (probe_s - plan.seconds + start_s) * rate - gain
 
     def _shape_probe(self, plans: list[Plan]) -> Plan:
