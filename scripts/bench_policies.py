@@ -211,20 +211,24 @@ def bar_table(summary: list[dict]) -> str:
     per_run = {(s["config"], s["rate"], s["repeat"]): s["mean_latency_s"] for s in summary}
     repeats = sorted({s["repeat"] for s in summary})
     lines = ["| proposer | rate | smartspec s | best fixed s | off s | vs best fixed | vs off "
-             "| vs best fixed, per repeat |",
+             "| per repeat (vs best fixed, else off) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
         for rate in dict.fromkeys(s["rate"] for s in summary):
             ours = means.get((f"{proposer} smartspec", rate))
             fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
-            if ours is None or not fixed:
-                continue
-            best = min(fixed, key=fixed.get)
             off = means.get(("off", rate))
-            each = [per_run[(f"{proposer} smartspec", rate, k)] / per_run[(best, rate, k)] - 1 for k in repeats
-                    if (best, rate, k) in per_run and (f"{proposer} smartspec", rate, k) in per_run]
-            lines.append(f"| {proposer} | {rate:g} | {ours:.2f} | {fixed[best]:.2f} ({best.split()[-1]}) | "
-                         + (f"{off:.2f} | " if off else "- | ") + f"{ours / fixed[best] - 1:+.1%} | "
+            if ours is None or not (fixed or off):
+                continue
+            # a run may leave out the fixed settings or off (a targeted rerun); its columns then read "-"
+            best = min(fixed, key=fixed.get) if fixed else None
+            ref = best or "off"  # per repeat: against the best fixed setting, or off where the run has none
+            each = [per_run[(f"{proposer} smartspec", rate, k)] / per_run[(ref, rate, k)] - 1 for k in repeats
+                    if (ref, rate, k) in per_run and (f"{proposer} smartspec", rate, k) in per_run]
+            lines.append(f"| {proposer} | {rate:g} | {ours:.2f} | "
+                         + (f"{fixed[best]:.2f} ({best.split()[-1]}) | " if best else "- | ")
+                         + (f"{off:.2f} | " if off else "- | ")
+                         + (f"{ours / fixed[best] - 1:+.1%} | " if best else "- | ")
                          + (f"{ours / off - 1:+.1%} | " if off else "- | ") + " / ".join(f"{e:+.1%}" for e in each)
                          + " |")
     return "\n".join(lines)
