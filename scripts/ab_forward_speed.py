@@ -75,6 +75,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeats < 1 or args.max_tokens < 1:
         ap.error("--repeats and --max-tokens must be at least 1")
+    if args.policies[0] == args.policies[1]:
+        ap.error(f"--policies: two different policies to compare, got {args.policies[0]!r} twice")
+    for name in args.policies:
+        try:
+            make_policy(name, args.k_max)
+        except ValueError as exc:
+            ap.error(f"--policies: {exc}")
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.target, kv_cache_gib=1.0, max_num_seqs=4, max_model_len=2048,
                                     max_num_batched_tokens=256,
