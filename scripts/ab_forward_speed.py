@@ -26,7 +26,6 @@ import torch
 from smartspec import EngineConfig, SamplingParams
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.policy import make_policy
-from smartspec.policy.base import default_batch_table
 from smartspec.spec.ngram import NgramProposer
 from smartspec.workloads import humaneval_prompts
 
@@ -73,34 +72,32 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/ab")
     args = ap.parse_args()
-    if args.repeats < 1 or args.max_tokens < 1:
-        ap.error("--repeats and --max-tokens must be at least 1")
+    if args.repeats < 1 or args.max_tokens < 2:
+        ap.error("--repeats must be at least 1 and --max-tokens at least 2 (the first token comes from the prefill; "
+                 "decode steps are what is compared)")
     if args.policies[0] == args.policies[1]:
         ap.error(f"--policies: two different policies to compare, got {args.policies[0]!r} twice")
-    for name in args.policies:
-        try:
-            make_policy(name, args.k_max)
-        except ValueError as exc:
-            ap.error(f"--policies: {exc}")
+    try:  # before the model loads: a typo fails in a second, not after a minute
+        policies = {name: make_policy(name, args.k_max, key="ngram:ab") for name in args.policies}
+    except ValueError as exc:
+        ap.error(f"--policies: {exc}")
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.target, kv_cache_gib=1.0, max_num_seqs=4, max_model_len=2048,
                                     max_num_batched_tokens=256,
                                     speculative_config={"method": "ngram", "num_speculative_tokens": args.k_max,
                                                         "policy": "off"}))
     ngram = NgramProposer(4, 1)  # bench_policies.py's prompt lookup
-    policies = {}
-    for name in args.policies:
-        policy = make_policy(name, args.k_max, default_batch_table(args.k_max), key="ngram:ab")
+    for policy in policies.values():
         if policy.wants_profile:
             engine.set_speculation(ngram, policy, args.k_max)
             engine.profile_steps()
-        policies[name] = policy
     prompts = sorted(humaneval_prompts("chat", 164, engine.tokenizer), key=lambda p: len(engine.tokenizer(p).input_ids))
     rows, collector = [], CollectorClock()
     for repeat in range(args.repeats):
         order = args.policies if repeat % 2 == 0 else args.policies[::-1]
         for name in order:
             engine.set_speculation(ngram, policies[name], args.k_max)
+            # the 8 shortest prompts in turn, the requests of bench_policies.py --requests 8
             steps = serve_one(engine, prompts[repeat % 8], args.max_tokens, collector)
             rows += [dict(policy=name, repeat=repeat, **s) for s in steps]
             print(f"[{repeat + 1}/{args.repeats}] {name:10s} {len(steps):3d} decode steps, forward median "
