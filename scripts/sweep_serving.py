@@ -6,6 +6,7 @@ the same client (scripts/bench_serving.py) with the same prompts, arrival times 
 Configurations (--configs, default all):
   smartspec, batch_table          SmartSpec servers with that policy (config.yaml, K = --k)
   off, fixed:1, fixed:3, fixed:5  one SmartSpec server with policy fixed:K; each label caps k per request
+  fixed:7                          the same, on request (not in the default set; needs --k 7)
                                   ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
   vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
 Our configurations use config.yaml's draft model; --proposers ngram serves them with prompt lookup instead
@@ -47,7 +48,7 @@ from smartspec.report import plot_latency_vs_rate, step_work
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS_PORT, VLLM_PORT = 8000, 8001
-FIXED_LABELS = {"off": 0, "fixed:1": 1, "fixed:3": 3, "fixed:5": 5}
+FIXED_LABELS = {"off": 0, "fixed:1": 1, "fixed:3": 3, "fixed:5": 5, "fixed:7": 7}
 VLLM_LABELS = {"vllm-none": "none", "vllm-ngram": "ngram", "vllm-draft": "draft"}
 ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS]
 
@@ -72,8 +73,10 @@ def server_plan(configs: list[str], proposers: tuple[str, ...] = ("draft_model",
     return plan
 
 
-def write_config(policy: str, k: int, path: Path, method: str = "draft_model", trace_dir: Path | None = None) -> Path:
+def write_config(policy: str, k: int, path: Path, method: str = "draft_model", trace_dir: Path | None = None,
+                 warmup_profile: bool = True) -> Path:
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["applications"][0]["args"]["warmup_profile"] = warmup_profile
     if trace_dir is not None:  # every step of every replica, in <trace_dir>/<replica>/part-*.parquet
         config["applications"][0]["args"]["step_trace_dir"] = str(trace_dir.resolve())
     spec = config["applications"][0]["args"]["speculation"]
@@ -105,7 +108,8 @@ def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
     if kind == "ours":
         traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
-        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces)
+        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces,
+                              not args.no_warmup_profile)
         cmd, ready, url = ["serve", "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:
@@ -242,7 +246,7 @@ def print_runs(df) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=ALL, choices=ALL)
+    ap.add_argument("--configs", nargs="+", default=ALL, choices=[*ALL, "fixed:7"])
     ap.add_argument("--rates", nargs="+", type=float, default=[0.05, 0.1, 0.2])
     ap.add_argument("--num-requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -261,6 +265,9 @@ def main() -> int:
     ap.add_argument("--server-traces", action="store_true",
                     help="our servers write every step to steps-<server>/<replica>/part-*.parquet next to their "
                          "logs (step_trace_dir; for smartspec sim --trace or a look at single steps)")
+    ap.add_argument("--no-warmup-profile", action="store_true",
+                    help="our servers skip the warm-up profile at start (smartspec's cost model then starts from its "
+                         "own steps); for telling the profile's effect on later forwards from the policy's")
     ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
                     help="run nothing: merge the summaries in these folders (rate 0 from one sweep, the other rates "
                          "from another) into --out's table, comparison.md and plot")
