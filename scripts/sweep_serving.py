@@ -6,8 +6,8 @@ the same client (scripts/bench_serving.py) with the same prompts, arrival times 
 Configurations (--configs, default all):
   smartspec, batch_table          SmartSpec servers with that policy (config.yaml, K = --k)
   off, fixed:1, fixed:3, fixed:5  one SmartSpec server with policy fixed:K; each label caps k per request
-  fixed:7                          the same, on request (not in the default set; needs --k 7)
                                   ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
+  fixed:7                          the same, on request only (not in the default set; needs --k 7)
   vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
 Our configurations use config.yaml's draft model; --proposers ngram serves them with prompt lookup instead
 (labels smartspec-ngram, fixed:5-ngram, ...), --proposers draft_model ngram with each in turn.
