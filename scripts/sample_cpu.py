@@ -32,7 +32,10 @@ def _threads(pid: str) -> dict[str, list[float]]:
     """tid -> [CPU s, waiting for a core s, time slices]."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        run_ns, wait_ns, slices = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()
+        try:
+            run_ns, wait_ns, slices = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()
+        except FileNotFoundError:  # a thread that ended since the listing; the process's sample still counts
+            continue
         out[tid] = [int(run_ns) / 1e9, int(wait_ns) / 1e9, int(slices)]
     return out
 
