@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,14 @@ ROOT = Path(__file__).resolve().parents[1]
 OURS_PORT, VLLM_PORT = 8000, 8001
 FIXED_LABELS = {"off": 0, "fixed:1": 1, "fixed:3": 3, "fixed:5": 5, "fixed:7": 7}
 VLLM_LABELS = {"vllm-none": "none", "vllm-ngram": "ngram", "vllm-draft": "draft"}
+
+
+def ray_cli(name: str) -> str | None:
+    """serve / ray: on PATH, or beside this Python (a virtualenv run without activating it)."""
+    beside = Path(sys.executable).with_name(name)
+    return shutil.which(name) or (str(beside) if beside.exists() else None)
+
+
 ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS]
 
 
@@ -110,7 +119,7 @@ def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess
         traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
         config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces,
                               not args.no_warmup_profile)
-        cmd, ready, url = ["serve", "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
+        cmd, ready, url = [ray_cli("serve"), "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:
         cmd = [str(ROOT / "scripts/vllm_peer.sh"), "serve", settings["mode"]]
@@ -128,7 +137,7 @@ def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess
 
 def stop_server(kind: str, proc: subprocess.Popen) -> None:
     if kind == "ours":
-        subprocess.run(["serve", "shutdown", "-y"], cwd=ROOT, capture_output=True, timeout=120)
+        subprocess.run([ray_cli("serve"), "shutdown", "-y"], cwd=ROOT, capture_output=True, timeout=120)
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
@@ -142,7 +151,7 @@ def stop_server(kind: str, proc: subprocess.Popen) -> None:
             break
         time.sleep(1)
     if kind == "ours":
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+        subprocess.run([ray_cli("ray"), "stop", "--force"], capture_output=True, timeout=120)
 
 
 def bench(url: str, label: str, max_k: int | None, args, out: Path) -> int:
@@ -287,6 +296,10 @@ def main() -> int:
         ap.error("vLLM configurations need scripts/vllm_peer.sh install first")
     if args.cycles < 1:
         ap.error("--cycles must be at least 1")
+    if any(kind == "ours" for kind, _, _ in server_plan(args.configs, tuple(args.proposers))) \
+            and not (ray_cli("serve") and ray_cli("ray")):
+        ap.error("our configurations need Ray Serve's `serve` and `ray` commands: pip install -e '.[serve]' "
+                 "(or activate the virtualenv that has them)")
     out = Path(args.out)
     plan = server_plan(args.configs, tuple(args.proposers))
     folders = [out] if args.cycles == 1 else [out / f"cycle-{c + 1}" for c in range(args.cycles)]
