@@ -20,6 +20,10 @@ row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled m
         --requests 8 --max-tokens 32 --repeats 2 --out results/policies5
     python scripts/bench_policies.py --rates 0.1 --requests 3 --max-tokens 16 --policies off smartspec
     python scripts/bench_policies.py --proposers draft_model draft_tree --tree 8:4:2 --policies off fixed:5 smartspec
+    python scripts/bench_policies.py --report results/policies31 results/policies32 --out results/policies31-32
+
+With --trace-dir, the bar also comes at equal box speed: each repeat's latency ratio divided by how fast the box ran
+the two runs' plain decode steps of the same batch size (smartspec.report.plain_forward_ratio).
 """
 from __future__ import annotations
 
@@ -106,7 +110,12 @@ def main() -> int:
                     help="run every (configuration, rate) this many times, interleaved; tables pool the repeats")
     ap.add_argument("--out", default="results")
     ap.add_argument("--trace-dir", default=None, help="write each run's step trace (Parquet) here")
+    ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
+                    help="run nothing: pool the runs of these earlier --out folders and print the bar over all their "
+                         "repeats (written to --out)")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report, Path(args.out))
     if args.repeats < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.rates) <= 0:
         ap.error("--repeats, --requests and --max-tokens must be at least 1, and every rate above 0")
     torch.set_num_threads(args.threads)
@@ -155,10 +164,11 @@ def main() -> int:
                       file=sys.stderr, flush=True)
                 probe = record_probe(out, f"{label}@{rate}#{repeat}")
                 engine.set_speculation(proposers[proposer_name], policy, k_max)
+                trace_path = None
                 if args.trace_dir:  # every step of this run, for the simulator (smartspec sim --trace ...)
                     suffix = f"#{repeat}" if args.repeats > 1 else ""
-                    engine.trace = StepTraceWriter(
-                        Path(args.trace_dir) / f"{label.replace(' ', '_')}@{rate}{suffix}.parquet", policy.name)
+                    trace_path = Path(args.trace_dir) / f"{label.replace(' ', '_')}@{rate}{suffix}.parquet"
+                    engine.trace = StepTraceWriter(trace_path, policy.name)
                 t0 = time.monotonic()
                 rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed)
                 wall = time.monotonic() - t0
@@ -174,7 +184,7 @@ def main() -> int:
                                     throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
                                     step_time_rel_error=stats.get("mean_relative_error"),
                                     probe_read_gb_s=probe["read_gb_s"], probe_matmul_gflop_s=probe["matmul_gflop_s"],
-                                    **summarize(rows)))
+                                    trace_path=str(trace_path) if trace_path else None, **summarize(rows)))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -187,11 +197,43 @@ def main() -> int:
         print(f"{s['config']:26s} {s['rate']:5.2f} {s['repeat'] + 1:3d} {s['mean_latency_s']:7.2f} "
               f"{s['p50_latency_s']:6.2f} {s['p99_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
               f"{s['throughput_tok_s']:6.2f} {err:>8s} {s['probe_read_gb_s']:5.1f}")
-    bar = bar_table(summary)
-    print("\n" + bar)
-    (out / "bench_policies_bar.md").write_text(bar + "\n")
+    write_bar(summary, out)
     print_probe_spread([out])
     _plot(summary, out / "bench_policies.png")
+    return 0
+
+
+def write_bar(summary: list[dict], out: Path) -> None:
+    """Print the bar's tables (and the box-adjusted one where the runs have traces) and save them as Markdown."""
+    bar = bar_table(summary)
+    adjusted = adjusted_table(summary)
+    if adjusted:
+        bar += ("\n\nPaired per repeat, raw and at equal box speed (the latency ratio over the plain forwards' "
+                "speed ratio):\n\n" + adjusted)
+    print("\n" + bar)
+    (out / "bench_policies_bar.md").write_text(bar + "\n")
+
+
+def report(dirs: list[Path], out: Path) -> int:
+    """Pool the runs of several bench_policies outputs (the same command run more than once): their repeats become
+    one run's repeats, and the bar is read over all of them."""
+    import pyarrow.parquet as pq
+
+    summary = []
+    for i, d in enumerate(dirs):
+        path = d / "bench_policies_summary.parquet"
+        if not path.exists():
+            print(f"bench_policies: {path} not found", file=sys.stderr)
+            return 2
+        for row in pq.read_table(path).to_pylist():
+            row["repeat"] = (i, row["repeat"])  # repeats stay paired within their own output
+            if not row.get("trace_path"):  # outputs from before trace_path was recorded: the documented layout
+                suffix = f"#{row['repeat'][1]}" if (d / "traces").is_dir() else ""
+                guess = d / "traces" / f"{row['config'].replace(' ', '_')}@{row['rate']}{suffix}.parquet"
+                row["trace_path"] = str(guess) if guess.exists() else None
+            summary.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    write_bar(summary, out)
     return 0
 
 
@@ -232,6 +274,55 @@ def bar_table(summary: list[dict]) -> str:
                          + (f"{ours / off - 1:+.1%} | " if off else "- | ") + " / ".join(f"{e:+.1%}" for e in each)
                          + " |")
     return "\n".join(lines)
+
+
+def adjusted_table(summary: list[dict]) -> str:
+    """Smartspec against off and the best fixed setting, pooled over repeats, raw and at equal box speed: per
+    repeat, the latency ratio divided by the two runs' plain-forward speed ratio (smartspec.report.plain_forward_ratio,
+    from their step traces); geometric means with standard errors. Empty where no run has a trace."""
+    import pyarrow.parquet as pq
+    from smartspec.report import paired_ratio, plain_forward_ratio
+
+    runs = {(s["config"], s["rate"], s["repeat"]): s for s in summary}
+    traces: dict[str, list[dict]] = {}
+
+    def steps(run: dict) -> list[dict] | None:
+        path = run.get("trace_path")
+        if not path or not Path(path).exists():
+            return None
+        if path not in traces:
+            traces[path] = pq.read_table(path).to_pylist()
+        return traces[path]
+
+    means = pooled(summary)
+    lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed | plain steps "
+             "compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
+        ours = f"{proposer} smartspec"
+        for rate in dict.fromkeys(s["rate"] for s in summary):
+            fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
+            refs = ([min(fixed, key=fixed.get)] if fixed else []) + (["off"] if ("off", rate) in means else [])
+            for ref in refs:
+                raw, adjusted, compared, ours_s, ref_s = [], [], 0, 0.0, 0.0
+                for (config, r, repeat), run in runs.items():
+                    other = runs.get((ref, rate, repeat))
+                    if config != ours or r != rate or other is None:
+                        continue
+                    ratio = run["mean_latency_s"] / other["mean_latency_s"]
+                    ours_s, ref_s = ours_s + run["mean_latency_s"], ref_s + other["mean_latency_s"]
+                    raw.append(ratio)
+                    a, b = steps(run), steps(other)
+                    speed = plain_forward_ratio(a, b) if a is not None and b is not None else None
+                    if speed is not None:
+                        adjusted.append(ratio / speed[0])
+                        compared += speed[1]
+                if not raw or not adjusted:
+                    continue
+                (g, g_se), (adj, adj_se) = paired_ratio(raw), paired_ratio(adjusted)
+                lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {ours_s / ref_s - 1:+.1%} | "
+                             f"{g - 1:+.1%} ± {g_se:.1%} | {adj - 1:+.1%} ± {adj_se:.1%} ({len(adjusted)}) | "
+                             f"{compared} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _plot(summary, path) -> None:

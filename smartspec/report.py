@@ -79,3 +79,40 @@ def step_work(steps: list[dict], back_to_back_s: float = 0.05) -> dict:
             "forward_s": float(forward.sum()), "draft_s": float(draft.sum()),
             "other_ms": float(np.median(total - forward - draft) * 1e3) if steps else None,
             "between_steps_ms": float(np.median(gaps) * 1e3) if len(gaps) else None}
+
+
+def plain_forward_ratio(steps: list[dict], reference: list[dict], min_steps: int = 3) -> tuple[float, int] | None:
+    """How fast the box ran one run's target forwards against another's, on work both runs did alike: plain decode
+    steps (nothing drafted, no prefill), compared batch size by batch size (median forward seconds; a size counts
+    where each run has at least min_steps such steps). Returns (the geometric mean of the per-size ratios, weighted
+    by the steps compared; the steps compared), or None where the runs share no such size.
+
+    On this box the same forward's speed drifts by 10-20% between runs minutes apart (memory bandwidth shared with
+    other VMs), which swamps a 2% difference between policies. A policy does not change what a plain forward costs
+    (docs/BENCH_POLICIES.md: interleaved A/Bs, 1.025x and 0.989x), so a latency ratio divided by this ratio is the
+    latency ratio at equal box speed."""
+    def by_batch(rows: list[dict]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for r in rows:
+            if not sum(r["proposed"]) and not r["num_prefill_tokens"]:
+                out.setdefault(r["batch_size"], []).append(r["verify_s"])
+        return out
+
+    ours, theirs = by_batch(steps), by_batch(reference)
+    logs, weights = [], []
+    for size in ours.keys() & theirs.keys():
+        a, b = ours[size], theirs[size]
+        if len(a) >= min_steps and len(b) >= min_steps:
+            logs.append(np.log(np.median(a) / np.median(b)))
+            weights.append(min(len(a), len(b)))
+    if not logs:
+        return None
+    return float(np.exp(np.average(logs, weights=weights))), int(sum(weights))
+
+
+def paired_ratio(ratios: list[float]) -> tuple[float, float]:
+    """The geometric mean of per-repeat ratios and its standard error as a fraction (from the spread of their
+    logs; 0 for a single repeat)."""
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    se = float(logs.std(ddof=1) / np.sqrt(len(logs))) if len(logs) > 1 else 0.0
+    return float(np.exp(logs.mean())), se
