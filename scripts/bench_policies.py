@@ -22,8 +22,9 @@ row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled m
     python scripts/bench_policies.py --proposers draft_model draft_tree --tree 8:4:2 --policies off fixed:5 smartspec
     python scripts/bench_policies.py --report results/policies31 results/policies32 --out results/policies31-32
 
-With --trace-dir, the bar also comes at equal box speed: each repeat's latency ratio divided by how fast the box ran
-the two runs' plain decode steps of the same batch size (smartspec.report.plain_forward_ratio).
+With --trace-dir, the bar also comes at equal box speed: the per-repeat latency ratios fitted against how fast the
+box ran the two runs' plain decode steps of the same batch size, read where those ran equally fast
+(smartspec.report.plain_forward_ratio, speed_adjusted).
 """
 from __future__ import annotations
 
@@ -208,8 +209,8 @@ def write_bar(summary: list[dict], out: Path) -> None:
     bar = bar_table(summary)
     adjusted = adjusted_table(summary)
     if adjusted:
-        bar += ("\n\nPaired per repeat, raw and at equal box speed (the latency ratio over the plain forwards' "
-                "speed ratio):\n\n" + adjusted)
+        bar += ("\n\nPaired per repeat, raw and at equal box speed (the latency ratio where the two runs' plain "
+                "forwards ran equally fast; slope: how the ratio followed their speed ratio):\n\n" + adjusted)
     print("\n" + bar)
     (out / "bench_policies_bar.md").write_text(bar + "\n")
 
@@ -277,11 +278,12 @@ def bar_table(summary: list[dict]) -> str:
 
 
 def adjusted_table(summary: list[dict]) -> str:
-    """Smartspec against off and the best fixed setting, pooled over repeats, raw and at equal box speed: per
-    repeat, the latency ratio divided by the two runs' plain-forward speed ratio (smartspec.report.plain_forward_ratio,
-    from their step traces); geometric means with standard errors. Empty where no run has a trace."""
+    """Smartspec against off and the best fixed setting, pooled over repeats: the ratio of the pooled means, the
+    geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.report.speed_adjusted, on
+    each repeat's plain-forward speed ratio from the two runs' step traces, smartspec.report.plain_forward_ratio),
+    with standard errors. Empty where no run has a trace."""
     import pyarrow.parquet as pq
-    from smartspec.report import paired_ratio, plain_forward_ratio
+    from smartspec.report import paired_ratio, plain_forward_ratio, speed_adjusted
 
     runs = {(s["config"], s["rate"], s["repeat"]): s for s in summary}
     traces: dict[str, list[dict]] = {}
@@ -295,15 +297,15 @@ def adjusted_table(summary: list[dict]) -> str:
         return traces[path]
 
     means = pooled(summary)
-    lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed | plain steps "
-             "compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed (slope) | plain "
+             "steps compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
         ours = f"{proposer} smartspec"
         for rate in dict.fromkeys(s["rate"] for s in summary):
             fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
             refs = ([min(fixed, key=fixed.get)] if fixed else []) + (["off"] if ("off", rate) in means else [])
             for ref in refs:
-                raw, adjusted, compared, ours_s, ref_s = [], [], 0, 0.0, 0.0
+                raw, paired, speeds, compared, ours_s, ref_s = [], [], [], 0, 0.0, 0.0
                 for (config, r, repeat), run in runs.items():
                     other = runs.get((ref, rate, repeat))
                     if config != ours or r != rate or other is None:
@@ -314,14 +316,17 @@ def adjusted_table(summary: list[dict]) -> str:
                     a, b = steps(run), steps(other)
                     speed = plain_forward_ratio(a, b) if a is not None and b is not None else None
                     if speed is not None:
-                        adjusted.append(ratio / speed[0])
+                        paired.append(ratio)
+                        speeds.append(speed[0])
                         compared += speed[1]
-                if not raw or not adjusted:
+                if not raw:
                     continue
-                (g, g_se), (adj, adj_se) = paired_ratio(raw), paired_ratio(adjusted)
+                g, g_se = paired_ratio(raw)
+                adjusted = speed_adjusted(paired, speeds)
+                at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} repeats)"
+                            if adjusted else "-")
                 lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {ours_s / ref_s - 1:+.1%} | "
-                             f"{g - 1:+.1%} ± {g_se:.1%} | {adj - 1:+.1%} ± {adj_se:.1%} ({len(adjusted)}) | "
-                             f"{compared} |")
+                             f"{g - 1:+.1%} ± {g_se:.1%} | {at_speed} | {compared} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

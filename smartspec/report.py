@@ -116,3 +116,22 @@ def paired_ratio(ratios: list[float]) -> tuple[float, float]:
     logs = np.log(np.asarray(ratios, dtype=np.float64))
     se = float(logs.std(ddof=1) / np.sqrt(len(logs))) if len(logs) > 1 else 0.0
     return float(np.exp(logs.mean())), se
+
+
+def speed_adjusted(ratios: list[float], speeds: list[float]) -> tuple[float, float, float] | None:
+    """The per-repeat latency ratios at equal box speed: the fit log(ratio) = a + b log(speed) over the repeats
+    (speed: each repeat's plain_forward_ratio), read at speed 1. Returns (exp(a), its standard error as a
+    fraction, b), or None with fewer than 3 repeats. The slope is fitted, not taken as 1: latency also holds work
+    the plain forwards do not time (prefill, drafting, waiting), and each repeat's speed is itself measured on a
+    few dozen steps (a noisy speed flattens the slope, which leaves the estimate nearer the raw mean, not past it)."""
+    if len(ratios) < 3:
+        return None
+    y, x = np.log(np.asarray(ratios, dtype=np.float64)), np.log(np.asarray(speeds, dtype=np.float64))
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    resid = y - design @ coef
+    try:
+        cov = resid @ resid / (len(y) - 2) * np.linalg.inv(design.T @ design)
+    except np.linalg.LinAlgError:  # every repeat ran at one speed: nothing to adjust for
+        return None
+    return float(np.exp(coef[0])), float(np.sqrt(cov[0, 0])), float(coef[1])

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from smartspec.report import paired_ratio, plain_forward_ratio
+from smartspec.report import paired_ratio, plain_forward_ratio, speed_adjusted
 
 
 def _step(batch: int, verify_s: float, proposed: int = 0, prefill: int = 0) -> dict:
@@ -35,3 +35,14 @@ def test_paired_ratio_is_a_geometric_mean_with_its_standard_error():
     assert mean == pytest.approx(1.0)
     assert se == pytest.approx(math.log(2.0))  # sd of (ln 2, -ln 2) is ln 2 * sqrt 2; over sqrt 2 repeats
     assert paired_ratio([1.1]) == (pytest.approx(1.1), 0.0)
+
+
+def test_speed_adjusted_reads_the_ratio_where_both_runs_ran_equally_fast():
+    speeds = [0.8, 0.9, 1.1, 1.25, 1.3]
+    ratios = [1.02 * s ** 0.5 for s in speeds]  # a policy 2% slower, on a box whose speed it half follows
+    at_speed, se, slope = speed_adjusted(ratios, speeds)
+    assert at_speed == pytest.approx(1.02) and slope == pytest.approx(0.5)
+    assert se == pytest.approx(0.0, abs=1e-9)
+    noisy = [r * (1.03 if i % 2 else 0.97) for i, r in enumerate(ratios)]
+    assert speed_adjusted(noisy, speeds)[1] > 0.005  # scatter off the line is the estimate's error
+    assert speed_adjusted(ratios[:2], speeds[:2]) is None  # two repeats cannot fit a line and its error
