@@ -323,7 +323,9 @@ def adjusted_table(summary: list[dict]) -> str:
                     continue
                 g, g_se = paired_ratio(raw)
                 adjusted = speed_adjusted(paired, speeds)
-                at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} repeats)"
+                # a repeat whose two runs share no plain batch size has no speed ratio and is left out: say how many
+                at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} of "
+                            f"{len(raw)} repeats)"
                             if adjusted else "-")
                 lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {ours_s / ref_s - 1:+.1%} | "
                              f"{g - 1:+.1%} ± {g_se:.1%} | {at_speed} | {compared} |")
