@@ -229,9 +229,9 @@ def report(dirs: list[Path], out: Path) -> int:
         for row in pq.read_table(path).to_pylist():
             row["repeat"] = (i, row["repeat"])  # repeats stay paired within their own output
             if not row.get("trace_path"):  # outputs from before trace_path was recorded: the documented layout
-                suffix = f"#{row['repeat'][1]}" if (d / "traces").is_dir() else ""
-                guess = d / "traces" / f"{row['config'].replace(' ', '_')}@{row['rate']}{suffix}.parquet"
-                row["trace_path"] = str(guess) if guess.exists() else None
+                stem = d / "traces" / f"{row['config'].replace(' ', '_')}@{row['rate']}"
+                found = [t for t in (Path(f"{stem}#{row['repeat'][1]}.parquet"), Path(f"{stem}.parquet")) if t.exists()]
+                row["trace_path"] = str(found[0]) if found else None
             summary.append(row)
     out.mkdir(parents=True, exist_ok=True)
     write_bar(summary, out)
@@ -296,6 +296,8 @@ def adjusted_table(summary: list[dict]) -> str:
             traces[path] = pq.read_table(path).to_pylist()
         return traces[path]
 
+    if not any(steps(run) is not None for run in summary):
+        return ""
     means = pooled(summary)
     lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed (slope) | plain "
              "steps compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
