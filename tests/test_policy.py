@@ -533,20 +533,20 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
 
 
 def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
-    """Five requests decode beside a prefill, none has drafted, the prior is unlearned. Were the proposer near
-    perfect, the five drafting together would beat plain decoding by a little a step; a probe (one request reading
+    """Two requests decode beside a prefill, none has drafted, the prior is unlearned. Were the proposer near
+    perfect, the two drafting together would beat plain decoding by a little a step; a probe (one request reading
     its 150-token prompt, 0.66 s, for one outcome) costs more than that little over the two or so steps before the
     next request is expected (arrivals 2 s apart). With arrivals a minute apart, the same edge lasts for the
     catch-up horizon, and the probe runs."""
     def probes(arrival_gap):
         p = run19_draft_costs(SmartSpecPolicy(key="t"))
         params = SamplingParams(max_tokens=32)
-        requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(5)]
-        prefilling = [Request("p", list(range(150)), params, arrival_time=5 * arrival_gap)]
+        requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(2)]
+        prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
         p.acceptance.observe("finished", 2, 2)
         assert p.acceptance.evidence < p.min_prior_evidence
         ks = p.choose(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
-                      now=5 * arrival_gap + 0.5)
+                      now=2 * arrival_gap + 0.5)
         assert ks.count(1) == len(p._probing) and sum(ks) == len(p._probing)
         return p._probing
 
@@ -576,6 +576,32 @@ def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected
     sparse, dense = choose(60.0), choose(0.5)
     assert sparse[0] > 0 and sparse[1] > 0
     assert dense[0] > 0 and dense[1] == 0
+
+
+def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
+    """Six requests decode beside a 94-token prefill with a learned, near-perfect draft model; none of them has
+    drafted, so each would first read its 97-token context (0.4 s). The catch-ups' seconds are worth what the six
+    decoding alone would make of them (about 26 tokens a second), not the prefill step's own rate (about 4 tokens a
+    second, its time being the prefill's): priced so, starting them in this step does not pay, while the same batch
+    in a step of its own starts, and requests whose context the draft has read draft beside the prefill. (Priced at
+    the step's rate, all six started here: run 33's 16-19% losses, docs/BENCH_POLICIES.md.)"""
+    def choose(prefill_tokens, seen):
+        p = SmartSpecPolicy(key="t")
+        p.cost.v = [0.229, 0.0] + [0.002] * 5 + [0.0]
+        p.cost.d = [0.075, 0.0, 0.0041]
+        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 4},
+                                              "later": {"accepted": 800, "rejected": 16}}})
+        params = SamplingParams(max_tokens=32)
+        requests = [Request(f"r{i}", list(range(97)), params, arrival_time=5.0 * i) for i in range(6)]
+        if seen:
+            p._draft_seen.update({r.request_id: r.num_tokens - 1 for r in requests})
+        prefilling = [Request("p", list(range(prefill_tokens)), params, arrival_time=30.0)] if prefill_tokens else []
+        return p.choose(requests, 5, base_tokens=prefill_tokens, base_context=prefill_tokens, prefilling=prefilling,
+                        now=30.5)
+
+    assert choose(0, seen=False) == [5] * 6
+    assert choose(94, seen=False) == [0] * 6
+    assert min(choose(94, seen=True)) > 0
 
 
 def test_expected_gap_to_the_next_arrival():

@@ -92,7 +92,7 @@ class SmartSpecPolicy(Policy):
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
         start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))  # seconds, paid once per start
         self._horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
-        gains = self._charge_starts(raw_gains, requests, caps, start_s, tokens, context)
+        gains = self._charge_starts(raw_gains, requests, caps, start_s)
         price = (self._prefill_step_price(gains, caps, depth_of, len(requests), context - base_context,
                                           len(prefilling))
                  if base_tokens else None)
@@ -122,12 +122,11 @@ class SmartSpecPolicy(Policy):
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
 
-    def _charge_starts(self, gains: np.ndarray, requests: list[Request], caps: list[int], start_s: np.ndarray,
-                       tokens: int, context: int) -> np.ndarray:
+    def _charge_starts(self, gains: np.ndarray, requests: list[Request], caps: list[int], start_s: np.ndarray
+                       ) -> np.ndarray:
         if not start_s.any():
             return gains
-        return charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s, tokens,
-                                                                          context))
+        return charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s))
 
     def _worth_probing(self, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, requests: list[Request],
                        caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, plan: Plan, tokens: int,
@@ -154,7 +153,7 @@ class SmartSpecPolicy(Policy):
         k_top = raw_gains.shape[1]
         hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
         hopeful[due] = self.acceptance.first.max_alpha ** np.arange(1, k_top + 1)[None, :]
-        hopeful = self._charge_starts(hopeful, requests, caps, start_s, tokens, context)
+        hopeful = self._charge_starts(hopeful, requests, caps, start_s)
         j = np.arange(1, k_top + 1)
         m = plan.tokens + j
         t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
@@ -218,16 +217,22 @@ class SmartSpecPolicy(Policy):
                         dtype=np.float64)
 
     def _start_cost_in_tokens(self, requests: list[Request], caps: list[int], gains: np.ndarray,
-                              start_s: np.ndarray, tokens: int, context: int) -> np.ndarray:
+                              start_s: np.ndarray) -> np.ndarray:
         """A catch-up is paid once and serves the steps that follow: spread it over the steps the request would
         take to finish while drafting (at most catchup_horizon, since load may turn drafting off again), and price
-        its seconds at the batch's goodput without speculation."""
+        its seconds at the decoding batch's goodput without speculation.
+
+        The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
+        second (its time is the prefill's), which priced a catch-up's seconds at a fifth of what they are worth
+        and let whole batches start drafting in prefill steps. Measured (run 33, the draft model at 0.5 req/s):
+        a 448-token catch-up beside a 94-token prefill, six requests starting to draft, and in 3 of 32 repeats the
+        run ended 16-19% slower than no speculation (docs/BENCH_POLICIES.md, runs 31-34)."""
         capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         remaining = np.array([max(1, r.params.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
         horizon = np.clip(remaining / per_step, 1.0, self._horizon_cap)
-        base_goodput = len(requests) / float(self.cost.predict(tokens, context))
-        return start_s / horizon * base_goodput
+        decode_s = float(self.cost.predict(len(requests), sum(r.num_tokens for r in requests)))
+        return start_s / horizon * (len(requests) / decode_s)
 
     def _steps_to_next_arrival(self, caps: list[int], tokens: int, context: int, now: float) -> float:
         """The most steps a catch-up is spread over: catchup_horizon, or fewer where the next arrival is expected
