@@ -246,6 +246,12 @@ def pooled(summary: list[dict]) -> dict[tuple[str, float], float]:
     return {key: statistics.mean(v) for key, v in runs.items()}
 
 
+def best_fixed(means: dict[tuple[str, float], float], proposer: str, rate: float) -> str | None:
+    """The proposer's fixed:K with the lowest pooled mean latency at this rate (None: the run has none)."""
+    fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
+    return min(fixed, key=fixed.get) if fixed else None
+
+
 def bar_table(summary: list[dict]) -> str:
     """The issue's bar as a Markdown table: per proposer and rate, smartspec against the best fixed:K (by mean
     latency over all repeats) and against off; then the same ratio within each repeat, to show whether the
@@ -259,19 +265,18 @@ def bar_table(summary: list[dict]) -> str:
     for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
         for rate in dict.fromkeys(s["rate"] for s in summary):
             ours = means.get((f"{proposer} smartspec", rate))
-            fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
+            best = best_fixed(means, proposer, rate)
             off = means.get(("off", rate))
-            if ours is None or not (fixed or off):
+            if ours is None or not (best or off):
                 continue
             # a run may leave out the fixed settings or off (a targeted rerun); its columns then read "-"
-            best = min(fixed, key=fixed.get) if fixed else None
             ref = best or "off"  # per repeat: against the best fixed setting, or off where the run has none
             each = [per_run[(f"{proposer} smartspec", rate, k)] / per_run[(ref, rate, k)] - 1 for k in repeats
                     if (ref, rate, k) in per_run and (f"{proposer} smartspec", rate, k) in per_run]
             lines.append(f"| {proposer} | {rate:g} | {ours:.2f} | "
-                         + (f"{fixed[best]:.2f} ({best.split()[-1]}) | " if best else "- | ")
+                         + (f"{means[(best, rate)]:.2f} ({best.split()[-1]}) | " if best else "- | ")
                          + (f"{off:.2f} | " if off else "- | ")
-                         + (f"{ours / fixed[best] - 1:+.1%} | " if best else "- | ")
+                         + (f"{ours / means[(best, rate)] - 1:+.1%} | " if best else "- | ")
                          + (f"{ours / off - 1:+.1%} | " if off else "- | ") + " / ".join(f"{e:+.1%}" for e in each)
                          + " |")
     return "\n".join(lines)
@@ -299,21 +304,21 @@ def adjusted_table(summary: list[dict]) -> str:
     if not any(steps(run) is not None for run in summary):
         return ""
     means = pooled(summary)
+    repeats = sorted({s["repeat"] for s in summary})
     lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed (slope) | plain "
              "steps compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
         ours = f"{proposer} smartspec"
         for rate in dict.fromkeys(s["rate"] for s in summary):
-            fixed = {c: v for (c, r), v in means.items() if r == rate and c.startswith(f"{proposer} fixed:")}
-            refs = ([min(fixed, key=fixed.get)] if fixed else []) + (["off"] if ("off", rate) in means else [])
+            best = best_fixed(means, proposer, rate)
+            refs = ([best] if best else []) + (["off"] if ("off", rate) in means else [])
             for ref in refs:
-                raw, paired, speeds, compared, ours_s, ref_s = [], [], [], 0, 0.0, 0.0
-                for (config, r, repeat), run in runs.items():
-                    other = runs.get((ref, rate, repeat))
-                    if config != ours or r != rate or other is None:
+                raw, paired, speeds, compared = [], [], [], 0
+                for repeat in repeats:
+                    run, other = runs.get((ours, rate, repeat)), runs.get((ref, rate, repeat))
+                    if run is None or other is None:
                         continue
                     ratio = run["mean_latency_s"] / other["mean_latency_s"]
-                    ours_s, ref_s = ours_s + run["mean_latency_s"], ref_s + other["mean_latency_s"]
                     raw.append(ratio)
                     a, b = steps(run), steps(other)
                     speed = plain_forward_ratio(a, b) if a is not None and b is not None else None
@@ -329,7 +334,8 @@ def adjusted_table(summary: list[dict]) -> str:
                 at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} of "
                             f"{len(raw)} repeats)"
                             if adjusted else "-")
-                lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {ours_s / ref_s - 1:+.1%} | "
+                pooled_ratio = means[(ours, rate)] / means[(ref, rate)]
+                lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {pooled_ratio - 1:+.1%} | "
                              f"{g - 1:+.1%} ± {g_se:.1%} | {at_speed} | {compared} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
