@@ -14,7 +14,7 @@ def llm_server_options(cfg: AppConfig) -> dict:
     # the replica and what it starts share one placement group: its draft actor and TP workers land beside it
     replica = {"CPU": cfg.replica_num_cpus, **({"GPU": cfg.replica_num_gpus} if cfg.replica_num_gpus else {})}
     bundles = [replica]
-    if cfg.speculation.method == "draft_model" and cfg.speculation.draft_actor:
+    if cfg.draft_actor:
         bundles.append({"CPU": cfg.speculation.draft_num_cpus})
     tp_bundle = {"CPU": cfg.tp_num_cpus, **({"GPU": 1} if cfg.device == "cuda" else {})}
     bundles += [tp_bundle] * (cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else 0)

@@ -7,36 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from smartspec.config import EngineConfig
+from smartspec.spec_decode.config import SpeculativeConfig
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SpeculationConfig(Strict):
-    method: Literal["draft_model", "ngram", "none"] = "draft_model"
-    model: str | None = "qwen2.5-coder-0.5b"  # the draft, for method draft_model
-    num_speculative_tokens: int = Field(4, ge=1, le=32)  # K
-    policy: str = "smartspec"  # smartspec | off | fixed | fixed:K | batch_table
-    batch_table: dict[int, int] | None = None
-    prompt_lookup_max: int = Field(4, ge=1)
-    prompt_lookup_min: int = Field(1, ge=1)
-    # the draft model runs in its own Ray actor (restarted if it dies); false: inside the replica
-    draft_actor: bool = True
-    draft_num_cpus: float = Field(0.25, gt=0)
-    draft_num_threads: int | None = Field(None, ge=1)
-    # token trees instead of chains: {max_nodes, max_depth, branching}; k is then a node budget
-    tree: dict[str, int] | None = None
-
-    def engine_dict(self) -> dict | None:
-        if self.method == "none":
-            return None
-        keys = ("method", "num_speculative_tokens", "policy", "batch_table", "prompt_lookup_max", "prompt_lookup_min",
-                "tree")
-        out = {k: getattr(self, k) for k in keys}
-        if self.method == "draft_model":
-            out["model"] = self.model
-        return out
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
 class AutoscalingConfig(Strict):
@@ -48,7 +23,9 @@ class AutoscalingConfig(Strict):
 class AppConfig(Strict):
     model: str = "qwen2.5-coder-1.5b"  # bundled name, local HF directory or hub id
     served_model_name: str | None = None  # the name clients send as "model"; default: `model`
-    speculation: SpeculationConfig = SpeculationConfig()
+    # the engine's own SpeculativeConfig (draft_model with qwen2.5-coder-0.5b by default); null or
+    # {method: none}: no speculation
+    speculation: SpeculativeConfig | None = Field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = Field(1, ge=1)
     tp_num_cpus: float = Field(0.25, gt=0)  # per tensor-parallel worker actor
     kv_cache_gib: float = Field(1.0, gt=0)
@@ -76,6 +53,14 @@ class AppConfig(Strict):
     # <step_trace_dir>/<replica id>/, readable while it serves; for diagnosing a server and for `smartspec sim`
     step_trace_dir: str | None = None
 
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _speculation(cls, v):
+        spec = SpeculativeConfig.parse(v)  # unknown keys and bad values named, with the engine's own checks
+        if spec is not None and not isinstance(spec.policy, str):
+            raise ValueError("speculation.policy must be a policy name in a served config")
+        return spec
+
     @field_validator("step_trace_dir")
     @classmethod
     def _absolute(cls, v: str | None) -> str | None:
@@ -93,8 +78,6 @@ class AppConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
-        if self.speculation.method == "draft_model" and not self.speculation.model:
-            raise ValueError("speculation.method draft_model needs speculation.model")
         self.engine_config()  # the engine's own checks, now, with a clear message
         return self
 
@@ -106,10 +89,15 @@ class AppConfig(Strict):
     def name(self) -> str:
         return self.served_model_name or self.model
 
+    @property
+    def draft_actor(self) -> bool:
+        """Whether the draft model runs in its own Ray actor."""
+        return self.speculation is not None and self.speculation.method == "draft_model" and self.speculation.draft_actor
+
     def engine_config(self, replica_id: str = "replica") -> EngineConfig:
         trace = os.path.join(self.step_trace_dir, replica_id) if self.step_trace_dir else None
         return EngineConfig(model=self.model, kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             num_threads=self.threads, use_kernels=self.use_kernels, device=self.device,
-                            speculative_config=self.speculation.engine_dict(), warmup_profile=self.warmup_profile,
+                            speculative_config=self.speculation, warmup_profile=self.warmup_profile,
                             trace_path=trace)

@@ -7,7 +7,7 @@ import time
 
 from ray import serve
 
-from smartspec.policy.smartspec_policy import merge_states
+from smartspec.policy.goodput_policy import merge_states
 
 
 class ControllerState:

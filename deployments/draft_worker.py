@@ -15,8 +15,8 @@ import torch
 
 from smartspec.engine.request import Request
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.tree import TokenTree
+from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.spec_decode.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ class DraftWorker:
                  block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None,
                  tree: dict | None = None) -> None:
         from smartspec.models import load_model
-        from smartspec.spec.draft_model import DraftModelProposer
-        from smartspec.spec.draft_tree import DraftTreeProposer
+        from smartspec.spec_decode.draft_model import DraftModelProposer
+        from smartspec.spec_decode.draft_tree import DraftTreeProposer
 
         if num_threads:
             torch.set_num_threads(num_threads)

@@ -39,7 +39,7 @@ class LLMServer:
         self.controller_errors = 0
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
         logger.info("LLMServer %s ready: %s, speculation %s", self.replica_id, self.cfg.model,
-                    self.cfg.speculation.engine_dict())
+                    self.cfg.speculation.as_dict() if self.cfg.speculation else None)
 
     # ---- where the parts run ------------------------------------------------------------------------------
     def _runner_factory(self):
@@ -53,8 +53,7 @@ class LLMServer:
                                                     cfg.tp_num_cpus, cfg.threads, num_gpus=gpus)
 
     def _proposer_factory(self):
-        spec = self.cfg.speculation
-        if spec.method != "draft_model" or not spec.draft_actor:
+        if not self.cfg.draft_actor:
             return None
         from deployments.draft_worker import DraftWorker, RemoteDraftProposer
 
@@ -67,10 +66,10 @@ class LLMServer:
                                  f"{self.cfg.model!r}; draft and target must use the same vocabulary")
             self.draft_actor_name = f"smartspec-draft-{self.replica_id}"
             actor = ray.remote(DraftWorker).options(
-                name=self.draft_actor_name, num_cpus=spec.draft_num_cpus, max_restarts=-1, max_task_retries=0,
+                name=self.draft_actor_name, num_cpus=spec_config.draft_num_cpus, max_restarts=-1, max_task_retries=0,
             ).remote(spec_config.model, self.cfg.model, engine.vocab_size, num_blocks, engine.config.block_size,
                      engine.config.use_kernels, engine.config.dtype, engine.config.device,
-                     spec.draft_num_threads or self.cfg.threads,
+                     spec_config.draft_num_threads or self.cfg.threads,
                      {"max_depth": spec_config.tree.max_depth, "branching": spec_config.tree.branching}
                      if spec_config.tree else None)
             return RemoteDraftProposer(actor)

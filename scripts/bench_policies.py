@@ -24,7 +24,7 @@ row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled m
 
 With --trace-dir, the bar also comes at equal box speed: the per-repeat latency ratios fitted against how fast the
 box ran the two runs' plain decode steps of the same batch size, read where those ran equally fast
-(smartspec.report.plain_forward_ratio, speed_adjusted).
+(smartspec.bench.report.plain_forward_ratio, speed_adjusted).
 """
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ from pathlib import Path
 import torch
 
 from smartspec import EngineConfig, SamplingParams
-from smartspec.box_speed import print_probe_spread, record_probe
+from smartspec.bench.box_speed import print_probe_spread, record_probe
+from smartspec.bench.workloads import humaneval_prompts
 from smartspec.engine.llm_engine import LLMEngine, make_proposer
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
-from smartspec.policy.base import default_batch_table
-from smartspec.spec.config import SpeculativeConfig, TreeConfig
-from smartspec.spec.ngram import NgramProposer
-from smartspec.workloads import humaneval_prompts
+from smartspec.policy.baselines import default_batch_table
+from smartspec.spec_decode.config import SpeculativeConfig, TreeConfig
+from smartspec.spec_decode.ngram import NgramProposer
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
 
@@ -284,11 +284,12 @@ def bar_table(summary: list[dict]) -> str:
 
 def adjusted_table(summary: list[dict]) -> str:
     """Smartspec against off and the best fixed setting, pooled over repeats: the ratio of the pooled means, the
-    geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.report.speed_adjusted, on
-    each repeat's plain-forward speed ratio from the two runs' step traces, smartspec.report.plain_forward_ratio),
+    geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.bench.report.speed_adjusted, on
+    each repeat's plain-forward speed ratio from the two runs' step traces, smartspec.bench.report.plain_forward_ratio),
     with standard errors. Empty where no run has a trace."""
     import pyarrow.parquet as pq
-    from smartspec.report import paired_ratio, plain_forward_ratio, speed_adjusted
+
+    from smartspec.bench.report import paired_ratio, plain_forward_ratio, speed_adjusted
 
     runs = {(s["config"], s["rate"], s["repeat"]): s for s in summary}
     traces: dict[str, list[dict]] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from smartspec import SamplingParams
 from smartspec.engine.request import Request
-from smartspec.policy import SmartSpecPolicy
+from smartspec.policy import GoodputPolicy
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import select_k
 
@@ -28,7 +28,7 @@ def fitted(model: StepCostModel, rng: random.Random) -> None:
 
 
 def time_choose(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[float]:
-    policy = SmartSpecPolicy(key="bench")
+    policy = GoodputPolicy(key="bench")
     fitted(policy.cost, rng)
     if warm:  # enough finished requests for the prior's strength to be learned
         for i in range(10):

@@ -24,16 +24,17 @@ from pathlib import Path
 import torch
 
 from smartspec import EngineConfig, SamplingParams
+from smartspec.bench.workloads import humaneval_prompts
 from smartspec.engine.llm_engine import LLMEngine, make_proposer
+from smartspec.engine.step_stats import StepStats
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
-from smartspec.spec.config import SpeculativeConfig, TreeConfig
-from smartspec.spec.ngram import NgramProposer
-from smartspec.workloads import humaneval_prompts
+from smartspec.spec_decode.config import SpeculativeConfig, TreeConfig
+from smartspec.spec_decode.ngram import NgramProposer
 
 
 def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
-    engine.timing = {k: 0 for k in engine.timing}
+    engine.stats = StepStats()
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
         for p in prompts[i:i + batch]:
@@ -41,10 +42,10 @@ def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: Sam
         while engine.has_unfinished():
             tokens += sum(len(o.new_token_ids) for o in engine.step())
     wall = time.perf_counter() - t0
-    m, t = engine.speculator.metrics, engine.timing
+    m, t = engine.speculator.metrics, engine.stats
     return dict(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, acceptance=m.acceptance_rate,
-                mean_accepted_length=m.mean_acceptance_length, drafts=m.num_drafts, steps=t["steps"],
-                draft_s=t["draft_s"], verify_s=t["verify_s"], other_s=t["other_s"])
+                mean_accepted_length=m.mean_acceptance_length, drafts=m.num_drafts, steps=t.steps,
+                draft_s=t.draft_s, verify_s=t.verify_s, other_s=t.busy_s - t.draft_s - t.verify_s)
 
 
 def bench_smartspec(args, prompts_by_variant) -> list[dict]:

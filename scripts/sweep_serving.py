@@ -1,5 +1,5 @@
-"""The issue-6 sweep: every configuration, ours and vLLM's, served one after the other on this machine and driven by
-the same client (scripts/bench_serving.py) with the same prompts, arrival times and output lengths.
+"""The serving comparison: every configuration, ours and vLLM's, served one after the other on this machine and driven by
+the same client (`smartspec bench serve`) with the same prompts, arrival times and output lengths.
 
     python scripts/sweep_serving.py --rates 0.05 0.1 0.2 --num-requests 6 --max-tokens 64 --out results/sweep
 
@@ -14,7 +14,7 @@ Our configurations use config.yaml's draft model; --proposers ngram serves them 
 
 Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle, and
 no other Ray may run on it (after each of our servers, `ray stop --force` clears the Ray that `serve run` started). Per
-label, bench_serving writes <out>/<label>.parquet and <out>/<label>_summary.parquet and redraws
+label, the client writes <out>/<label>.parquet and <out>/<label>_summary.parquet and redraws
 <out>/latency_vs_rate.png, and each server's /metrics after its runs goes to <out>/metrics-<server>.txt. At the end
 this prints mean latency per rate with each configuration's ratio to the best of the others, and writes the same
 as a Markdown table to <out>/comparison.md.
@@ -44,8 +44,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from smartspec.box_speed import print_probe_spread, record_probe
-from smartspec.report import plot_latency_vs_rate, step_work
+from smartspec.bench.box_speed import print_probe_spread, record_probe
+from smartspec.bench.report import plot_latency_vs_rate, step_work
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS_PORT, VLLM_PORT = 8000, 8001
@@ -155,7 +155,7 @@ def stop_server(kind: str, proc: subprocess.Popen) -> None:
 
 
 def bench(url: str, label: str, max_k: int | None, args, out: Path) -> int:
-    cmd = [sys.executable, str(ROOT / "scripts/bench_serving.py"), "--url", url, "--model", args.model,
+    cmd = [sys.executable, "-m", "smartspec.cli", "bench", "serve", "--url", url, "--model", args.model,
            "--label", label.replace(":", ""), "--workload", args.workload, "--rates", *map(str, args.rates),
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--ignore-eos",
            "--seed", str(args.seed), "--out", str(out)]
@@ -219,7 +219,7 @@ def print_comparison(out: Path, sources: list[Path] | None = None, pool: bool = 
 
 def print_step_work(out: Path, folders: list[Path]) -> None:
     """Per replica of each of our servers that kept a step trace (--server-traces): the work it did and where its
-    time went (smartspec.report.step_work); the same as Markdown in <out>/steps.md. Two servers that drafted and
+    time went (smartspec.bench.report.step_work); the same as Markdown in <out>/steps.md. Two servers that drafted and
     accepted the same tokens in the same number of steps did the same work: a latency gap between them is then
     time per step, and forward_s against other_ms / between_steps_ms says whether the model or our code took it."""
     import pandas as pd

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's CPU build as the peer for scripts/bench_serving.py, in its own virtualenv.
+# vLLM's CPU build as the peer for `smartspec bench serve`, in its own virtualenv.
 #   scripts/vllm_peer.sh install                 # ~3 min, ~3.4 GB in .venv-vllm
 #   scripts/vllm_peer.sh serve none|ngram|draft  # OpenAI server on 127.0.0.1:${PORT:-8001}, fp32, both cores
 # It serves the same fp32 safetensors as SmartSpec, from SmartSpec's cache (fetch them first:

@@ -1,4 +1,4 @@
-"""`smartspec` command line: models list|fetch, generate, sim."""
+"""`smartspec` command line: models list|fetch, generate, sim, bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -62,12 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     from smartspec.sim.cli import add_arguments as sim_arguments
 
     sim_arguments(sub.add_parser("sim", help="simulate latency vs rate per policy from measured step traces"))
+    from smartspec.bench.cli import add_arguments as bench_serve_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    bench_serve_arguments(bench.add_parser(
+        "serve", help="drive an OpenAI-compatible server with Poisson arrivals: latency, TTFT, TPOT, acceptance"))
     args = parser.parse_args(argv)
     if args.command == "models" and args.action == "fetch" and not args.names:
         parser.error("models fetch needs at least one model name")
     try:
         if args.command == "sim":
             from smartspec.sim.cli import run
+            return run(args)
+        if args.command == "bench":
+            from smartspec.bench.cli import run
             return run(args)
         return _models(args) if args.command == "models" else _generate(args)
     except ValueError as exc:

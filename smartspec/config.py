@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smartspec.spec.config import SpeculativeConfig
+from smartspec.spec_decode.config import SpeculativeConfig
 
 
 @dataclass

@@ -15,16 +15,17 @@ from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler, split_batch
+from smartspec.engine.step_record import StepRecord
 from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
 from smartspec.models.loader import LoadedModel
-from smartspec.policy.base import StepRecord
+from smartspec.policy import OffPolicy, Policy
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.config import SpeculativeConfig
-from smartspec.spec.proposer import Proposer
-from smartspec.spec.speculator import Speculator
-from smartspec.spec.tree import TokenTree
+from smartspec.spec_decode.config import SpeculativeConfig
+from smartspec.spec_decode.proposer import Proposer
+from smartspec.spec_decode.speculator import Speculator
+from smartspec.spec_decode.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,9 @@ class LLMEngine:
             per_seq = max(spec.k_max, spec.tree.branching * (spec.tree.max_depth - 1) if spec.tree else 0) + 1
             draft_blocks = num_blocks + config.max_num_seqs * self.blocks.blocks_for(per_seq)
             proposer = (proposer_factory or make_proposer)(spec, self, draft_blocks)
-        self.speculator = (Speculator(proposer, spec.policy, spec.k_max, batch_table=spec.batch_table,
-                                      key=spec.key, options=spec.policy_options,
-                                      tree_depth=spec.tree.max_depth if spec.tree else None)
-                           if spec else Speculator(None, "off", 0))
+        self.speculator = (Speculator(proposer, spec.make_policy(), spec.k_max) if spec
+                           else Speculator(None, OffPolicy(), 0))
         self.trace = StepTraceWriter(config.trace_path, self.speculator.policy.name) if config.trace_path else None
-        self.timing = {"steps": 0, "draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
         self.last_step: StepRecord | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -95,11 +93,15 @@ class LLMEngine:
         if config.warmup_profile and self.speculator.policy.wants_profile:
             self.profile_steps()
 
-    def set_speculation(self, proposer: Proposer | None = None, policy=None, k_max: int | None = None) -> None:
+    def set_speculation(self, proposer: Proposer | None = None, policy: Policy | None = None,
+                        k_max: int | None = None) -> None:
         """Swap the proposer, the policy or K between runs (benchmarks compare configurations on one loaded
-        target). Only while no request is in flight: a proposer holds per-request state."""
+        target); what is not given stays. Only while no request is in flight: a proposer holds per-request state.
+        The policy is an instance (`make_policy` or `SpeculativeConfig.make_policy` builds one from a name)."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation needs an idle engine")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a Policy instance, got {type(policy).__name__}")
         sp = self.speculator
         self.speculator = Speculator(proposer or sp.proposer, policy or sp.policy,
                                      sp.k_max if k_max is None else k_max)
@@ -222,10 +224,6 @@ class LLMEngine:
     def _record_step(self, items, decoding, num_prefill, ks, drafts, new_tokens, trees, draft_s, verify_s,
                      total_s) -> None:
         self.num_steps += 1
-        self.timing["steps"] += 1
-        self.timing["draft_s"] += draft_s
-        self.timing["verify_s"] += verify_s
-        self.timing["other_s"] += total_s - draft_s - verify_s
         proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]
         record = StepRecord(
             step=self.num_steps, batch_size=len(items), ks=list(ks), proposed=proposed,
@@ -304,7 +302,7 @@ def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
 def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
     """The proposer a speculative config names, in-process, for the engine's target (the draft's cache: num_blocks)."""
     if spec.method == "ngram":
-        from smartspec.spec.ngram import NgramProposer, NgramTreeProposer
+        from smartspec.spec_decode.ngram import NgramProposer, NgramTreeProposer
         if spec.tree:
             return NgramTreeProposer(spec.tree.max_depth, spec.tree.branching, spec.prompt_lookup_max,
                                      spec.prompt_lookup_min)
@@ -313,7 +311,7 @@ def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -
     args = (spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
             c.device)
     if spec.tree:
-        from smartspec.spec.draft_tree import DraftTreeProposer
+        from smartspec.spec_decode.draft_tree import DraftTreeProposer
         return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)
-    from smartspec.spec.draft_model import DraftModelProposer
+    from smartspec.spec_decode.draft_model import DraftModelProposer
     return DraftModelProposer(*args)

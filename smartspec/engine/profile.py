@@ -1,11 +1,12 @@
 """The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs."""
 from __future__ import annotations
 
+from smartspec.engine.step_record import StepRecord
 from smartspec.engine.step_stats import StepStats
-from smartspec.policy.base import FixedPolicy, StepRecord
+from smartspec.policy.baselines import FixedPolicy
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.speculator import Speculator
+from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.spec_decode.speculator import Speculator
 
 
 class _PaddedProposer(Proposer):
@@ -28,7 +29,6 @@ class _PaddedProposer(Proposer):
         self.inner.release(request_id)
 
 
-
 def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]:
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
@@ -47,7 +47,6 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
                     records.append(engine.last_step)
     engine.speculator, engine.trace = spec, trace
     policy.observe_profile(records)
-    engine.timing = {key: 0 for key in engine.timing}
     engine.num_steps = 0
     engine.stats = StepStats()
     return records

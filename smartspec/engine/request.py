@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.metrics import SpecDecodeMetrics
+from smartspec.spec_decode.metrics import SpecDecodeMetrics
 
 
 class RequestStatus(enum.Enum):

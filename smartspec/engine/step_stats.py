@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from smartspec.policy.base import StepRecord
+from smartspec.engine.step_record import StepRecord
 
 
 @dataclass
 class StepStats:
     steps: int = 0
     busy_s: float = 0.0  # seconds spent in steps
+    draft_s: float = 0.0  # of which proposing
+    verify_s: float = 0.0  # of which the target's forward
     generated_tokens: int = 0  # tokens the steps committed (before stops cut them)
     chosen_k: Counter = field(default_factory=Counter)  # k -> decoding requests that ran with it
     predicted_steps: int = 0
@@ -20,6 +22,8 @@ class StepStats:
     def add(self, record: StepRecord, generated: int) -> None:
         self.steps += 1
         self.busy_s += record.total_s
+        self.draft_s += record.draft_s
+        self.verify_s += record.verify_s
         self.generated_tokens += generated
         self.chosen_k.update(record.ks)
         if record.predicted_s is not None and record.total_s > 0:
@@ -27,7 +31,8 @@ class StepStats:
             self.prediction_abs_rel_error += abs(record.predicted_s - record.total_s) / record.total_s
 
     def snapshot(self) -> dict:
-        return {"steps": self.steps, "busy_s": self.busy_s, "generated_tokens": self.generated_tokens,
+        return {"steps": self.steps, "busy_s": self.busy_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "generated_tokens": self.generated_tokens,
                 "goodput_tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
                 "chosen_k": {int(k): n for k, n in sorted(self.chosen_k.items())},
                 "prediction_mean_abs_rel_error": (self.prediction_abs_rel_error / self.predicted_steps

@@ -10,7 +10,7 @@ import functools
 import time
 from pathlib import Path
 
-from smartspec.policy.base import StepRecord
+from smartspec.engine.step_record import StepRecord
 
 
 @functools.cache

@@ -3,18 +3,16 @@
 A draft model's catch-up (reading a prompt it has not seen) is an investment that pays back over the steps the
 request goes on drafting, and arrivals end that sooner than the request's remaining length suggests: each brings a
 prefill step, in which drafting makes the prefilling request wait, and one more request, which lowers what
-drafting adds. Measured in the simulator with the draft model's costs fitted on this CPU (150-token prompts,
-catch-up 0.73 s, a plain step 0.28 s): spreading a catch-up over up to 8 steps left the policy 3.5-3.8% slower
-than no speculation at 0.3-0.5 req/s; over at most the steps to the next arrival (and with learning-time probes
-checked the same way, SmartSpecPolicy._probe_pays) 2.1% and 0.2% faster, while at 0.08 req/s it kept 23.5 points
-of its 24.2% gain (docs/BENCH_POLICIES.md, runs 21-23).
+drafting adds. A catch-up is therefore spread over at most the steps to the next expected arrival (and a
+learning-time probe is weighed the same way, GoodputPolicy._probe_pays); without this bound the policy drafted at
+loads where the catch-up never paid back (docs/policy.md, "Draft catch-up").
 
 Arrivals are taken as Poisson with an unknown rate, estimated from the last `window` arrivals seen and the time
 since the oldest of them; a prior worth one gap of `prior_gap` seconds keeps a few arrivals from saying much: a
 burst of requests that arrive together is not yet a high rate, and with none seen the expected gap is the prior.
 Arrivals older than `memory` prior gaps are left out: after a quiet spell the old ones would stretch the span and
-hide a new burst's rate until the window is all new (measured: a policy kept across bench_policies' runs, which
-pause between them, drafted at 0.5 req/s as if at 0.08, +1.9% against off in the simulator; -0.6% without them).
+hide a new burst's rate until the window is all new (a policy kept across runs that pause between them would
+draft at a high rate as if it were a low one).
 """
 from __future__ import annotations
 
@@ -22,6 +20,8 @@ import bisect
 
 
 class ArrivalGaps:
+    """The expected gap to the next arrival (posterior mean under a Poisson model with a one-gap prior)."""
+
     def __init__(self, window: int = 8, memory: float = 4.0) -> None:
         if not (isinstance(window, int) and window >= 1 and memory > 0):
             raise ValueError(f"window must be an integer >= 1 and memory > 0, got {window!r}, {memory!r}")

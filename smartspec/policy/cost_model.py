@@ -12,14 +12,14 @@ non-decreasing in N and C. A segment the data never reached takes the slope of t
 T_verify here is everything in a step but drafting (verify forward, sampling, bookkeeping), so T predicts the
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
 fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
-request starts drafting (SmartSpecPolicy). Windowed weighted least squares with exponential
+request starts drafting (GoodputPolicy). Windowed weighted least squares with exponential
 forgetting, refitted on every step; a degenerate fit is refused and the last good one kept.
 
 The fit leaves out steps that ran far slower than it predicts, by far more than steps usually disagree with it: a
 shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector
 pause), and plain least squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified
 token costs, which is what k is chosen on. A step that ran far faster than predicted is kept: no stall does that,
-so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; SmartSpecPolicy). A
+so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; GoodputPolicy). A
 sustained change of speed moves the fit all the same: the typical residual is measured with the forgetting
 weights, so once most of the recent weight is at the new speed, the new speed is typical.
 

@@ -2,7 +2,7 @@
 
     g(k, a) = 1 + a + ... + a^k          goodput(k) = sum_i g(k_i, a_i) / T(k)
 
-DESIGN.md describes this as greedy +1 increments while goodput rises. That greedy stalls when a new draft depth
+A simple selection is greedy +1 increments while goodput rises. That greedy stalls when a new draft depth
 has a fixed cost (d0: one more lockstep draft forward): no single increment pays for it, though several together
 would (measured: 0.66 of the optimum on random instances). The step cost depends on k only through the number of
 draft tokens M = sum k_i and the depth D = max k_i, so the optimum is found exactly: for each depth bound D, the best

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from smartspec.report import plot_latency_vs_rate, print_table, summarise
+from smartspec.bench.report import plot_latency_vs_rate, print_table, summarise
 from smartspec.sim.profile import SimProfile
 from smartspec.sim.simulator import simulate
 

@@ -13,11 +13,12 @@ import numpy as np
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler, split_batch
-from smartspec.policy.base import StepRecord
+from smartspec.engine.step_record import StepRecord
+from smartspec.policy import make_policy
 from smartspec.sampling_params import SamplingParams
 from smartspec.sim.profile import SimProfile
-from smartspec.spec.proposer import Proposer
-from smartspec.spec.speculator import Speculator
+from smartspec.spec_decode.proposer import Proposer
+from smartspec.spec_decode.speculator import Speculator
 
 
 class _SimProposer(Proposer):
@@ -30,7 +31,7 @@ class SimReplica:
         self.profile, self.rng = profile, rng
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.speculator = Speculator(_SimProposer() if policy != "off" else None, policy, k_max)
+        self.speculator = Speculator(_SimProposer() if policy != "off" else None, make_policy(policy, k_max), k_max)
         if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
             context, records = 64, []  # the engine profiles prompts of 64 tokens
             for n in (1, 2, 4, 8, 16, 32):

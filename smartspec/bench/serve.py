@@ -1,6 +1,7 @@
-"""Serving benchmark: drive any OpenAI-compatible endpoint (SmartSpec, vLLM) with Poisson / gamma arrivals.
+"""The serving load generator behind `smartspec bench serve` (its arguments: smartspec/bench/cli.py). It drives
+any OpenAI-compatible endpoint (SmartSpec, vLLM, llama.cpp) with Poisson / gamma arrivals.
 
-    python scripts/bench_serving.py --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b --label smartspec \
+    smartspec bench serve --url http://127.0.0.1:8000 --model qwen2.5-coder-1.5b --label smartspec \
         --workload humaneval-chat --rates 0.05 0.1 0.2 --num-requests 16 --max-tokens 64
 
 Per request: TTFT, TPOT, inter-token latency, end-to-end latency, output tokens. Per (label, rate): mean / p50 /
@@ -9,7 +10,6 @@ p99, throughput, and the server's spec-decode counters from /metrics (deltas ove
 every label in <out>, so runs of several configurations (and servers) plot together."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from smartspec.report import plot_latency_vs_rate, print_table, summarise
-from smartspec.workloads import SERVING_WORKLOADS, serving_requests
+from smartspec.bench.report import plot_latency_vs_rate, print_table, summarise
+from smartspec.bench.workloads import serving_requests
 
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 SPEC_COUNTERS = {  # ours and vLLM's names for the same counters
@@ -133,36 +133,25 @@ def spec_summary(counters: dict) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--model", required=True, help="the served model name")
-    ap.add_argument("--label", required=True, help="name of this configuration in tables and plots")
-    ap.add_argument("--workload", default="humaneval-chat", choices=SERVING_WORKLOADS)
-    ap.add_argument("--rates", nargs="+", type=float, default=[0.1],
-                    help="request rates (req/s); 0: one request at a time, each after the last finished")
-    ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--ignore-eos", action="store_true", help="every request generates max_tokens")
-    ap.add_argument("--max-k", type=int, default=None, help="SmartSpec only: cap each request's speculation")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--out", default="results/serving")
-    args = ap.parse_args()
+def run(args) -> int:
     import pandas as pd
 
+    if any(r < 0 for r in args.rates) or args.num_requests < 1 or args.burstiness <= 0 or args.max_tokens < 1:
+        print("smartspec bench serve: --rates must be >= 0 (0: one request at a time); --num-requests, "
+              "--max-tokens and --burstiness positive", file=sys.stderr)
+        return 2
     rates = args.rates
-    if any(r < 0 for r in rates) or args.num_requests < 1 or args.burstiness <= 0:
-        ap.error("rates must be >= 0 (0: one request at a time); --num-requests and --burstiness positive")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     requests = serving_requests(args.workload, args.num_requests)
     rows, summaries = [], []
     with httpx.Client() as client:
-        if client.get(f"{args.url}/v1/models", timeout=30).status_code != 200:
-            print(f"error: {args.url}/v1/models does not answer", file=sys.stderr)
+        try:
+            ready = client.get(f"{args.url}/v1/models", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            ready = False
+        if not ready:
+            print(f"smartspec bench serve: {args.url}/v1/models does not answer", file=sys.stderr)
             return 1
         for rate in rates:
             before = scrape(client, args.url)
@@ -179,7 +168,3 @@ def main() -> int:
     plot_latency_vs_rate(every, out / "latency_vs_rate.png")  # every configuration run into this folder
     print_table(summaries)
     return 1 if summary.errors.sum() else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request
 from smartspec.engine.sampler import target_probs
 from smartspec.models import load_model
-from smartspec.spec.proposer import Proposal, Proposer
+from smartspec.spec_decode.proposer import Proposal, Proposer
 
 logger = logging.getLogger(__name__)
 

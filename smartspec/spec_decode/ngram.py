@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from smartspec.engine.request import Request
-from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first
+from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first
 
 
 def lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

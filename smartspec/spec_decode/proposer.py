@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from smartspec.engine.request import Request
-from smartspec.spec.tree import TokenTree
+from smartspec.spec_decode.tree import TokenTree
 
 
 @dataclass

@@ -11,13 +11,13 @@ import torch
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.model_runner import ForwardItem
 from smartspec.engine.request import Request
-from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.engine.sampler import sample_tokens
-from smartspec.policy.base import OffPolicy, Policy, make_policy
-from smartspec.spec.metrics import SpecDecodeMetrics
-from smartspec.spec.proposer import Proposal, Proposer
-from smartspec.spec.rejection_sampler import accept, accept_tree
-from smartspec.spec.tree import TokenTree
+from smartspec.engine.scheduler import ScheduledRequest
+from smartspec.policy import OffPolicy, Policy
+from smartspec.spec_decode.metrics import SpecDecodeMetrics
+from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.spec_decode.rejection_sampler import accept, accept_tree
+from smartspec.spec_decode.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,11 @@ Drafts = dict[str, Draft]
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer | None, policy: str | Policy, k_max: int, **policy_args) -> None:
+    def __init__(self, proposer: Proposer | None, policy: Policy, k_max: int) -> None:
+        """No proposer: no speculation, whatever the policy."""
         self.proposer = proposer
         self.k_max = k_max
-        self.policy = make_policy(policy, k_max, **policy_args) if proposer is not None else OffPolicy()
+        self.policy = policy if proposer is not None else OffPolicy()
         self.metrics = SpecDecodeMetrics()
 
     def choose(self, decoding: list[Request], budget: int, blocks: BlockManager, max_model_len: int,

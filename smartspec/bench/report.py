@@ -89,7 +89,7 @@ def plain_forward_ratio(steps: list[dict], reference: list[dict], min_steps: int
 
     On this box the same forward's speed drifts by 10-20% between runs minutes apart (memory bandwidth shared with
     other VMs), which swamps a 2% difference between policies. A policy does not change what a plain forward costs
-    (docs/BENCH_POLICIES.md: interleaved A/Bs, 1.025x and 0.989x), so this ratio measures the box, and
+    (measured with interleaved A/B runs of two policies on one request), so this ratio measures the box, and
     speed_adjusted reads the repeats' latency ratios where it is 1."""
     def by_batch(rows: list[dict]) -> dict[int, list[float]]:
         out: dict[int, list[float]] = {}

@@ -15,9 +15,9 @@ import torch
 from smartspec.engine.model_runner import ForwardItem
 from smartspec.engine.request import Request
 from smartspec.engine.sampler import target_probs
-from smartspec.spec.draft_model import DraftModelProposer
-from smartspec.spec.proposer import Proposal
-from smartspec.spec.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores, signed64
+from smartspec.spec_decode.draft_model import DraftModelProposer
+from smartspec.spec_decode.proposer import Proposal
+from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores, signed64
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 
 from smartspec.engine.sampler import target_probs
 from smartspec.sampling_params import SamplingParams
-from smartspec.spec.tree import TokenTree
+from smartspec.spec_decode.tree import TokenTree
 
 
 def accept_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:

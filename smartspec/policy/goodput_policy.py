@@ -1,4 +1,4 @@
-"""The SmartSpec policy: per request, per step, the k that maximises the batch's goodput."""
+"""The goodput policy (configured as "smartspec"): per request, per step, the k that maximises the batch's goodput."""
 from __future__ import annotations
 
 import time
@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from smartspec.engine.request import Request
+from smartspec.engine.step_record import StepRecord
 from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.arrivals import ArrivalGaps
-from smartspec.policy.base import Policy, StepRecord
+from smartspec.policy.base import Policy
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.goodput import (Plan, best_plan, charge_start_costs, plan_value, plans_by_depth,
-                                      select_from_gains)
+from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plan_value, plans_by_depth, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 
@@ -22,7 +22,27 @@ def _expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
     return len(ks) + float(gains[taken].sum())
 
 
-class SmartSpecPolicy(Policy):
+class GoodputPolicy(Policy):
+    """Chooses k_i in {0..K} for every decoding request so as to maximise the batch's goodput,
+
+        goodput(k) = sum_i g(k_i, alpha_i) / T(k),    g(k, a) = 1 + a + ... + a^k,
+
+    the tokens the step is expected to generate per second of step time. Its parts:
+
+    - acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
+      (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
+    - step cost (T): `StepCostModel`, fitted online on every step, seeded by the engine's warm-up profile.
+    - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
+      never planned to be slower than plain decoding.
+    - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
+      (`_prefill_step_price`); a draft model's catch-up is charged once, spread over the steps it serves
+      (`_start_cost_in_tokens`, `ArrivalGaps`).
+    - learning: bounded exploration probes for requests at k = 0 (`_worth_probing`), and now and then a nearby
+      draft length the cost fit has not seen (`_shape_probe`).
+
+    docs/policy.md explains each part and links the evidence. Options are the constructor's keyword arguments
+    (`speculative_config["policy_options"]`)."""
+
     name = "smartspec"
     wants_profile = True  # the engine seeds the cost model with a short warm-up profile
 
@@ -136,18 +156,17 @@ class SmartSpecPolicy(Policy):
 
         A probe buys evidence of acceptance, and evidence is worth its cost only if it could change a choice:
         where even near-certain acceptance would leave the request at k = 0 (a batch whose verify tokens and draft
-        forwards cost more than they add, a catch-up that does not pay), no outcome of the probe could. Measured
-        in the simulator with the draft model's fitted costs (verify flat up to 8 tokens, 0.1 s a draft forward):
-        at batch 7-8 a one-token probe made its step 1.6-3.8x as long, and probes left the policy 13-20% slower
-        than no speculation from 0.3 req/s on (docs/BENCH_POLICIES.md, run 19).
+        forwards cost more than they add, a catch-up that does not pay), no outcome of the probe could. Without
+        this check, probes in large batches on a CPU (where one draft forward is a sizeable share of a step) cost
+        more than speculation ever gained there.
         together: while the prior is unlearned, what a probe tests is the proposer, so the due requests are
-        optimistic together, in one plan (a draft forward serves the whole batch: requests that could not pay for
-        a depth alone may together; tried alone, a fresh policy at batch 3 with the real Qwen pair never probed and
-        never learned that the pair agrees on almost every token). What runs is still one request's probe, so it is
-        run only where it costs less than what that plan would add over the steps the batch is expected to hold
-        (see _probe_pays). Once the prior is learned, the plan already
-        drafts wherever requests like the rest would pay together, and a probe tests one request: it is tried
-        alone on top of the chosen plan, at every draft length up to its cap."""
+        optimistic together, in one plan: a draft forward serves the whole batch, so requests that could not pay
+        for a depth alone may together (tried one at a time, a fresh policy in a small batch may never probe, and
+        never learn that a good pair agrees on almost every token). What runs is still one request's probe, so it
+        is run only where it costs less than what that plan would add over the steps the batch is expected to hold
+        (_probe_pays). Once the prior is learned, the plan already drafts wherever requests like the rest would pay
+        together, and a probe tests one request: it is tried alone on top of the chosen plan, at every draft length
+        up to its cap."""
         if not due:
             return set()
         k_top = raw_gains.shape[1]
@@ -172,9 +191,9 @@ class SmartSpecPolicy(Policy):
         """Whether what a learning-time probe could reveal is worth what it costs, in tokens. Revealed: the hopeful
         plan's edge over the chosen one, for the steps a catch-up is spread over (the batch is not expected to hold
         longer). Cost: the probe's own seconds (probe_s: the step with one draft token on top of the plan; and its
-        catch-up) at the plan's rate, less the token it is expected to add. Measured in the simulator (draft
-        model, 0.5 req/s): the hopeful plan beat the plain one by 0.2 tokens a step at batch 2-5 beside a prefill,
-        and each probe cost 0.8 s, about 12 tokens of the batch's, for one outcome."""
+        catch-up) at the plan's rate, less the token it is expected to add. Beside a prefill, for instance, a
+        hopeful plan may beat the plain one by a fraction of a token a step while the probe's catch-up costs many
+        tokens of the batch's time: such a probe does not run."""
         rate = plan.value if price is None else price  # tokens a second of this step is worth
         edge = (hope.value - plan.value) * (hope.seconds if price is None else 1.0)
         return edge * self._horizon_cap > (probe_s - plan.seconds + start_s) * rate - gain
@@ -184,10 +203,9 @@ class SmartSpecPolicy(Policy):
 
         The cost model learns only the shapes the policy runs. In steady decoding the context grows with the batch,
         so a policy that always runs one draft length gives the fit no way to tell the cost of a verified token
-        from the cost of context: measured here (draft model, batch 4-5), the fit put the cost on context and
-        predicted 3-token drafts 20-30% slower than they ran, so it kept 5 where 3 was faster. Where the model's
-        optimum is flat, running a nearby plan costs little by the model's own account and gives the fit the
-        shape it lacks; where it is sharp, no plan qualifies and none is run."""
+        from the cost of context, and a fit that puts the cost on the wrong one keeps a draft length that a
+        shorter one beats. Where the model's optimum is flat, running a nearby plan costs little by the model's
+        own account and gives the fit the shape it lacks; where it is sharp, no plan qualifies and none is run."""
         best = best_plan(plans)
         if (not self.shape_probe_interval or self.step % self.shape_probe_interval or best.depth == 0
                 or best.value <= 0):
@@ -223,10 +241,9 @@ class SmartSpecPolicy(Policy):
         its seconds at the decoding batch's goodput without speculation.
 
         The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
-        second (its time is the prefill's), which priced a catch-up's seconds at a fifth of what they are worth
-        and let whole batches start drafting in prefill steps. Measured (run 33, the draft model at 0.5 req/s):
-        a 448-token catch-up beside a 94-token prefill, six requests starting to draft, and in 3 of 32 repeats the
-        run ended 16-19% slower than no speculation (docs/BENCH_POLICIES.md, runs 31-34)."""
+        second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
+        worth and let whole batches start drafting in prefill steps (tested:
+        test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
         capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         remaining = np.array([max(1, r.params.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)

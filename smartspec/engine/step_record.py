@@ -1,0 +1,25 @@
+"""StepRecord: what one engine step did and cost. The engine writes one per step; policies learn from it, traces
+store it, the simulator produces it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did and cost (what a learning policy fits on; written to traces)."""
+    step: int
+    batch_size: int  # requests in the forward
+    ks: list[int]  # speculation length per decoding request (planned)
+    proposed: list[int]  # draft tokens actually proposed per decoding request
+    accepted: list[int]  # draft tokens accepted per decoding request
+    request_ids: list[str]
+    num_batched_tokens: int  # tokens in the target forward (decodes + drafts + prefill)
+    num_prefill_tokens: int
+    num_context_tokens: int  # sum of the context lengths the forward attends over
+    draft_s: float
+    verify_s: float
+    total_s: float
+    predicted_s: float | None = None  # the policy's prediction of total_s, when it makes one
+    draft_catchup_tokens: int = 0  # tokens the draft model fed to catch up (beyond one per request)
+    extra: dict = field(default_factory=dict)
