@@ -7,6 +7,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that starts Ray (through the ray_serve fixture) is a `serve` test: `pytest -m "not serve"` is the
+    quick loop."""
+    for item in items:
+        if "ray_serve" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.serve)
+
+
 def _byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -1,4 +1,4 @@
-"""Greedy equality with a reference, with the one caveat DESIGN.md allows: two correct fp32 runs may part at a
+"""Greedy equality with a reference, with the one caveat docs/architecture.md allows: two correct fp32 runs may part at a
 near-tie of the reference's top-2 logits. A parting is accepted only if that gap is proven tiny."""
 import torch
 

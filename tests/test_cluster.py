@@ -67,6 +67,8 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
 
 @pytest.mark.parametrize("args, message", [
     ({"speculation": {"method": "draft_model", "model": None}}, "needs speculation.model"),
+    ({"speculation": {"draft_num_cpus": 0}}, "draft_num_cpus must be a number > 0"),
+    ({"speculation": {"k": 3}}, "unknown speculative_config keys"),
     ({"speculation": {"policy": "sometimes"}}, "unknown policy"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),

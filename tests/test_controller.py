@@ -5,11 +5,11 @@ pytest.importorskip("ray.serve")
 
 from deployments.controller import ControllerState  # noqa: E402
 from deployments.metrics import render_replica_metrics  # noqa: E402
-from smartspec.policy.smartspec_policy import SmartSpecPolicy  # noqa: E402
+from smartspec.policy.goodput_policy import GoodputPolicy  # noqa: E402
 
 
-def _policy(accept: bool, scale: float) -> SmartSpecPolicy:
-    p = SmartSpecPolicy(key="draft_model:d")
+def _policy(accept: bool, scale: float) -> GoodputPolicy:
+    p = GoodputPolicy(key="draft_model:d")
     for _ in range(30):
         p.acceptance.observe("r", 4, 4 if accept else 0)
     for n in (1, 2, 4, 8, 16):

@@ -1,9 +1,9 @@
 """Greedy output of the engine equals transformers' generate, and does not depend on the batch around it."""
 import pytest
 import torch
+from lossless import assert_greedy_equal, hf_greedy
 from transformers import AutoModelForCausalLM
 
-from lossless import assert_greedy_equal, hf_greedy
 from smartspec import LLM, SamplingParams
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "x", "The quick brown fox jumps over the lazy dog. " * 3]

@@ -1,11 +1,16 @@
 """The sampled acceptance rule reproduces the target distribution exactly (chi-square), and a known-wrong rule
-(one that ignores the draft's probabilities) is caught by the same test."""
+(one that ignores the draft's probabilities) is caught by the same test; the same for token trees
+(recursive rejection sampling)."""
+import math
+
+import numpy as np
 import pytest
 import torch
 
+from smartspec import SamplingParams
 from smartspec.engine.sampler import target_probs
-from smartspec.sampling_params import SamplingParams
-from smartspec.spec.rejection_sampler import accept_greedy, accept_sampled
+from smartspec.spec_decode.rejection_sampler import accept_greedy, accept_sampled, accept_tree, accept_tree_greedy
+from smartspec.spec_decode.tree import TokenTree
 
 V, K, N = 8, 3, 12000
 # chi-square critical values at alpha = 1e-4, by degrees of freedom (support size - 1)
@@ -80,3 +85,111 @@ def test_greedy_acceptance():
     assert accept_greedy(logits, [3, 5, 7]) == [3, 5, 7, 2]  # all accepted + bonus
     assert accept_greedy(logits, [3, 6, 7]) == [3, 5]  # first mismatch replaced by the target's token
     assert accept_greedy(logits[:1], []) == [3]
+
+
+# ---- token trees: recursive rejection sampling ----
+
+V = 6
+P_ROOT = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+Q_ROOT = torch.tensor([0.05, 0.10, 0.40, 0.25, 0.15, 0.05])  # a poor draft: its mass is where the target's is not
+
+
+def _p_next(x: int) -> torch.Tensor:
+    return torch.roll(P_ROOT, x)
+
+
+def _q_next(x: int) -> torch.Tensor:
+    return torch.roll(Q_ROOT, 2 * x)
+
+
+def _draw(q: torch.Tensor, n: int, gen: torch.Generator) -> list[int]:
+    keys = q.log() - (-torch.rand(q.shape, generator=gen).log()).log()  # Gumbel top-n: without replacement
+    return torch.topk(keys, n).indices.tolist()
+
+
+def _random_tree(gen):
+    """Three root children drawn without replacement from Q_ROOT, two grandchildren under each."""
+    tokens, parents, probs = [], [], {-1: Q_ROOT}
+    for x in _draw(Q_ROOT, 3, gen):
+        tokens.append(x)
+        parents.append(-1)
+    for c in range(3):
+        probs[c] = _q_next(tokens[c])
+        for y in _draw(probs[c], 2, gen):
+            tokens.append(y)
+            parents.append(c)
+    tree = TokenTree(tokens, parents, [0.5] * len(tokens), probs)
+    rows = [P_ROOT] + [_p_next(tokens[i]) if parents[i] < 0 else P_ROOT for i in range(len(tokens))]
+    return tree, torch.stack(rows).log()
+
+
+def _wrong_accept(logits, tree, params, gen):
+    """Tries every sibling against the full target instead of the residual left by the rejected ones."""
+    p = torch.softmax(logits, -1)
+    out, node = [], -1
+    while True:
+        q, kids = tree.child_probs.get(node), tree.children(node)
+        if not kids:
+            out.append(int(torch.multinomial(p[node + 1], 1, generator=gen)))
+            return out
+        for child in kids:
+            tok = tree.tokens[child]
+            if float(torch.rand((), generator=gen)) * float(q[tok]) < float(p[node + 1][tok]):
+                out.append(tok)
+                node = child
+                break
+        else:
+            out.append(int(torch.multinomial(torch.clamp(p[node + 1] - q, min=0) + 1e-12, 1, generator=gen)))
+            return out
+
+
+def _chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    k = len(counts) - 1  # Wilson-Hilferty: chi2(k) ~ k (1 - 2/9k + z sqrt(2/9k))^3
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("sampler,should_pass", [(accept_tree, True), (_wrong_accept, False)])
+def test_recursive_rejection_sampling_follows_the_target(sampler, should_pass):
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    n = 12000
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        tree, logits = _random_tree(gen)
+        out = sampler(logits, tree, params, gen)
+        if len(out) < 2:  # the first token was resampled: draw the second from the target, as the next step would
+            out.append(int(torch.multinomial(_p_next(out[0]), 1, generator=gen)))
+        counts[out[0] * V + out[1]] += 1
+    expected = np.array([float(P_ROOT[x] * _p_next(x)[y]) for x in range(V) for y in range(V)]) * n
+    p_value = _chi2_pvalue(counts, expected)
+    assert (p_value > 1e-4) == should_pass, p_value  # a false alarm 1 time in 10,000
+
+
+def test_recursive_rejection_sampling_with_fixed_siblings_follows_the_target():
+    """Prompt-lookup trees under sampling: deterministic siblings (q one-hot at each), tried in order."""
+    gen = torch.Generator().manual_seed(1)
+    tree = TokenTree([2, 0, 4, 1, 5, 3], [-1, -1, -1, 0, 0, 1], [0.5] * 6)  # no child_probs: fixed tokens
+    rows = [P_ROOT] + [_p_next(tree.tokens[i]) if tree.parents[i] < 0 else P_ROOT for i in range(len(tree))]
+    logits = torch.stack(rows).log()
+    n = 12000
+    counts = np.zeros(V * V)
+    for _ in range(n):
+        out = accept_tree(logits, tree, SamplingParams(temperature=1.0), gen)
+        if len(out) < 2:
+            out.append(int(torch.multinomial(_p_next(out[0]), 1, generator=gen)))
+        counts[out[0] * V + out[1]] += 1
+    expected = np.array([float(P_ROOT[x] * _p_next(x)[y]) for x in range(V) for y in range(V)]) * n
+    assert _chi2_pvalue(counts, expected) > 1e-4
+
+
+def test_greedy_tree_acceptance_walks_the_argmax_path():
+    tree = TokenTree([1, 2, 3, 4], [-1, -1, 1, 1], [0.5] * 4)
+    logits = torch.full((5, V), -5.0)
+    for row, tok in ((0, 2), (2, 4), (4, 5)):  # after root: 2 (node 1), after node 1: 4 (node 3), then 5
+        logits[row, tok] = 5.0
+    assert accept_tree_greedy(logits, tree) == [2, 4, 5]
+
+
+# ---- goodput for trees ----------------------------------------------------------------------------------------------

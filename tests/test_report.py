@@ -1,9 +1,9 @@
-"""The benchmarks' paired comparison at equal box speed (smartspec.report.plain_forward_ratio, paired_ratio)."""
+"""The benchmarks' paired comparison at equal box speed (smartspec.bench.report.plain_forward_ratio, paired_ratio)."""
 import math
 
 import pytest
 
-from smartspec.report import paired_ratio, plain_forward_ratio, speed_adjusted
+from smartspec.bench.report import paired_ratio, plain_forward_ratio, speed_adjusted
 
 
 def _step(batch: int, verify_s: float, proposed: int = 0, prefill: int = 0) -> dict:

@@ -141,8 +141,8 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
 
     from smartspec import EngineConfig, SamplingParams
     from smartspec.engine.llm_engine import LLMEngine
+    from smartspec.engine.step_record import StepRecord
     from smartspec.engine.trace import trace_schema
-    from smartspec.policy.base import StepRecord
 
     folder = tmp_path / "steps" / "replica-1"
     # fixed k = 1: how many steps the run takes must not hang on measured times, as smartspec's choices do
@@ -167,13 +167,13 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
 
 
 def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):
-    """sweep_serving's per-replica summary (smartspec.report.step_work) read from a real engine's trace folder
+    """sweep_serving's per-replica summary (smartspec.bench.report.step_work) read from a real engine's trace folder
     agrees with the steps the engine reported as it ran them."""
     import pyarrow.parquet as pq
 
     from smartspec import EngineConfig, SamplingParams
+    from smartspec.bench.report import step_work
     from smartspec.engine.llm_engine import LLMEngine
-    from smartspec.report import step_work
 
     folder = tmp_path / "steps" / "replica-1"
     engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=128, max_model_len=256, trace_path=str(folder),

@@ -4,7 +4,7 @@ import pytest
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import Policy
-from smartspec.spec.ngram import lookup
+from smartspec.spec_decode.ngram import lookup
 
 # repetitive prompts give prompt lookup something to find
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
@@ -153,7 +153,7 @@ def test_sampled_speculation_is_seeded_and_valid(tiny_qwen, tiny_qwen_draft, tre
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"method": "medusa"}, "method"), ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "medusa"}, "method"), ({"method": "draft_model", "model": None}, "needs speculation.model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "ngram", "policy": "sometimes"}, "unknown policy"), ({"method": "ngram", "k": 3}, "unknown"),

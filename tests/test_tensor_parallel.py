@@ -5,6 +5,7 @@ import torch
 pytest.importorskip("ray")
 
 from lossless import assert_greedy_equal  # noqa: E402
+
 from smartspec import EngineConfig, SamplingParams  # noqa: E402
 from smartspec.engine.llm_engine import LLMEngine  # noqa: E402
 

@@ -1,20 +1,17 @@
-"""Token-tree speculation: masks, tree attention, KV compaction, greedy losslessness in mixed batches, the recursive
-rejection sampler's distribution, and tree goodput."""
-import math
+"""Token-tree speculation: masks, tree attention, KV compaction, greedy losslessness in mixed batches (in-process
+and from a draft actor). The recursive rejection sampler: test_rejection_sampler.py; tree goodput:
+test_tree_goodput.py."""
 
-import numpy as np
 import pytest
 import torch
+from test_speculative import PARAMS, PROMPTS, MixedPolicy, make, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.engine.llm_engine import tree_item
 from smartspec.engine.model_runner import ForwardItem
 from smartspec.engine.request import Request
-from smartspec.policy.tree_goodput import NodeCalibration, node_values, prune_trees
-from smartspec.spec.ngram import NgramTreeProposer
-from smartspec.spec.rejection_sampler import accept_tree, accept_tree_greedy
-from smartspec.spec.tree import TokenTree, best_first
-from test_speculative import PARAMS, PROMPTS, MixedPolicy, make, run_staggered
+from smartspec.spec_decode.ngram import NgramTreeProposer
+from smartspec.spec_decode.tree import TokenTree, best_first
 
 TREE = {"max_nodes": 8, "max_depth": 3, "branching": 2}
 
@@ -202,134 +199,6 @@ def test_bad_tree_config_is_rejected(tiny_qwen, bad, message):
 
 
 # ---- sampled acceptance: the output follows the target --------------------------------------------------------------
-V = 6
-P_ROOT = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
-Q_ROOT = torch.tensor([0.05, 0.10, 0.40, 0.25, 0.15, 0.05])  # a poor draft: its mass is where the target's is not
-
-
-def _p_next(x: int) -> torch.Tensor:
-    return torch.roll(P_ROOT, x)
-
-
-def _q_next(x: int) -> torch.Tensor:
-    return torch.roll(Q_ROOT, 2 * x)
-
-
-def _draw(q: torch.Tensor, n: int, gen: torch.Generator) -> list[int]:
-    keys = q.log() - (-torch.rand(q.shape, generator=gen).log()).log()  # Gumbel top-n: without replacement
-    return torch.topk(keys, n).indices.tolist()
-
-
-def _random_tree(gen):
-    """Three root children drawn without replacement from Q_ROOT, two grandchildren under each."""
-    tokens, parents, probs = [], [], {-1: Q_ROOT}
-    for x in _draw(Q_ROOT, 3, gen):
-        tokens.append(x)
-        parents.append(-1)
-    for c in range(3):
-        probs[c] = _q_next(tokens[c])
-        for y in _draw(probs[c], 2, gen):
-            tokens.append(y)
-            parents.append(c)
-    tree = TokenTree(tokens, parents, [0.5] * len(tokens), probs)
-    rows = [P_ROOT] + [_p_next(tokens[i]) if parents[i] < 0 else P_ROOT for i in range(len(tokens))]
-    return tree, torch.stack(rows).log()
-
-
-def _wrong_accept(logits, tree, params, gen):
-    """Tries every sibling against the full target instead of the residual left by the rejected ones."""
-    p = torch.softmax(logits, -1)
-    out, node = [], -1
-    while True:
-        q, kids = tree.child_probs.get(node), tree.children(node)
-        if not kids:
-            out.append(int(torch.multinomial(p[node + 1], 1, generator=gen)))
-            return out
-        for child in kids:
-            tok = tree.tokens[child]
-            if float(torch.rand((), generator=gen)) * float(q[tok]) < float(p[node + 1][tok]):
-                out.append(tok)
-                node = child
-                break
-        else:
-            out.append(int(torch.multinomial(torch.clamp(p[node + 1] - q, min=0) + 1e-12, 1, generator=gen)))
-            return out
-
-
-def _chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    k = len(counts) - 1  # Wilson-Hilferty: chi2(k) ~ k (1 - 2/9k + z sqrt(2/9k))^3
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
-@pytest.mark.parametrize("sampler,should_pass", [(accept_tree, True), (_wrong_accept, False)])
-def test_recursive_rejection_sampling_follows_the_target(sampler, should_pass):
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0)
-    n = 12000
-    counts = np.zeros(V * V)
-    for _ in range(n):
-        tree, logits = _random_tree(gen)
-        out = sampler(logits, tree, params, gen)
-        if len(out) < 2:  # the first token was resampled: draw the second from the target, as the next step would
-            out.append(int(torch.multinomial(_p_next(out[0]), 1, generator=gen)))
-        counts[out[0] * V + out[1]] += 1
-    expected = np.array([float(P_ROOT[x] * _p_next(x)[y]) for x in range(V) for y in range(V)]) * n
-    p_value = _chi2_pvalue(counts, expected)
-    assert (p_value > 1e-4) == should_pass, p_value  # a false alarm 1 time in 10,000
-
-
-def test_recursive_rejection_sampling_with_fixed_siblings_follows_the_target():
-    """Prompt-lookup trees under sampling: deterministic siblings (q one-hot at each), tried in order."""
-    gen = torch.Generator().manual_seed(1)
-    tree = TokenTree([2, 0, 4, 1, 5, 3], [-1, -1, -1, 0, 0, 1], [0.5] * 6)  # no child_probs: fixed tokens
-    rows = [P_ROOT] + [_p_next(tree.tokens[i]) if tree.parents[i] < 0 else P_ROOT for i in range(len(tree))]
-    logits = torch.stack(rows).log()
-    n = 12000
-    counts = np.zeros(V * V)
-    for _ in range(n):
-        out = accept_tree(logits, tree, SamplingParams(temperature=1.0), gen)
-        if len(out) < 2:
-            out.append(int(torch.multinomial(_p_next(out[0]), 1, generator=gen)))
-        counts[out[0] * V + out[1]] += 1
-    expected = np.array([float(P_ROOT[x] * _p_next(x)[y]) for x in range(V) for y in range(V)]) * n
-    assert _chi2_pvalue(counts, expected) > 1e-4
-
-
-def test_greedy_tree_acceptance_walks_the_argmax_path():
-    tree = TokenTree([1, 2, 3, 4], [-1, -1, 1, 1], [0.5] * 4)
-    logits = torch.full((5, V), -5.0)
-    for row, tok in ((0, 2), (2, 4), (4, 5)):  # after root: 2 (node 1), after node 1: 4 (node 3), then 5
-        logits[row, tok] = 5.0
-    assert accept_tree_greedy(logits, tree) == [2, 4, 5]
-
-
-# ---- goodput for trees ----------------------------------------------------------------------------------------------
-def test_calibration_learns_acceptance_by_confidence():
-    cal = NodeCalibration()
-    rng = np.random.default_rng(0)
-    for _ in range(3000):
-        # an over-confident drafter: nodes it gives 0.9 are accepted 40% of the time
-        tree = TokenTree([1], [-1], [0.9])
-        cal.observe(tree, [0] if rng.random() < 0.4 else [])
-    assert cal.probability(0.9) == pytest.approx(0.4, abs=0.05)
-    assert cal.probability(0.15) == pytest.approx(0.15)  # no evidence: the confidence itself
-
-
-def test_pruning_keeps_valuable_nodes_when_verification_is_cheap_and_none_when_steep():
-    cal = NodeCalibration()
-    trees = [TokenTree([1, 2, 3, 4], [-1, -1, 0, 2], [0.9, 0.05, 0.9, 0.9]), TokenTree([5], [-1], [0.1])]
-    values = [node_values(t, cal) for t in trees]
-    cheap = lambda n, c: 0.010 + 0.001 * n  # noqa: E731
-    kept, _ = prune_trees(trees, values, cheap, 2, 100, draft_s=0.002)
-    assert kept[0].tokens == [1, 3, 4] and len(kept[1]) == 0  # the confident chain; not the 0.05 or 0.1 nodes
-    free = lambda n, c: 0.010 + 0 * n  # noqa: E731
-    kept, _ = prune_trees(trees, values, free, 2, 100, draft_s=0.002)
-    assert [len(t) for t in kept] == [4, 1]
-    steep = lambda n, c: 0.010 + 0.2 * n  # noqa: E731
-    kept, _ = prune_trees(trees, values, steep, 2, 100, draft_s=0.002)
-    assert [len(t) for t in kept] == [0, 0]
 
 
 def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_draft, plain_outputs):
@@ -357,31 +226,3 @@ def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_dr
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     finally:
         engine.close()
-
-
-def test_calibration_is_shared_between_replicas_without_echo():
-    from smartspec.policy import SmartSpecPolicy, merge_states
-
-    a, b = SmartSpecPolicy(key="k:tree", tree_depth=3), SmartSpecPolicy(key="k:tree", tree_depth=3)
-    for _ in range(200):  # replica a learns that its drafter's 0.95 nodes are rejected
-        a.calibration.observe(TokenTree([1], [-1], [0.95]), [])
-    b.import_state(merge_states([a.export_state()]))
-    assert b.calibration.probability(0.95) < 0.1
-    assert sum(b.export_state()["calibration"]["total"]) == 0  # b exports its own evidence only
-
-
-def test_node_budgets_follow_the_last_trees_values():
-    from smartspec.policy import SmartSpecPolicy
-
-    policy = SmartSpecPolicy(tree_depth=3)
-    policy.cost.v = [0.010, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0]  # cheap verification
-    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64)) for i in range(2)]
-    policy.choose(reqs, 8)
-    confident = TokenTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.99] * 5)  # r0's drafter is sure of a long path
-    doubtful = TokenTree([6], [-1], [0.02])  # r1's is not
-    policy.prune(reqs, [8, 8], [confident, doubtful], draft_s=0.001)
-    before = policy.tree_gains.curve("r0").copy()
-    policy.prune(reqs, [0, 8], [TokenTree([], [], []), doubtful], draft_s=0.001)  # r0 asked for nothing
-    assert np.array_equal(policy.tree_gains.curve("r0"), before)
-    ks = policy.choose(reqs, 8)
-    assert ks[0] >= 4 and ks[1] <= 1, ks

@@ -1,0 +1,152 @@
+"""The step-cost model: online fit, refusal of nonsense, stalls left out, the warm-up profile as prior."""
+import random
+
+import pytest
+from costs import runs_verify, seen_verify, true_verify
+
+from smartspec.engine.step_record import StepRecord
+from smartspec.policy import GoodputPolicy
+from smartspec.policy.cost_model import StepCostModel
+
+
+def test_cost_model_recovers_known_coefficients_from_noisy_timings():
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(300):
+        n, c = rng.randint(1, 64), rng.randint(100, 2000)
+        depth = rng.randint(0, 5)
+        sum_k = depth * rng.randint(1, 4) if depth else 0
+        draft = 0.02 * depth + 0.003 * sum_k
+        model.observe(n, c, depth, sum_k, draft * rng.uniform(0.98, 1.02), true_verify(n, c) * rng.uniform(0.98, 1.02))
+    for n in (1, 4, 8, 16, 24, 48, 64):
+        for c in (200, 1500):
+            assert model.predict_verify(n, c) == pytest.approx(true_verify(n, c), rel=0.03)
+    assert model.d[:2] == pytest.approx([0.02, 0.003], rel=0.05) and model.d[2] == pytest.approx(0, abs=1e-4)
+
+
+def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():
+    model = StepCostModel(window=16)
+    for n in (1, 2, 4, 8, 12, 16):
+        model.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
+    good = list(model.v)
+    for n in (1, 2, 4, 8, 12, 16, 20, 24) * 2:  # a broken clock: no positive base cost fits these
+        model.observe(n, 100, 0, 0, 0.0, -0.5)
+    assert model.v == pytest.approx(good, rel=1e-6) and model.refused > 0
+    assert model.predict_verify(8, 100) == pytest.approx(true_verify(8, 100), rel=0.01)
+
+
+def test_cost_model_stays_a_cost_whatever_it_is_fed():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8, 12, 16, 20, 24, 100, 200):  # timings that fall with more tokens
+        model.observe(n, 100 + n, 0, 0, 0.0, 1.0 - 0.004 * n)
+    grid = [model.predict_verify(n, 1000) for n in range(1, 400)]
+    assert grid[0] > 0 and all(b >= a for a, b in zip(grid, grid[1:]))
+
+
+def test_cost_model_reports_prediction_error_on_the_shape_that_ran():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8, 1, 2, 4, 8):
+        model.observe(n, 100, 0, 0, 0.0, 0.1 + 0.01 * n)
+    assert model.mean_relative_error < 1e-6  # the fit is exact for these shapes
+    model.observe(4, 100, 0, 0, 0.0, 1.1 * (0.1 + 0.01 * 4))
+    assert model.errors[-1] == pytest.approx(0.1 / 1.1, rel=1e-3)
+
+
+def stalled_steps(model, steps, rng, stall_rate, speed=1.0):
+    """One request at a time at k = 5 (prompt lookup now and then finds fewer tokens), a step stalled 2-8x now and
+    then, as on a shared machine."""
+    for i in range(steps):
+        n = 6 if rng.random() > 0.2 else rng.randint(1, 5)
+        c = 200 + (7 * i) % 400
+        t = speed * true_verify(n, c) * rng.uniform(0.97, 1.05)
+        if rng.random() < stall_rate:
+            t *= rng.uniform(2, 8)
+        model.observe(n, c, 0, 0, 0.0, t)
+
+
+def test_cost_model_leaves_stalled_steps_out_of_the_fit():
+    fits = {}
+    for cut in (0.0, 3.5):  # 0: plain least squares, the fit before stalls were left out
+        model = StepCostModel(outlier_cut=cut)
+        stalled_steps(model, 300, random.Random(0), stall_rate=0.08)
+        fits[cut] = [model.predict_verify(n, 400) / true_verify(n, 400) for n in range(1, 9)]
+    assert all(r == pytest.approx(1.0, abs=0.06) for r in fits[3.5])
+    # what plain least squares made of the same steps: the level and the slope over n both bent by the stalls
+    assert max(abs(r - 1) for r in fits[0.0]) > 0.15
+
+
+def test_cost_model_follows_a_sustained_change_of_speed():
+    rng = random.Random(2)
+    model = StepCostModel()
+    stalled_steps(model, 200, rng, stall_rate=0.05)
+    stalled_steps(model, 150, rng, stall_rate=0.05, speed=1.4)  # the machine got slower and stayed slower
+    for n in (1, 3, 6, 8):
+        assert model.predict_verify(n, 400) == pytest.approx(1.4 * true_verify(n, 400), rel=0.06)
+
+
+def context_free_verify(n, c):
+    return 0.1 + 0.01 * n
+
+
+def profiled_policy(prior_weight):
+    """A policy whose cost model saw the engine's warm-up profile (batch 1 and 4 at 64 tokens of context each, k
+    0/1/2/5), timed by context_free_verify."""
+    policy = GoodputPolicy(key="t")
+    policy.cost.prior_weight = prior_weight
+    records = [StepRecord(0, b, [k] * b, [k] * b, [0] * b, [], b * (k + 1), 0, 64 * b + j, 0.0,
+                          context_free_verify(b * (k + 1), 64 * b), context_free_verify(b * (k + 1), 64 * b))
+               for b in (1, 4) for k in (0, 1, 2, 5) for j in range(2)]
+    policy.observe_profile(records)
+    return policy
+
+
+def test_the_profile_decides_the_split_the_running_data_cannot():
+    """Steps in which context grows exactly with the batched tokens (50 a token) fit any split of their cost
+    between the two; the profile measured them apart, so the fit keeps its split (context free) and prices a shape
+    with less context right."""
+    fits = {}
+    for weight in (0.0, 4.0):  # 0: no prior, the fit before the profile was kept
+        policy = profiled_policy(weight)
+        for i in range(300):
+            n = 2 + 2 * (i % 4)
+            policy.cost.observe(n, 50 * n, 0, 0, 0.0, context_free_verify(n, 50 * n))
+        fits[weight] = policy.cost
+    for n in (2, 8):  # where the data was, both fits are right
+        assert fits[0.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
+        assert fits[4.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
+    assert fits[4.0].predict_verify(8, 0) == pytest.approx(context_free_verify(8, 0), rel=0.03)
+    assert fits[4.0].predict_verify(8, 2000) == pytest.approx(context_free_verify(8, 0), rel=0.03)
+    assert fits[0.0].predict_verify(8, 2000) > 1.3 * context_free_verify(8, 0)  # without it: an arbitrary split
+
+
+def test_the_fit_follows_the_data_away_from_the_profile():
+    """The machine slowed by 40% after the profile and context turned out to cost: where the data tells, the data
+    decides, not the profile."""
+    def slower(n, c):
+        return 1.4 * context_free_verify(n, c) + 2e-4 * c
+
+    policy = profiled_policy(4.0)  # the default weight
+    shapes = ((1, 100), (6, 1500), (16, 400), (30, 1000))
+    assert all(policy.cost.predict_verify(n, c) < 0.7 * slower(n, c) for n, c in shapes)
+    rng = random.Random(3)
+    for _ in range(300):
+        n, c = rng.randint(1, 30), rng.randint(100, 1500)
+        policy.cost.observe(n, c, 0, 0, 0.0, slower(n, c))
+    for n, c in shapes:
+        assert policy.cost.predict_verify(n, c) == pytest.approx(slower(n, c), rel=0.06)
+
+
+# ---- selection -------------------------------------------------------------------------------------------------
+
+def test_cost_model_keeps_steps_that_ran_faster_than_its_fit():
+    """A stall makes a step slower, never faster: a step far below the fit is a shape the fit has wrong, and left
+    out as an outlier (as the fit did before), it could never be corrected."""
+    model = StepCostModel()
+    for _ in range(20):
+        for b in range(1, 6):
+            model.observe(6 * b, 110 * b, 0, 0, 0.0, seen_verify(6 * b, 110 * b))
+    assert model.predict_verify(12, 440) > 1.4 * runs_verify(12, 440)  # the history cannot tell
+    for _ in range(3):  # another shape, run now and then: half the time the fit gives it
+        model.observe(24, 440, 0, 0, 0.0, runs_verify(24, 440))
+        model.observe(12, 440, 0, 0, 0.0, runs_verify(12, 440))
+    assert model.predict_verify(12, 440) < 1.3 * runs_verify(12, 440)  # still 1.47x if they were left out

@@ -1,0 +1,267 @@
+"""The goodput policy as a whole: shape probes, prefill pricing, catch-up charging, probes, state exchange, and
+the engine under it equal to plain decoding."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from costs import draft_cost, runs_verify, seen_verify, true_verify
+
+from smartspec import LLM, SamplingParams
+from smartspec.engine.request import Request
+from smartspec.engine.step_record import StepRecord
+from smartspec.policy import GoodputPolicy, merge_states
+from smartspec.policy.goodput import select_from_gains
+
+
+def run_fully_accepted_batch(policy, steps, b=4):
+    """b requests whose drafts are always accepted, each step costed by runs_verify; the ks of each step."""
+    requests = [Request(f"r{i}", list(range(105)), SamplingParams(max_tokens=10_000)) for i in range(b)]
+    for r in requests:
+        for _ in range(20):
+            policy.acceptance.observe(r.request_id, 5, 5)
+    chosen = []
+    for step in range(steps):
+        ks = policy.choose(requests, 5)
+        n, c, depth = b + sum(ks), sum(r.num_tokens for r in requests) + sum(ks), max(ks)
+        verify, drafting = runs_verify(n, c), draft_cost(depth, sum(ks))
+        policy.observe(StepRecord(step, b, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting, verify,
+                                  verify + drafting))
+        chosen.append(ks)
+    return chosen
+
+def test_shape_probes_teach_the_cost_model_what_one_draft_length_cannot():
+    def true_goodput(ks):
+        n = len(ks) + sum(ks)
+        return n / (runs_verify(n, 440 + sum(ks)) + draft_cost(max(ks), sum(ks)))
+
+    best = max(true_goodput([k] * 4) for k in range(6))
+    outcome = {}
+    for interval in (0, 8):  # 0: no shape probes
+        policy = GoodputPolicy(key="t", shape_probe_interval=interval)
+        for _ in range(20):  # the history: 5-token drafts at batch 1-5, context growing with the batch
+            for b in range(1, 6):
+                n, c = 6 * b, 110 * b
+                policy.cost.observe(n, c, 5, 5 * b, draft_cost(5, 5 * b), seen_verify(n, c))
+        chosen = run_fully_accepted_batch(policy, 200)
+        assert chosen[0] == [5] * 4  # both start where the history points
+        steady = [ks for step, ks in enumerate(chosen[-48:], start=152) if (step + 1) % 8]  # not the probe steps
+        outcome[interval] = (min(true_goodput(ks) for ks in steady), policy.shape_probes)
+    assert outcome[0][0] < 0.9 * best and outcome[0][1] == 0  # never learns that 5 tokens are too many
+    assert outcome[8][0] > 0.98 * best and 0 < outcome[8][1] <= 200 // 8
+
+
+def test_no_shape_probe_where_the_optimum_is_sharp():
+    policy = drafting_policy(0.0)
+    policy.cost.v = [0.1] + [0.0001] * 6 + [0.0]  # verification almost free: 5 tokens beat any shorter draft
+    requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=64)) for i in range(4)]
+    for r in requests:
+        for _ in range(30):
+            policy.acceptance.observe(r.request_id, 5, 5)
+    assert all(policy.choose(requests, 5) == [5] * 4 for _ in range(32))
+    assert policy.shape_probes == 0
+    for bad in ({"shape_probe_interval": -1}, {"shape_probe_interval": 2.5}, {"shape_probe_loss": 1.0}):
+        with pytest.raises(ValueError, match="shape_probe"):
+            GoodputPolicy(**bad)
+
+
+def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
+    params = SamplingParams(max_tokens=64)
+
+    def choose(base_tokens, held):
+        prefilling = [Request(f"p{i}", list(range(base_tokens)), params) for i in range(held)]
+        p = drafting_policy(0.0)
+        p.cost.d = [0.02, 0.001, 0.0]  # 20 ms a draft depth
+        requests = [Request(f"r{i}", list(range(100)), params) for i in range(2)]
+        for r in requests:
+            for _ in range(30):
+                p.acceptance.observe(r.request_id, 4, 3)
+        return p.choose(requests, 5, base_tokens=base_tokens, base_context=base_tokens, prefilling=prefilling), p
+
+    alone, p = choose(0, 0)
+    assert min(alone) >= 2
+    # by goodput's ratio, a 100-token prefill that is paid anyway makes drafting look cheaper, not dearer
+    gains = p.acceptance.gains(["r0", "r1"], 5)
+    by_ratio, _ = select_from_gains(gains, [5, 5], np.arange(1, 6), p.cost.predict, 102, 300)
+    assert sum(by_ratio) >= sum(alone)
+    with_prefill, _ = choose(100, 1)
+    assert sum(with_prefill) < sum(alone)
+    holding_more, _ = choose(100, 4)
+    assert sum(holding_more) <= sum(with_prefill)
+
+def drafting_policy(d_catchup):
+    """A policy with a known cost model: verification cheap, drafting 5 ms a depth, catch-up d_catchup a token."""
+    p = GoodputPolicy(key="draft")
+    p.cost.v = [0.1] + [0.001] * 6 + [0.0]
+    p.cost.d = [0.005, 0.001, d_catchup]
+    return p
+
+
+def test_a_draft_catch_up_is_charged_and_tracked():
+    params = SamplingParams(max_tokens=64)
+    fresh, seen = Request("fresh", list(range(500)), params), Request("seen", list(range(500)), params)
+    for p in (drafting_policy(0.0), drafting_policy(0.005)):
+        for _ in range(30):
+            p.acceptance.observe("fresh", 4, 4)
+            p.acceptance.observe("seen", 4, 4)
+        p._draft_seen["seen"] = seen.num_tokens - 1
+        ks = p.choose([fresh, seen], 5)
+        if p.cost.d[2] == 0:  # catch-up costs nothing: both draft
+            assert ks[0] > 0 and ks[1] > 0
+            continue
+        # reading 499 unseen tokens (2.5 s against 0.1 s steps) does not pay, and is not worth a probe either
+        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p._probing
+        assert p.last_prediction == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
+        p.observe(StepRecord(step=1, batch_size=2, ks=ks, proposed=ks, accepted=[0, 2], request_ids=["fresh", "seen"],
+                             num_batched_tokens=2 + ks[1], num_prefill_tokens=0, num_context_tokens=1000,
+                             draft_s=0.02, verify_s=0.1, total_s=0.12))
+        # the draft fed the context and its drafts but the last: it saw the accepted ones, up to k - 1 of them
+        assert p._draft_seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p._draft_seen
+        seen.token_ids += [1, 2, 3]  # two drafts accepted and the target's token
+        assert p._catchup_tokens([seen, fresh]).tolist() == [502 - p._draft_seen["seen"], 499]
+
+
+def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:
+    """The draft model's costs as fitted on this CPU: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a
+    token of catch-up."""
+    p.cost.v = [0.28, 0.0, 0.026, 0.0128, 0.0128, 0.0133, 0.0149, 0.0]
+    p.cost.d = [0.10, 0.0, 0.0044]
+    return p
+
+
+def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
+    """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a token of
+    catch-up; 150-token prompts the draft has not read. Every request has had its drafts rejected, so the plan is
+    k = 0 and each is due for a probe (and, the prior not yet learned, catch-up alone would not stop one). Alone,
+    a request accepted almost surely would pay for its catch-up and drafts many times over: worth finding out. In
+    a batch of 8 the catch-ups and the verify tokens past the flat part cost more than the drafts add, even if all
+    eight were accepted almost surely: no outcome pays for it."""
+    def choose(batch):
+        p = cpu_draft_model_costs(GoodputPolicy(key="t"))
+        requests = [Request(f"r{i}", list(range(150)), SamplingParams(max_tokens=64)) for i in range(batch)]
+        for r in requests:  # three rejected drafts each: too few outcomes for the prior to count as learned
+            for _ in range(3):
+                p.acceptance.observe(r.request_id, 4, 0)
+        assert p.acceptance.evidence < p.min_prior_evidence
+        return p.choose(requests, 5), p
+
+    ks, alone = choose(1)
+    assert ks == [1] and alone._probing == {"r0"}
+    ks, batched = choose(8)
+    assert ks == [0] * 8 and not batched._probing
+    assert batched.last_prediction == pytest.approx(0.28)
+
+
+def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
+    """Two requests decode beside a prefill, none has drafted, the prior is unlearned. Were the proposer near
+    perfect, the two drafting together would beat plain decoding by a little a step; a probe (one request reading
+    its 150-token prompt, 0.66 s, for one outcome) costs more than that little over the two or so steps before the
+    next request is expected (arrivals 2 s apart). With arrivals a minute apart, the same edge lasts for the
+    catch-up horizon, and the probe runs."""
+    def probes(arrival_gap):
+        p = cpu_draft_model_costs(GoodputPolicy(key="t"))
+        params = SamplingParams(max_tokens=32)
+        requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(2)]
+        prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
+        p.acceptance.observe("finished", 2, 2)
+        assert p.acceptance.evidence < p.min_prior_evidence
+        ks = p.choose(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
+                      now=2 * arrival_gap + 0.5)
+        assert ks.count(1) == len(p._probing) and sum(ks) == len(p._probing)
+        return p._probing
+
+    assert not probes(2.0)
+    assert len(probes(60.0)) == 1
+
+
+def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected():
+    """A learned, near-perfect draft model; two requests decode, one of which has read its context, the other not
+    its 300-token prompt (1.3 s). Spread over the catch-up horizon (8 steps) that read pays; over the one or two
+    steps before the next arrival, when requests arrive every half second, it does not: arrivals bring prefill
+    steps and a larger batch, so drafting would not last long enough to pay it back."""
+    def choose(arrival_gap):
+        p = cpu_draft_model_costs(GoodputPolicy(key="t"))
+        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
+                                              "later": {"accepted": 800, "rejected": 8}}})
+        params = SamplingParams(max_tokens=64)
+        earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
+        p.choose(earlier, 5, now=6 * arrival_gap)
+        for r in earlier:
+            p.release(r)
+        seen = Request("seen", list(range(300)), params, arrival_time=6 * arrival_gap)
+        fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
+        p._draft_seen["seen"] = seen.num_tokens - 1
+        return p.choose([seen, fresh], 5, now=7 * arrival_gap + 0.1)
+
+    sparse, dense = choose(60.0), choose(0.5)
+    assert sparse[0] > 0 and sparse[1] > 0
+    assert dense[0] > 0 and dense[1] == 0
+
+
+def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
+    """Six requests decode beside a 94-token prefill with a learned, near-perfect draft model; none of them has
+    drafted, so each would first read its 97-token context (0.4 s). The catch-ups' seconds are worth what the six
+    decoding alone would make of them (about 26 tokens a second), not the prefill step's own rate (about 4 tokens a
+    second, its time being the prefill's): priced so, starting them in this step does not pay, while the same batch
+    in a step of its own starts, and requests whose context the draft has read draft beside the prefill. (Priced at
+    the step's rate, all six started here, and such runs ended 16-19% slower than no speculation.)"""
+    def choose(prefill_tokens, seen):
+        p = GoodputPolicy(key="t")
+        p.cost.v = [0.229, 0.0] + [0.002] * 5 + [0.0]
+        p.cost.d = [0.075, 0.0, 0.0041]
+        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 4},
+                                              "later": {"accepted": 800, "rejected": 16}}})
+        params = SamplingParams(max_tokens=32)
+        requests = [Request(f"r{i}", list(range(97)), params, arrival_time=5.0 * i) for i in range(6)]
+        if seen:
+            p._draft_seen.update({r.request_id: r.num_tokens - 1 for r in requests})
+        prefilling = [Request("p", list(range(prefill_tokens)), params, arrival_time=30.0)] if prefill_tokens else []
+        return p.choose(requests, 5, base_tokens=prefill_tokens, base_context=prefill_tokens, prefilling=prefilling,
+                        now=30.5)
+
+    assert choose(0, seen=False) == [5] * 6
+    assert choose(94, seen=False) == [0] * 6
+    assert min(choose(94, seen=True)) > 0
+
+def test_state_export_merge_import():
+    a, b = GoodputPolicy(key="ngram"), GoodputPolicy(key="ngram")
+    for _ in range(40):
+        a.acceptance.observe("x", 4, 4)
+        b.acceptance.observe("y", 4, 0)
+    for n in (1, 2, 4, 8, 16):
+        a.cost.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
+        b.cost.observe(n, 100, 0, 0, 0.0, 2 * true_verify(n, 100))
+    merged = merge_states([a.export_state(), b.export_state(), {"key": "draft_model:x", "prior": {
+        "first": {"accepted": 1e6, "rejected": 0}}, "cost": {}}])
+    assert merged["replicas"] == 2  # another proposer's evidence is not mixed in
+    fresh = GoodputPolicy(key="ngram")
+    fresh.import_state(merged)
+    assert a.acceptance.first.prior > fresh.acceptance.first.prior > b.acceptance.first.prior
+    assert fresh.cost.predict_verify(4, 100) == pytest.approx(1.5 * true_verify(4, 100), rel=0.02)
+
+
+PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_engine_under_smartspec_equals_off(method, tiny_qwen, tiny_qwen_draft, tmp_path):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12)]
+    spec = {"method": method, "num_speculative_tokens": 4, "policy": "smartspec"}
+    if method == "draft_model":
+        spec["model"] = tiny_qwen_draft
+    trace = tmp_path / "trace.parquet"
+    llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, speculative_config=spec,
+              trace_path=str(trace))
+    policy = llm.engine.speculator.policy
+    assert isinstance(policy, GoodputPolicy) and policy.cost.ready  # seeded by the warm-up profile
+    outs = llm.generate(PROMPTS, params)
+    off = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]
+    llm.engine.close()
+    rows = pq.read_table(trace).to_pylist()
+    assert len(rows) == llm.engine.num_steps
+    assert {"ks", "accepted", "num_batched_tokens", "num_context_tokens", "predicted_s", "draft_s", "verify_s",
+            "total_s", "batch_size"} <= set(rows[0])
+    assert any(r["predicted_s"] for r in rows)
+    # every prompt token is prefilled exactly once (no preemption here), and no decode counts as prefill
+    assert sum(r["num_prefill_tokens"] for r in rows) == sum(len(o.prompt_token_ids) for o in outs)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
