@@ -11,6 +11,7 @@ from smartspec.spec_decode.config import SpeculativeConfig
 
 
 class Strict(BaseModel):
+    # arbitrary types: SpeculativeConfig, the engine's own dataclass, whose policy field may hold a Policy object
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
@@ -92,7 +93,8 @@ class AppConfig(Strict):
     @property
     def draft_actor(self) -> bool:
         """Whether the draft model runs in its own Ray actor."""
-        return self.speculation is not None and self.speculation.method == "draft_model" and self.speculation.draft_actor
+        spec = self.speculation
+        return spec is not None and spec.method == "draft_model" and spec.draft_actor
 
     def engine_config(self, replica_id: str = "replica") -> EngineConfig:
         trace = os.path.join(self.step_trace_dir, replica_id) if self.step_trace_dir else None

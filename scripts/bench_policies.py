@@ -7,11 +7,11 @@ policy's step-time prediction error. Latency counts from the scheduled arrival, 
 running step is included.
 
 --repeats R runs every (configuration, rate) R times. All configurations at one rate run back to back, and each
-repeat reverses their order, so a drift in the box's speed (see smartspec/box_speed.py: probed before every run,
+repeat reverses their order, so a drift in the box's speed (see smartspec/bench/box_speed.py: probed before every run,
 logged to <out>/speed_probe.csv) falls on all of them alike. A smartspec policy lives for the whole run, as it
 would in a server: it keeps learning across rates and repeats.
 
-Prints a table per run and the issue's bar (smartspec against the best fixed:K and off, pooled over repeats and
+Prints a table per run and the bar (smartspec against the best fixed:K and off, pooled over repeats and
 per repeat); writes <out>/bench_policies.parquet (one row per request), <out>/bench_policies_summary.parquet (one
 row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled means).
 
@@ -253,7 +253,7 @@ def best_fixed(means: dict[tuple[str, float], float], proposer: str, rate: float
 
 
 def bar_table(summary: list[dict]) -> str:
-    """The issue's bar as a Markdown table: per proposer and rate, smartspec against the best fixed:K (by mean
+    """The bar as a Markdown table: per proposer and rate, smartspec against the best fixed:K (by mean
     latency over all repeats) and against off; then the same ratio within each repeat, to show whether the
     ranking held in every repeat or only on average."""
     means = pooled(summary)

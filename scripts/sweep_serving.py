@@ -1,5 +1,5 @@
-"""The serving comparison: every configuration, ours and vLLM's, served one after the other on this machine and driven by
-the same client (`smartspec bench serve`) with the same prompts, arrival times and output lengths.
+"""The serving comparison: every configuration, ours and vLLM's, served one after the other on this machine and
+driven by the same client (`smartspec bench serve`) with the same prompts, arrival times and output lengths.
 
     python scripts/sweep_serving.py --rates 0.05 0.1 0.2 --num-requests 6 --max-tokens 64 --out results/sweep
 

@@ -23,8 +23,8 @@ class EngineConfig:
     use_kernels: bool = True
     dtype: str = "float32"
     device: str = "cpu"
-    # Speculative decoding: None, or {"method": "draft_model" | "ngram", "model": <draft>,
-    # "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "policy": "off" | "fixed"}
+    # Speculative decoding: None, or a SpeculativeConfig or its dict ({"method": "draft_model" | "ngram",
+    # "model": <draft>, "num_speculative_tokens": K, "policy": "smartspec" | "off" | ..., ...})
     speculative_config: SpeculativeConfig | dict | None = None
     # write every step's record: to this Parquet file (*.parquet, complete at close), or to part files in this
     # directory (any other path; each part complete when written, for a server)

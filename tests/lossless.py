@@ -1,5 +1,5 @@
-"""Greedy equality with a reference, with the one caveat docs/architecture.md allows: two correct fp32 runs may part at a
-near-tie of the reference's top-2 logits. A parting is accepted only if that gap is proven tiny."""
+"""Greedy equality with a reference, with the one caveat docs/architecture.md allows: two correct fp32 runs may part
+at a near-tie of the reference's top-2 logits. A parting is accepted only if that gap is proven tiny."""
 import torch
 
 NEAR_TIE = 1e-3  # relative to the logit scale at that position

@@ -255,6 +255,27 @@ def test_python_handle_streaming_and_unary(app, reference):
     assert bad["error"]["code"] == 404
 
 
+def test_the_load_generator_drives_the_server(app, tmp_path):
+    """`smartspec bench serve`: Poisson and one-at-a-time arrivals against the served app, every request answered,
+    per-request rows and per-rate summaries written, the server's spec-decode counters read from /metrics."""
+    import pandas as pd
+
+    from smartspec.cli import main
+
+    argv = ["bench", "serve", "--url", app, "--model", "tiny", "--label", "tiny-fixed", "--workload", "humaneval",
+            "--rates", "0", "4", "--num-requests", "2", "--max-tokens", "4", "--ignore-eos", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = pd.read_parquet(tmp_path / "tiny-fixed.parquet")
+    assert sorted(rows.rate) == [0, 0, 4, 4] and rows.error.isna().all() and (rows.output_tokens == 4).all()
+    summary = pd.read_parquet(tmp_path / "tiny-fixed_summary.parquet")
+    assert list(summary.rate) == [0, 4] and (summary.errors == 0).all()
+    # the server's spec-decode counters were read (their per-rate deltas depend on when replicas last reported)
+    assert {"spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"} <= set(summary.columns)
+    assert (summary.spec_accepted_tokens <= summary.spec_draft_tokens).all()
+    assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0
+    assert main(argv[:3] + ["http://127.0.0.1:9"] + argv[4:]) == 1  # no server there: said, not a traceback
+
+
 @pytest.mark.parametrize("body, status, message", [
     ("{not json", 400, "not valid JSON"),
     ("[1, 2]", 400, "must be a JSON object"),

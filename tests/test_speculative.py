@@ -163,6 +163,13 @@ def test_bad_speculative_config_is_rejected(tiny_qwen, bad, message):
         make(tiny_qwen, bad)
 
 
+def test_set_speculation_takes_a_policy_instance_not_a_name(tiny_qwen):
+    """A name would be rebuilt without the config's table, options, prior key and tree depth: refused."""
+    llm = make(tiny_qwen, {"method": "ngram"})
+    with pytest.raises(TypeError, match="Policy instance"):
+        llm.engine.set_speculation(policy="off")
+
+
 def test_draft_with_another_tokenizer_is_rejected(tiny_qwen, smollm):
     with pytest.raises(ValueError, match="tokenizer"):
         make(tiny_qwen, {"method": "draft_model", "model": smollm})

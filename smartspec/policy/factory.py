@@ -1,6 +1,8 @@
 """A policy from its configured name."""
 from __future__ import annotations
 
+import inspect
+
 from smartspec.policy.base import Policy
 from smartspec.policy.baselines import BatchTablePolicy, FixedPolicy, OffPolicy, default_batch_table
 from smartspec.policy.goodput_policy import GoodputPolicy
@@ -14,6 +16,10 @@ def make_policy(policy: str | Policy, k_max: int, batch_table: dict[int, int] | 
     if isinstance(policy, Policy):
         return policy
     if policy == "smartspec":
+        known = set(inspect.signature(GoodputPolicy).parameters) - {"key", "tree_depth"}
+        unknown = sorted(set(options or {}) - known)
+        if unknown:
+            raise ValueError(f"unknown policy_options {unknown}; known: {sorted(known)}")
         return GoodputPolicy(key=key, tree_depth=tree_depth, **(options or {}))
     if policy == "batch_table":
         return BatchTablePolicy(batch_table or default_batch_table(k_max))
