@@ -23,6 +23,9 @@ class EngineConfig:
     use_kernels: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    # None: fp32 weights (the model's safetensors); "gguf": the weights stay in the model folder's GGUF block
+    # formats and linears compute from them (same outputs, bit for bit; CPU kernels only)
+    quantization: str | None = None
     # Speculative decoding: None, or a SpeculativeConfig or its dict ({"method": "draft_model" | "ngram",
     # "model": <draft>, "num_speculative_tokens": K, "policy": "smartspec" | "off" | ..., ...})
     speculative_config: SpeculativeConfig | dict | None = None
@@ -48,5 +51,7 @@ class EngineConfig:
         if self.num_kv_blocks is None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization must be None or 'gguf', got {self.quantization!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -34,7 +34,7 @@ class PackedTiedEmbedding(nn.Module):
 def pack_linears(model: nn.Module, ext) -> int:
     """Replace every nn.Linear in place; return how many were replaced."""
     head = model.get_output_embeddings()
-    tied = model.get_input_embeddings().weight is getattr(head, "weight", None)
+    tied = getattr(model.get_input_embeddings(), "weight", None) is getattr(head, "weight", None) is not None
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")

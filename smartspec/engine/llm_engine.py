@@ -54,7 +54,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, config.device, weights=runner_factory is None)
+        loaded = load_model(config.model, config.dtype, config.device, weights=runner_factory is None,
+                            quantization=config.quantization)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
         self.vocab_size = loaded.config.vocab_size
@@ -309,7 +310,7 @@ def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     c = engine.config
     args = (spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
-            c.device)
+            c.device, c.quantization)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
         return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)

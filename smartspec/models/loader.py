@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,14 +36,39 @@ def _generation_config(path: str):
         return None
 
 
+QUANTIZATIONS = (None, "gguf")
+
+
+def gguf_file_of(path: str) -> str:
+    """The one GGUF file in a model folder (the model store keeps it beside the converted weights)."""
+    found = sorted(Path(path).glob("*.gguf"))
+    if len(found) != 1:
+        raise ValueError(f"quantization 'gguf' needs exactly one .gguf file in {path}, found {len(found)}")
+    return str(found[0])
+
+
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights: bool = True,
-               **from_pretrained) -> LoadedModel:
-    """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan)."""
+               quantization: str | None = None, **from_pretrained) -> LoadedModel:
+    """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan).
+    quantization "gguf": the weights stay in the folder's GGUF block formats (linears computed from them)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if weights:
+    if weights and quantization == "gguf":
+        from smartspec.engine import kernels
+        from smartspec.models.gguf_model import load_gguf_model
+
+        ext = kernels.load()
+        if ext is None or device != "cpu" or dtype != "float32":
+            state = "loaded" if ext is not None else f"unavailable: {kernels.unavailable_reason()}"
+            raise ValueError(f"quantization 'gguf' runs on the CPU kernels in float32 (here: device {device}, dtype "
+                             f"{dtype}, kernels {state})")
+        lm = load_gguf_model(path, gguf_file_of(path), ext)
+        config, generation = lm.config, _generation_config(path)
+    elif weights:
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **from_pretrained)
         lm = lm.eval() if from_pretrained.get("tp_plan") else lm.to(device).eval()
         lm.requires_grad_(False)

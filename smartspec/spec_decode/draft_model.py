@@ -32,8 +32,9 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
 
     def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
-                 use_kernels: bool, dtype: str = "float32", device: str = "cpu") -> None:
-        loaded = load_model(model, dtype, device)
+                 use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
+                 ) -> None:
+        loaded = load_model(model, dtype, device, quantization=quantization)
         if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
                              "draft and target must use the same vocabulary")

@@ -27,13 +27,13 @@ def load():
         try:
             from torch.utils import cpp_extension
 
-            src = Path(__file__).with_name("batch_invariant.cpp")
+            here = Path(__file__).parent
             build_dir = Path(os.environ.get("SMARTSPEC_CACHE", Path.home() / ".cache" / "smartspec")) / "kernels"
             build_dir.mkdir(parents=True, exist_ok=True)
             print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
             _module = cpp_extension.load(
                 name="smartspec_kernels",
-                sources=[str(src)],
+                sources=[str(here / "batch_invariant.cpp"), str(here / "quant_linear.cpp")],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

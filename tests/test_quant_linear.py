@@ -1,0 +1,72 @@
+"""Linears on GGUF-quantized weights: the unpacked codes dequantize to gguf-py's bits, and the kernel's output is
+bitwise the fp32 kernel's on those weights, for every row count, alone or batched."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from smartspec.engine import kernels
+from smartspec.engine.quant_linear import QuantLinear
+from smartspec.models.gguf_blocks import FORMATS, unpack
+
+ext = kernels.load()
+needs_kernels = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+
+F16_FIELDS = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
+
+
+def random_tensor(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF bytes of one type, its f16 scales drawn finite (random bits could make them NaN or Inf)."""
+    size, per_block, _, _ = FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // per_block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for at in F16_FIELDS[kind]:
+        scale = rng.uniform(0.002, 0.03, size=len(blocks)) * rng.choice([-1, 1], size=len(blocks))
+        blocks[:, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def gguf_py_dequantized(kind: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    return quants.dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_unpacked_codes_dequantize_to_gguf_py_bits(kind):
+    n, k = 24, 512
+    raw = random_tensor(kind, n, k)
+    ours, ref = unpack(kind, raw, n, k).dequantize(), gguf_py_dequantized(kind, raw, n, k)
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+@pytest.mark.parametrize("n,k", [(40, 768), (16, 256), (33, 1536)])  # padded panels; a k-block tail (768 = 512 + 256)
+def test_quant_linear_is_the_fp32_kernel_on_the_dequantized_weight(kind, n, k):
+    raw = random_tensor(kind, n, k, seed=n + k)
+    layer = QuantLinear(unpack(kind, raw, n, k), ext)
+    dense = ext.pack_weight(torch.from_numpy(gguf_py_dequantized(kind, raw, n, k)))
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1))
+    ours = layer(x)
+    for m in (1, 2, 3, 7, 8, 9, 16, 33, 64):
+        assert torch.equal(layer(x[:m]), ext.linear(x[:m], dense, n, None)), m
+        assert torch.equal(layer(x[:m]), ours[:m]), m  # a row's output does not depend on the rows beside it
+    assert all(torch.equal(layer(x[i:i + 1]), ours[i:i + 1]) for i in range(64))
+
+
+@needs_kernels
+def test_quant_linear_adds_a_bias_and_keeps_leading_dimensions():
+    raw = random_tensor("Q8_0", 20, 64)
+    bias = torch.randn(20)
+    layer = QuantLinear(unpack("Q8_0", raw, 20, 64), ext, bias=bias)
+    x = torch.randn(2, 3, 64)
+    dense = torch.from_numpy(gguf_py_dequantized("Q8_0", raw, 20, 64))
+    assert layer(x).shape == (2, 3, 20)
+    assert torch.equal(layer(x).reshape(6, 20), ext.linear(x.reshape(6, 64), ext.pack_weight(dense), 20, bias))
+
+
+def test_unpack_refuses_what_it_cannot_keep_quantized():
+    with pytest.raises(ValueError, match="Q2_K is not kept quantized"):
+        unpack("Q2_K", np.zeros((1, 84), np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        unpack("Q4_K", np.zeros((1, 144), np.uint8), 1, 128)
