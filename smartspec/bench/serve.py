@@ -90,7 +90,9 @@ async def run_rate(url: str, model: str, requests: list[dict], rate: float, args
     # rate 0: one request at a time, each sent when the last has finished (the no-load limit)
     times = arrival_times(rate, len(requests), args.burstiness, args.seed) if rate > 0 else None
     one_at_a_time = asyncio.Lock()  # FIFO: the tasks below queue on it in request order
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # a fresh connection per request: a server that closes idle keep-alive connections (llama-server) would
+    # otherwise fail a request sent on one it had just closed
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         t0, done, tasks = time.perf_counter(), 0, []
 
