@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from smartspec.models.loader import QUANTIZATIONS
 from smartspec.spec_decode.config import SpeculativeConfig
 
 
@@ -51,7 +52,7 @@ class EngineConfig:
         if self.num_kv_blocks is None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization must be None or 'gguf', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

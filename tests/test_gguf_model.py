@@ -24,7 +24,7 @@ def test_gguf_tensor_names_map_to_transformers_names():
 def test_quantized_loading_needs_a_gguf_file(tiny_qwen):
     with pytest.raises(ValueError, match="exactly one .gguf file"):
         LLM(tiny_qwen, quantization="gguf", num_kv_blocks=64, block_size=4, max_model_len=128)
-    with pytest.raises(ValueError, match="quantization must be None or 'gguf'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'gguf'\)"):
         LLM(tiny_qwen, quantization="awq")
 
 

@@ -34,7 +34,8 @@ class PackedTiedEmbedding(nn.Module):
 def pack_linears(model: nn.Module, ext) -> int:
     """Replace every nn.Linear in place; return how many were replaced."""
     head = model.get_output_embeddings()
-    tied = getattr(model.get_input_embeddings(), "weight", None) is getattr(head, "weight", None) is not None
+    embedding = getattr(model.get_input_embeddings(), "weight", None)  # none on a quantized embedding
+    tied = embedding is not None and embedding is getattr(head, "weight", None)
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")

@@ -51,7 +51,7 @@ def _rows(tensor) -> tuple[str, np.ndarray, int, int]:
 def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     if kind not in ("F32", "F16"):
         from gguf import GGMLQuantizationType, quants
-        logger.info("GGUF type %s is not kept quantized: dequantized at load", kind)
+        logger.warning("GGUF type %s is not kept quantized: dequantized to fp32 at load", kind)
         data = quants.dequantize(data, getattr(GGMLQuantizationType, kind))
     return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file
 
