@@ -77,6 +77,96 @@ void dequant(const QuantPanels& w, int64_t p, int64_t k0, int64_t kb, float* out
   }
 }
 
+#if defined(__AVX512F__)
+// A few rows (decode, a verify step): dequantize in registers, panel by panel, straight into the FMA chains. The
+// weight is computed by the same operations as dequant() above (multiply, then add the offset), and the chain is
+// the fp32 panel GEMM's (one fused multiply-add per k, k increasing), so the bits are the tile path's.
+template <int MR, int NP, bool NIBBLE, bool GROUPS, bool OFFSET, bool OFF_GROUPS>
+void fused(const QuantPanels& w, int64_t p0, const float* x, int64_t ldx, int64_t k, float* y, int64_t ldy) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  for (int64_t g0 = 0; g0 < k; g0 += w.group) {
+    const int64_t sb = g0 / w.superblock, g = g0 / w.group;
+    __m512 s[NP], o[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const int64_t pp = p0 + p;
+      const __m512 d = _mm512_loadu_ps(w.d + pp * w.d_stride + sb * kPanel);
+      s[p] = GROUPS ? _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                          reinterpret_cast<const __m128i*>(w.sc + pp * w.g_stride + g * kPanel)))))
+                    : d;
+      if (OFFSET) {
+        const __m512 off = _mm512_loadu_ps(w.off + pp * w.d_stride + sb * kPanel);
+        o[p] = OFF_GROUPS ? _mm512_mul_ps(off, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                reinterpret_cast<const __m128i*>(w.mn + pp * w.g_stride + g * kPanel)))))
+                          : off;
+      }
+    }
+    constexpr int64_t kPer = NIBBLE ? 2 : 1;
+    for (int64_t kk = g0; kk < g0 + w.group; kk += kPer) {
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* src = w.q + (p0 + p) * w.q_stride + (kk / kPer) * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(src + 16 * kPanel), _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        const __m512i codes = NIBBLE ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
+        __m512 lo = _mm512_mul_ps(s[p], _mm512_cvtepi32_ps(NIBBLE ? _mm512_and_si512(codes, low_nibble) : codes));
+        if (OFFSET) lo = _mm512_add_ps(lo, o[p]);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) acc[r][p] = _mm512_fmadd_ps(lo, _mm512_set1_ps(x[r * ldx + kk]), acc[r][p]);
+        if (NIBBLE) {
+          __m512 hi = _mm512_mul_ps(s[p], _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)));
+          if (OFFSET) hi = _mm512_add_ps(hi, o[p]);
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r)
+            acc[r][p] = _mm512_fmadd_ps(hi, _mm512_set1_ps(x[r * ldx + kk + 1]), acc[r][p]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + r * ldy + (p0 + p) * kPanel, acc[r][p]);
+}
+
+using FusedFn = void (*)(const QuantPanels&, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+template <int MR, bool NIBBLE, bool GROUPS, bool OFFSET, bool OFF_GROUPS>
+void fused_rows(const QuantPanels& w, int64_t c0, int64_t c1, const float* x, int64_t ldx, int64_t k, float* y,
+                int64_t ldy) {
+  constexpr int NP = MR <= 2 ? 4 : 2;
+  int64_t p = c0;
+  for (; p + NP <= c1; p += NP) fused<MR, NP, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>(w, p, x, ldx, k, y, ldy);
+  for (; p < c1; ++p) fused<MR, 1, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>(w, p, x, ldx, k, y, ldy);
+}
+
+using FusedRowsFn = void (*)(const QuantPanels&, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+template <bool NIBBLE, bool GROUPS, bool OFFSET, bool OFF_GROUPS>
+FusedRowsFn fused_for_rows(int64_t mr) {
+  static const FusedRowsFn table[9] = {
+      nullptr, fused_rows<1, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>, fused_rows<2, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>,
+      fused_rows<3, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>, fused_rows<4, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>,
+      fused_rows<5, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>, fused_rows<6, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>,
+      fused_rows<7, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>, fused_rows<8, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>};
+  return table[mr];
+}
+
+// The formats' flag combinations (see the header comment): Q4_K, Q6_K, Q8_0 / Q5_0, Q4_1.
+FusedRowsFn fused_for(const QuantPanels& w, bool groups, bool offset, bool off_groups, int64_t mr) {
+  if (w.nibble && groups && offset && off_groups) return fused_for_rows<true, true, true, true>(mr);
+  if (!w.nibble && groups && !offset) return fused_for_rows<false, true, false, false>(mr);
+  if (!w.nibble && !groups && !offset) return fused_for_rows<false, false, false, false>(mr);
+  if (w.nibble && !groups && offset && !off_groups) return fused_for_rows<true, false, true, false>(mr);
+  return nullptr;
+}
+#endif
+
 using DequantFn = void (*)(const QuantPanels&, int64_t, int64_t, int64_t, float*);
 
 DequantFn dequant_for(bool nibble, bool groups, bool offset, bool off_groups) {
@@ -118,6 +208,18 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c1
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t chunk = 8;
+#if defined(__AVX512F__)
+  if (m <= kMaxRows) {
+    if (const FusedRowsFn rows = fused_for(w, groups, offset, off_groups, m)) {
+      dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
+        rows(w, u * chunk, std::min(panels, (u + 1) * chunk), xp, k, k, yp, ldy);
+      });
+      if (ldy != n) y = y.narrow(1, 0, n).contiguous();
+      if (bias.has_value() && bias->defined()) y.add_(*bias);
+      return y;
+    }
+  }
+#endif
   dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
     thread_local std::vector<float> tile;
     tile.resize(chunk * kQuantKBlock * kPanel);
