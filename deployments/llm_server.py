@@ -71,7 +71,7 @@ class LLMServer:
                      engine.config.use_kernels, engine.config.dtype, engine.config.device,
                      spec_config.draft_num_threads or self.cfg.threads,
                      {"max_depth": spec_config.tree.max_depth, "branching": spec_config.tree.branching}
-                     if spec_config.tree else None)
+                     if spec_config.tree else None, quantization=engine.config.quantization)
             return RemoteDraftProposer(actor)
 
         return make

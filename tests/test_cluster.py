@@ -75,10 +75,17 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
     ({"kv_cache": 1}, "Extra inputs are not permitted"),
     ({"speculation": {"method": "ngram", "tree": {"max_nodes": 99}}}, "tree.max_nodes must be at most 63"),
     ({"step_trace_dir": "traces"}, "step_trace_dir must be an absolute path"),
+    ({"quantization": "gguf", "tensor_parallel_size": 2}, "does not shard over tensor-parallel workers"),
+    ({"quantization": "awq"}, "quantization"),
 ])
 def test_bad_app_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):
         AppConfig.model_validate(args)
+
+
+def test_quantization_reaches_the_engine():
+    assert AppConfig.model_validate({"model": "m", "quantization": "gguf"}).engine_config().quantization == "gguf"
+    assert AppConfig.model_validate({"model": "m"}).engine_config().quantization is None
 
 
 def test_each_replica_traces_its_steps_to_a_folder_of_its_own(tmp_path):
