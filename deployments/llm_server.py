@@ -6,6 +6,7 @@ A caller that goes away (a client disconnect cancels the handle call) aborts its
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -128,6 +129,7 @@ class LLMServer:
                     "draft_available": (engine.speculator.proposer.available
                                         if engine.speculator.proposer is not None else None),
                     "draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
+                    "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                     "draft_failures": getattr(engine.speculator.proposer, "failures", None),
                     "draft_incarnation": getattr(engine.speculator.proposer, "incarnation", None),
                     "policy_state": policy.export_state() if hasattr(policy, "export_state") else None}
