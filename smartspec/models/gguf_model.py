@@ -44,6 +44,7 @@ def _rotary_order(n: int, heads: int) -> np.ndarray:
 
 
 def _rows(tensor) -> tuple[str, np.ndarray, int, int]:
+    """(type, bytes, rows n, row length k); a vector is one row."""
     k, n = (int(v) for v in tensor.shape[:2]) if len(tensor.shape) > 1 else (int(tensor.shape[0]), 1)
     return tensor.tensor_type.name, np.asarray(tensor.data), n, k
 
@@ -93,7 +94,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext) -> nn.Module:
                 parent, _, child = module_name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(rows, ext))
         else:
-            weight = _dense(kind, data, (n, k) if n > 1 else (k,))
+            weight = _dense(kind, data, (n, k) if len(tensor.shape) > 1 else (k,))
             if order is not None:
                 weight = weight[torch.from_numpy(order)]
             set_module_tensor_to_device(model, name, "cpu", value=weight)

@@ -79,9 +79,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
     for (int64_t k0 = 0; k0 < k; k0 += kblock)
       panel_gemm(xp + k0, m, k, std::min(kblock, k - k0), wp + k0 * kPanel, ps, yp, ldy, c0, c1, k0 > 0);
   });
-  if (ldy != n) y = y.narrow(1, 0, n).contiguous();
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
-  return y;
+  return finish_linear(y, n, bias);
 }
 
 // Attention for a packed, ragged batch of query tokens through a paged KV cache.

@@ -154,4 +154,11 @@ inline void panel_gemm(const float* x, int64_t m, int64_t ldx, int64_t kb, const
   }
 }
 
+// The padded output [M, panels * 16] cut to n columns, plus the bias: how every panel linear ends.
+inline torch::Tensor finish_linear(torch::Tensor y, int64_t n, const c10::optional<torch::Tensor>& bias) {
+  if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
 }  // namespace smartspec

@@ -57,9 +57,8 @@ void dequant(const QuantPanels& w, int64_t p, int64_t k0, int64_t kb, float* out
     // nibble formats: one byte per lane holds k (low) and k + 1 (high), so two k at a time with fixed shifts
     constexpr int64_t kPer = NIBBLE ? 2 : 1;
     for (int64_t kk = k; kk < k + w.group; kk += kPer) {
-      // restrict: bytes may alias anything, and without it every store would force the bytes to be read again
-      float* __restrict__ dst = out + (kk - k0) * kPanel;
-      const uint8_t* __restrict__ src = q + (kk / kPer) * kPanel;
+      float* dst = out + (kk - k0) * kPanel;
+      const uint8_t* src = q + (kk / kPer) * kPanel;
 #pragma GCC unroll 16
       for (int c = 0; c < kPanel; ++c) {
         const uint8_t byte = src[c];
@@ -76,6 +75,8 @@ void dequant(const QuantPanels& w, int64_t p, int64_t k0, int64_t kb, float* out
     }
   }
 }
+
+using FusedRowsFn = void (*)(const QuantPanels&, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 
 #if defined(__AVX512F__)
 // A few rows (decode, a verify step): dequantize in registers, panel by panel, straight into the FMA chains. The
@@ -145,8 +146,6 @@ void fused_rows(const QuantPanels& w, int64_t c0, int64_t c1, const float* x, in
   for (; p < c1; ++p) fused<MR, 1, NIBBLE, GROUPS, OFFSET, OFF_GROUPS>(w, p, x, ldx, k, y, ldy);
 }
 
-using FusedRowsFn = void (*)(const QuantPanels&, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-
 template <bool NIBBLE, bool GROUPS, bool OFFSET, bool OFF_GROUPS>
 FusedRowsFn fused_for_rows(int64_t mr) {
   static const FusedRowsFn table[9] = {
@@ -157,29 +156,27 @@ FusedRowsFn fused_for_rows(int64_t mr) {
   return table[mr];
 }
 
-// The formats' flag combinations (see the header comment): Q4_K, Q6_K, Q8_0 / Q5_0, Q4_1.
-FusedRowsFn fused_for(const QuantPanels& w, bool groups, bool offset, bool off_groups, int64_t mr) {
-  if (w.nibble && groups && offset && off_groups) return fused_for_rows<true, true, true, true>(mr);
-  if (!w.nibble && groups && !offset) return fused_for_rows<false, true, false, false>(mr);
-  if (!w.nibble && !groups && !offset) return fused_for_rows<false, false, false, false>(mr);
-  if (w.nibble && !groups && offset && !off_groups) return fused_for_rows<true, false, true, false>(mr);
-  return nullptr;
-}
 #endif
 
 using DequantFn = void (*)(const QuantPanels&, int64_t, int64_t, int64_t, float*);
 
-DequantFn dequant_for(bool nibble, bool groups, bool offset, bool off_groups) {
-  static const DequantFn table[2][2][2][2] = {
-      {{{dequant<false, false, false, false>, dequant<false, false, false, true>},
-        {dequant<false, false, true, false>, dequant<false, false, true, true>}},
-       {{dequant<false, true, false, false>, dequant<false, true, false, true>},
-        {dequant<false, true, true, false>, dequant<false, true, true, true>}}},
-      {{{dequant<true, false, false, false>, dequant<true, false, false, true>},
-        {dequant<true, false, true, false>, dequant<true, false, true, true>}},
-       {{dequant<true, true, false, false>, dequant<true, true, false, true>},
-        {dequant<true, true, true, false>, dequant<true, true, true, true>}}}};
-  return table[nibble][groups][offset][off_groups];
+// The kernels of one format's flag combination (see the header comment): Q4_K, Q6_K, Q8_0 / Q5_0, Q4_1.
+template <bool NIBBLE, bool GROUPS, bool OFFSET, bool OFF_GROUPS>
+struct FormatKernels {
+  static DequantFn tile() { return dequant<NIBBLE, GROUPS, OFFSET, OFF_GROUPS>; }
+#if defined(__AVX512F__)
+  static FusedRowsFn fused(int64_t mr) { return fused_for_rows<NIBBLE, GROUPS, OFFSET, OFF_GROUPS>(mr); }
+#endif
+};
+
+// Calls pick with the FormatKernels of w's format; false if the flags name no format.
+template <typename Pick>
+bool with_format(const QuantPanels& w, bool groups, bool offset, bool off_groups, const Pick& pick) {
+  if (w.nibble && groups && offset && off_groups) return pick(FormatKernels<true, true, true, true>{}), true;
+  if (!w.nibble && groups && !offset && !off_groups) return pick(FormatKernels<false, true, false, false>{}), true;
+  if (!w.nibble && !groups && !offset && !off_groups) return pick(FormatKernels<false, false, false, false>{}), true;
+  if (w.nibble && !groups && offset && !off_groups) return pick(FormatKernels<true, false, true, false>{}), true;
+  return false;
 }
 
 }  // namespace
@@ -203,23 +200,25 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c1
                 offset ? off->data_ptr<float>() : nullptr,
                 off_groups ? static_cast<const int8_t*>(mn->data_ptr()) : nullptr,
                 q.size(1) * kPanel, d.size(1) * kPanel, (k / group) * kPanel, group, superblock, nibble};
-  const DequantFn deq = dequant_for(nibble, groups, offset, off_groups);
+  DequantFn deq = nullptr;
+  FusedRowsFn rows = nullptr;
+  const bool known = with_format(w, groups, offset, off_groups, [&](auto kernels) {
+    deq = decltype(kernels)::tile();
+#if defined(__AVX512F__)
+    if (m <= kMaxRows) rows = decltype(kernels)::fused(m);
+#endif
+  });
+  TORCH_CHECK(known, "quant_linear: no GGUF format has these scales and offsets");
   auto y = torch::empty({m, ldy}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t chunk = 8;
-#if defined(__AVX512F__)
-  if (m <= kMaxRows) {
-    if (const FusedRowsFn rows = fused_for(w, groups, offset, off_groups, m)) {
-      dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
-        rows(w, u * chunk, std::min(panels, (u + 1) * chunk), xp, k, k, yp, ldy);
-      });
-      if (ldy != n) y = y.narrow(1, 0, n).contiguous();
-      if (bias.has_value() && bias->defined()) y.add_(*bias);
-      return y;
-    }
+  if (rows != nullptr) {  // a few rows: dequantized in registers
+    dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
+      rows(w, u * chunk, std::min(panels, (u + 1) * chunk), xp, k, k, yp, ldy);
+    });
+    return finish_linear(y, n, bias);
   }
-#endif
   dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
     thread_local std::vector<float> tile;
     tile.resize(chunk * kQuantKBlock * kPanel);
@@ -230,9 +229,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, c1
       panel_gemm(xp + k0, m, k, kb, tile.data(), kb * kPanel, yp + c0 * kPanel, ldy, 0, c1 - c0, k0 > 0);
     }
   });
-  if (ldy != n) y = y.narrow(1, 0, n).contiguous();
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
-  return y;
+  return finish_linear(y, n, bias);
 }
 
 }  // namespace smartspec
