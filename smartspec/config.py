@@ -25,7 +25,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # None: fp32 weights (the model's safetensors); "gguf": the weights stay in the model folder's GGUF block
-    # formats and linears compute from them (same outputs, bit for bit; CPU kernels only)
+    # formats and linears compute from them with int8 activations (llama.cpp's numerics, AVX-512 VNNI);
+    # "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of None. CPU kernels only.
     quantization: str | None = None
     # Speculative decoding: None, or a SpeculativeConfig or its dict ({"method": "draft_model" | "ngram",
     # "model": <draft>, "num_speculative_tokens": K, "policy": "smartspec" | "off" | ..., ...})

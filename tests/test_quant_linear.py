@@ -1,16 +1,19 @@
-"""Linears on GGUF-quantized weights: the unpacked codes dequantize to gguf-py's bits, and the kernel's output is
-bitwise the fp32 kernel's on those weights, for every row count, alone or batched."""
+"""Linears on GGUF-quantized weights: the unpacked codes dequantize to gguf-py's bits; the exact kernel's output is
+bitwise the fp32 kernel's on those weights, and the int8-activation kernel's bitwise its numpy reference
+(tests/q8_reference.py), for every row count, alone or batched."""
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from q8_reference import q8_linear
 
 from smartspec.engine import kernels
-from smartspec.engine.quant_linear import QuantLinear
+from smartspec.engine.quant_linear import Q8Linear, QuantLinear
 from smartspec.models.gguf_blocks import FORMATS, unpack
 
 ext = kernels.load()
 needs_kernels = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+needs_vnni = pytest.mark.skipif(ext is None or not ext.q8_linear_available(), reason="no AVX-512 VNNI kernels here")
 
 F16_FIELDS = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
 
@@ -63,6 +66,39 @@ def test_quant_linear_adds_a_bias_and_keeps_leading_dimensions():
     dense = torch.from_numpy(gguf_py_dequantized("Q8_0", raw, 20, 64))
     assert layer(x).shape == (2, 3, 20)
     assert torch.equal(layer(x).reshape(6, 20), ext.linear(x.reshape(6, 64), ext.pack_weight(dense), 20, bias))
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+@pytest.mark.parametrize("n,k", [(40, 768), (16, 256), (33, 1536)])
+def test_int8_kernel_is_its_reference_for_every_row_count(kind, n, k):
+    raw = random_tensor(kind, n, k, seed=n + k)
+    rows = unpack(kind, raw, n, k)
+    layer = Q8Linear(rows, ext)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3.0, k)
+    x[5] = 0.0  # an all-zero row: scale 0, codes 0
+    ref = q8_linear(rows, x.numpy())
+    for m in range(1, 65):
+        assert np.array_equal(layer(x[:m]).numpy().view(np.uint32), ref[:m].view(np.uint32)), m
+    assert all(np.array_equal(layer(x[i:i + 1]).numpy().view(np.uint32), ref[i:i + 1].view(np.uint32))
+               for i in range(0, 64, 7))
+    dense = x.numpy() @ gguf_py_dequantized(kind, raw, n, k).T  # int8 activations: close, not equal
+    assert np.abs(ref - dense).max() < 0.03 * np.abs(dense).max()
+
+
+@needs_vnni
+def test_int8_kernel_adds_a_bias_keeps_leading_dimensions_and_checks_its_input():
+    raw = random_tensor("Q4_K", 20, 256)
+    rows = unpack("Q4_K", raw, 20, 256)
+    bias = torch.randn(20)
+    layer = Q8Linear(rows, ext, bias=bias)
+    x = torch.randn(2, 3, 256)
+    assert layer(x).shape == (2, 3, 20)
+    assert torch.equal(layer(x).reshape(6, 20), torch.from_numpy(q8_linear(rows, x.reshape(6, 256).numpy())) + bias)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256"):
+        ext.q8_linear(torch.randn(1, 128), "Q4_K", layer.blob, 20, None)
+    with pytest.raises(RuntimeError, match="no int8 kernel for GGUF type Q3_K"):
+        ext.q8_linear(torch.randn(1, 256), "Q3_K", layer.blob, 20, None)
 
 
 def test_unpack_refuses_what_it_cannot_keep_quantized():

@@ -1,7 +1,7 @@
 """A transformers model built from a GGUF file with its weights left quantized.
 
-Linears become QuantLinear (computed from the blocks), the token embedding a QuantEmbedding (rows dequantized as
-they are looked up), and the small tensors (norms, biases, any F32/F16 weight) are read as fp32. The model's
+Linears become Q8Linear (int8 activations) or QuantLinear (exact, fp32 activations), computed from the blocks;
+the token embedding a QuantEmbedding (rows dequantized as they are looked up), and the small tensors (norms, biases, any F32/F16 weight) are read as fp32. The model's
 config and tokenizer come from the model's folder. Qwen2 and Llama architectures; a Llama GGUF stores its q and k
 rows permuted for its rotary layout, and they are put back in transformers' order, as transformers' own GGUF
 loader does."""
@@ -57,14 +57,16 @@ def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file
 
 
-def load_gguf_model(model_dir: str, gguf_file: str, ext) -> nn.Module:
+def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True) -> nn.Module:
     """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from smartspec.engine.quant_linear import QuantEmbedding, QuantLinear
+    from smartspec.engine.quant_linear import Q8Linear, QuantEmbedding, QuantLinear
+
+    linear = Q8Linear if int8_activations else QuantLinear
 
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in ARCHITECTURES:
@@ -92,7 +94,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext) -> nn.Module:
                 model.set_input_embeddings(QuantEmbedding(rows))
             else:
                 parent, _, child = module_name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(rows, ext))
+                setattr(model.get_submodule(parent) if parent else model, child, linear(rows, ext))
         else:
             weight = _dense(kind, data, (n, k) if len(tensor.shape) > 1 else (k,))
             if order is not None:
@@ -103,7 +105,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext) -> nn.Module:
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
         if embedding_rows is None:
             raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
-        model.lm_head = QuantLinear(embedding_rows, ext)  # tied: the output layer is the embedding's blocks
+        model.lm_head = linear(embedding_rows, ext)  # tied: the output layer is the embedding's blocks
     missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,12 +1,15 @@
 """Load a causal LM and its tokenizer from a bundled name, a local directory or a hub id."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from smartspec.models.registry import resolve
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,37 +39,42 @@ def _generation_config(path: str):
         return None
 
 
-QUANTIZATIONS = (None, "gguf")
+QUANTIZATIONS = (None, "gguf", "gguf_exact")
 
 
 def gguf_file_of(path: str) -> str:
     """The one GGUF file in a model folder (the model store keeps it beside the converted weights)."""
     found = sorted(Path(path).glob("*.gguf"))
     if len(found) != 1:
-        raise ValueError(f"quantization 'gguf' needs exactly one .gguf file in {path}, found {len(found)}")
+        raise ValueError(f"GGUF quantization needs exactly one .gguf file in {path}, found {len(found)}")
     return str(found[0])
 
 
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights: bool = True,
                quantization: str | None = None, **from_pretrained) -> LoadedModel:
     """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan).
-    quantization "gguf": the weights stay in the folder's GGUF block formats (linears computed from them)."""
+    quantization "gguf": the weights stay in the folder's GGUF block formats, linears computed from them with int8
+    activations (llama.cpp's numerics); "gguf_exact": the same weights with fp32 activations, outputs bitwise those
+    of None, the dequantized fp32 model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if weights and quantization == "gguf":
+    if weights and quantization in ("gguf", "gguf_exact"):
         from smartspec.engine import kernels
         from smartspec.models.gguf_model import load_gguf_model
 
         ext = kernels.load()
         if ext is None or device != "cpu" or dtype != "float32":
             state = "loaded" if ext is not None else f"unavailable: {kernels.unavailable_reason()}"
-            raise ValueError(f"quantization 'gguf' runs on the CPU kernels in float32 (here: device {device}, dtype "
-                             f"{dtype}, kernels {state})")
-        lm = load_gguf_model(path, gguf_file_of(path), ext)
+            raise ValueError(f"quantization {quantization!r} runs on the CPU kernels in float32 (here: device {device}, "
+                             f"dtype {dtype}, kernels {state})")
+        int8 = quantization == "gguf" and ext.q8_linear_available()
+        if quantization == "gguf" and not int8:
+            logger.warning("this CPU lacks AVX-512 VNNI: quantization 'gguf' computes with fp32 activations")
+        lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8)
         config, generation = lm.config, _generation_config(path)
     elif weights:
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **from_pretrained)

@@ -33,7 +33,8 @@ def load():
             print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
             _module = cpp_extension.load(
                 name="smartspec_kernels",
-                sources=[str(here / "batch_invariant.cpp"), str(here / "quant_linear.cpp")],
+                sources=[str(here / "batch_invariant.cpp"), str(here / "quant_linear.cpp"),
+                         str(here / "q8_linear.cpp")],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

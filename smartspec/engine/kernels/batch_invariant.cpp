@@ -155,5 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "repack [N, K] into panels");
   m.def("linear", &linear, "batch-invariant fp32 linear on a packed weight");
   m.def("quant_linear", &quant_linear, "batch-invariant linear on quantized panels, exact weight dequantization");
+  m.def("q8_linear", &q8_linear, "batch-invariant linear on quantized panels, int8 activations (VNNI)");
+  m.def("q8_linear_available", &q8_linear_available, "whether this build has the int8 (VNNI) kernels");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
 }

@@ -1,0 +1,294 @@
+// Linears on GGUF blocks with int8 activations, as llama.cpp computes them: each activation row is quantized to
+// int8 in blocks (one fp32 scale per block, chosen from that row alone), and the products of weight codes and
+// activation codes are summed exactly in int32 with AVX-512 VNNI. Per output element and superblock of SB weights
+//     acc = acc + float(sum_g sc_g * (dot_g - bias * xsum_g)) * (d * dx)          (sc_g = 1 without group scales)
+//     acc = acc + float(sum_g mn_g * xsum_g) * (off * dx)                         (formats with an offset)
+// dot_g: codes (stored unsigned: q + bias) times activation codes over group g; xsum_g: the activation codes' sum;
+// dx: the activation block's scale. Integer sums are exact, and the float operations above are the same for
+// every element whatever the rows, panels or threads of the call: the output is batch-invariant. The numpy
+// reference in tests/q8_reference.py computes these very bits.
+//
+// Formats (see smartspec/models/gguf_blocks.py for the codes): kind, group G, superblock SB, bias, high bits
+//   Q4_K 32/256, bias 0, offset (-dmin) * mn    Q6_K 16/256, bias 32, 2 high bits
+//   Q8_0 32/32, bias 128, whole bytes           Q5_0 32/32, bias 16, 1 high bit      Q4_1 32/32, offset m
+// Layout (packed by smartspec/engine/quant_linear.py): per panel of 16 output rows, superblock after superblock,
+// one contiguous run of bytes (a single memory stream per panel):
+//   codes   low nibbles as [SB/8, 16, 4] bytes holding k = 8j + i (low nibble) and 8j + 4 + i (high), one 64-byte
+//           vector per 8 k whose 32-bit lanes are the 16 columns; or whole bytes as [SB/4, 16, 4]
+//   high    per 32 k, HIGH vectors of 64 bytes: the bits of k = 32t + 8s + 4h + i at bit (s * 2 + h) * HIGH mod 8
+//           of vector (s * 2 + h) * HIGH / 8
+//   sc, mn  [SB/G, 16] int8       d, off  [16] fp16      zeros up to a multiple of 64 bytes (cache lines)
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "panel_gemm.h"
+#include "quant_linear.h"
+
+namespace smartspec {
+namespace {
+
+struct Q8Weights {
+  const uint8_t* blob;
+  int64_t panel_stride;  // bytes
+};
+
+// Activations quantized per row, stored k-major so that a tile's rows sit side by side (one pointer, constant
+// offsets): codes as int32 [K/4, M] (4 codes each), scales [K/SB, M], code sums [K/G, M].
+struct Q8Rows {
+  const int32_t* q;
+  const float* d;
+  const int32_t* sum;
+  int64_t m, k;
+};
+
+template <int G, int SB, int BIAS, int HIGH, bool BYTES, bool SCALES, bool OFFSET, bool OFF_SCALES>
+struct Format {
+  static constexpr int kGroup = G, kSuper = SB, kBias = BIAS, kHigh = HIGH;
+  static constexpr bool kBytes = BYTES, kScales = SCALES, kOffset = OFFSET, kOffScales = OFF_SCALES;
+  // byte offsets of a superblock's parts, and its size
+  static constexpr int64_t kHighAt = BYTES ? SB * 16 : SB * 8;
+  static constexpr int64_t kScAt = kHighAt + SB / 32 * 64 * HIGH;
+  static constexpr int64_t kMnAt = kScAt + (SCALES ? SB / G * 16 : 0);
+  static constexpr int64_t kDAt = kMnAt + (OFF_SCALES ? SB / G * 16 : 0);
+  static constexpr int64_t kOffAt = kDAt + 32;
+  static constexpr int64_t kBytesPerSuper = (kOffAt + (OFFSET ? 32 : 0) + 63) / 64 * 64;  // whole cache lines
+};
+using Q4K = Format<32, 256, 0, 0, false, true, true, true>;
+using Q6K = Format<16, 256, 32, 2, false, true, false, false>;
+using Q8_0 = Format<32, 32, 128, 0, true, false, false, false>;
+using Q5_0 = Format<32, 32, 16, 1, false, false, false, false>;
+using Q4_1 = Format<32, 32, 0, 0, false, false, true, false>;
+
+// Row r of x [M, K] as int8 blocks of SB: dx = max|x| / 127, codes round(x / dx) (ties to even), sums per group.
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, int32_t* q, float* d, int32_t* sum) {
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<int8_t> codes(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < k / sb; ++b) {
+        const float* src = x + r * k + b * sb;
+        float amax = 0.f;
+        for (int64_t i = 0; i < sb; ++i) amax = std::max(amax, std::fabs(src[i]));
+        const float scale = amax / 127.f, inv = amax > 0.f ? 1.f / scale : 0.f;
+        d[b * m + r] = scale;
+        for (int64_t i = 0; i < sb; ++i) codes[b * sb + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
+      }
+      for (int64_t j = 0; j < k / 4; ++j) std::memcpy(q + j * m + r, codes.data() + 4 * j, 4);
+      for (int64_t j = 0; j < k / g; ++j) {
+        int32_t s = 0;
+        for (int64_t i = 0; i < g; ++i) s += codes[j * g + i];
+        sum[j * m + r] = s;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512VNNI__)
+// The codes (unsigned) of k = 32t + 8S + (0..3) and 32t + 8S + (4..7) of a superblock: a 32-bit lane per column.
+template <typename F, int S>
+inline void codes8(const uint8_t* super, int64_t t, __m512i& lo, __m512i& hi) {
+  const int64_t kk = t * 32 + S * 8;
+  if constexpr (F::kBytes) {
+    lo = _mm512_loadu_si512(super + kk * 16);
+    hi = _mm512_loadu_si512(super + kk * 16 + 64);
+  } else {
+    const __m512i nib = _mm512_loadu_si512(super + kk * 8);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(nib, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4);
+    if constexpr (F::kHigh > 0) {
+      constexpr int slot = S * 2 * F::kHigh, e = slot % 8, eh = e + F::kHigh;  // bit positions of h = 0 and 1
+      const __m512i bits = _mm512_loadu_si512(super + F::kHighAt + t * 64 * F::kHigh + (slot / 8) * 64);
+      const __m512i top = _mm512_set1_epi8(F::kHigh == 2 ? 0x30 : 0x10);
+      // bits (e, e + HIGH) of each byte moved to bit 4 (the code's high part), neighbours masked off
+      const __m512i lo_bits = e <= 4 ? _mm512_slli_epi16(bits, 4 - e) : _mm512_srli_epi16(bits, e - 4);
+      const __m512i hi_bits = eh <= 4 ? _mm512_slli_epi16(bits, 4 - eh) : _mm512_srli_epi16(bits, eh - 4);
+      lo = _mm512_ternarylogic_epi32(lo, lo_bits, top, 0xF8);  // lo | (lo_bits & top)
+      hi = _mm512_ternarylogic_epi32(hi, hi_bits, top, 0xF8);
+    }
+  }
+}
+
+inline __m512i small_ints(const uint8_t* at) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+inline __m512 halves(const uint8_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+// Rows r0 .. r0 + MR of x against panels p0 .. p0 + NP, over all of K. The float accumulators live in y (stored
+// and loaded back between superblocks, which changes no bit), leaving the registers to the integer sums.
+template <typename F, int MR, int NP>
+void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr int G = F::kGroup, SB = F::kSuper;
+  for (int64_t s0 = 0; s0 < x.k; s0 += SB) {
+    const int64_t sb = s0 / SB;
+    const float* dx = x.d + sb * x.m + r0;
+    const uint8_t* super[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) super[p] = w.blob + (p0 + p) * w.panel_stride + sb * F::kBytesPerSuper;
+    __m512i sumi[MR][NP], dot[MR][NP];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) sumi[r][p] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < SB / 32; ++t) {
+      // the four 8-k steps of a 32-k span, unrolled at compile time (the high bits' shifts depend on the step)
+      [&]<int... S>(std::integer_sequence<int, S...>) {
+        ([&] {
+          if constexpr (S * 8 % G == 0) {
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+              for (int p = 0; p < NP; ++p) dot[r][p] = _mm512_setzero_si512();
+          }
+          __m512i lo[NP], hi[NP];
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p) {
+            // one sequential stream per panel; fetching ~1 KiB ahead keeps memory busy
+            _mm_prefetch(reinterpret_cast<const char*>(super[p] + (t * 32 + S * 8) * (F::kBytes ? 16 : 8) + 1024),
+                         _MM_HINT_T0);
+            codes8<F, S>(super[p], t, lo[p], hi[p]);
+          }
+          const int32_t* xa_row = x.q + ((s0 + t * 32 + S * 8) / 4) * x.m + r0;
+          const int32_t* xb_row = xa_row + x.m;
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xa = _mm512_set1_epi32(xa_row[r]);
+            const __m512i xb = _mm512_set1_epi32(xb_row[r]);
+#pragma GCC unroll 8
+            for (int p = 0; p < NP; ++p) {
+              dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], lo[p], xa);
+              dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], hi[p], xb);
+            }
+          }
+          if constexpr ((S + 1) * 8 % G == 0) {  // a group ends: its sums join the superblock's
+            const int64_t g = (t * 32 + S * 8) / G;
+            __m512i scale[NP];
+            if constexpr (F::kScales) {
+#pragma GCC unroll 8
+              for (int p = 0; p < NP; ++p) scale[p] = small_ints(super[p] + F::kScAt + g * 16);
+            }
+            const int32_t* sums = x.sum + (s0 / G + g) * x.m + r0;
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              const __m512i bias = _mm512_set1_epi32(F::kBias * sums[r]);
+#pragma GCC unroll 8
+              for (int p = 0; p < NP; ++p) {
+                __m512i v = F::kBias ? _mm512_sub_epi32(dot[r][p], bias) : dot[r][p];
+                if constexpr (F::kScales) v = _mm512_mullo_epi32(v, scale[p]);
+                sumi[r][p] = _mm512_add_epi32(sumi[r][p], v);
+              }
+            }
+          }
+        }(), ...);
+      }(std::make_integer_sequence<int, 4>{});
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const __m512 dv = halves(super[p] + F::kDAt);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        float* out = y + (r0 + r) * ldy + (p0 + p) * kPanel;
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi[r][p]),
+                                          _mm512_mul_ps(dv, _mm512_set1_ps(dx[r])));
+        _mm512_storeu_ps(out, sb == 0 ? _mm512_add_ps(_mm512_setzero_ps(), part)
+                                      : _mm512_add_ps(_mm512_loadu_ps(out), part));
+      }
+    }
+    if constexpr (F::kOffset) {
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const __m512 ov = halves(super[p] + F::kOffAt);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* sums = x.sum + (s0 / G) * x.m + r0 + r;
+          __m512i summ = _mm512_setzero_si512();
+#pragma GCC unroll 16
+          for (int64_t g = 0; g < SB / G; ++g) {
+            const __m512i mn = F::kOffScales ? small_ints(super[p] + F::kMnAt + g * 16) : _mm512_set1_epi32(1);
+            summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(mn, _mm512_set1_epi32(sums[g * x.m])));
+          }
+          float* out = y + (r0 + r) * ldy + (p0 + p) * kPanel;
+          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(summ),
+                                            _mm512_mul_ps(ov, _mm512_set1_ps(dx[r])));
+          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), part));
+        }
+      }
+    }
+  }
+}
+
+constexpr int kQ8MaxRows = 4;
+template <int MR> constexpr int q8_panels() { return MR <= 2 ? 4 : 2; }
+
+// All rows of x against panels [c0, c1): row tiles outside, so the panels' codes are reused from cache.
+template <typename F, int MR>
+void q8_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr int NP = q8_panels<MR>();
+  int64_t p = c0;
+  for (; p + NP <= c1; p += NP) q8_tile<F, MR, NP>(w, p, x, r0, y, ldy);
+  for (; p < c1; ++p) q8_tile<F, MR, 1>(w, p, x, r0, y, ldy);
+}
+
+using Q8RowsFn = void (*)(const Q8Weights&, int64_t, int64_t, const Q8Rows&, int64_t, float*, int64_t);
+
+template <typename F>
+void q8_panels_all_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_t m, float* y,
+                        int64_t ldy) {
+  static const Q8RowsFn by_rows[kQ8MaxRows + 1] = {nullptr, q8_rows<F, 1>, q8_rows<F, 2>, q8_rows<F, 3>,
+                                                  q8_rows<F, 4>};
+  for (int64_t r = 0; r < m; r += kQ8MaxRows) by_rows[std::min<int64_t>(kQ8MaxRows, m - r)](w, c0, c1, x, r, y, ldy);
+}
+#endif
+
+}  // namespace
+
+bool q8_linear_available() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor q8_linear(torch::Tensor x, const std::string& kind, torch::Tensor blob, int64_t n,
+                        c10::optional<torch::Tensor> bias) {
+#if defined(__AVX512VNNI__)
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "q8_linear: x fp32 [M, K]");
+  TORCH_CHECK(blob.dim() == 2 && blob.is_contiguous() && blob.element_size() == 1, "q8_linear: blob [P, bytes]");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = blob.size(0), ldy = panels * kPanel;
+  auto run = [&](auto format) -> torch::Tensor {
+    using F = decltype(format);
+    TORCH_CHECK(k % F::kSuper == 0, "q8_linear: K must be a multiple of ", F::kSuper, " for ", kind);
+    TORCH_CHECK(blob.size(1) == k / F::kSuper * F::kBytesPerSuper, "q8_linear: ", kind, " panels of ",
+                k / F::kSuper * F::kBytesPerSuper, " bytes expected for K = ", k, ", got ", blob.size(1));
+    const Q8Weights w{static_cast<const uint8_t*>(blob.data_ptr()), blob.size(1)};
+    torch::Tensor xq = torch::empty({k / 4, m}, x.options().dtype(torch::kInt32));
+    torch::Tensor xd = torch::empty({k / F::kSuper, m}, x.options());
+    torch::Tensor xs = torch::empty({k / F::kGroup, m}, x.options().dtype(torch::kInt32));
+    quantize_rows(x.data_ptr<float>(), m, k, F::kSuper, F::kGroup, xq.data_ptr<int32_t>(), xd.data_ptr<float>(),
+                  xs.data_ptr<int32_t>());
+    const Q8Rows rows{xq.data_ptr<int32_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), m, k};
+    torch::Tensor y = torch::empty({m, ldy}, x.options());
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t chunk = 4;
+    dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
+      q8_panels_all_rows<F>(w, u * chunk, std::min(panels, (u + 1) * chunk), rows, m, yp, ldy);
+    });
+    return finish_linear(y, n, bias);
+  };
+  if (kind == "Q4_K") return run(Q4K{});
+  if (kind == "Q6_K") return run(Q6K{});
+  if (kind == "Q8_0") return run(Q8_0{});
+  if (kind == "Q5_0") return run(Q5_0{});
+  if (kind == "Q4_1") return run(Q4_1{});
+  TORCH_CHECK(false, "q8_linear: no int8 kernel for GGUF type ", kind);
+#else
+  TORCH_CHECK(false, "q8_linear needs AVX-512 VNNI");
+#endif
+}
+
+}  // namespace smartspec
