@@ -27,9 +27,10 @@ class AppConfig(Strict):
     # the engine's own SpeculativeConfig (draft_model with qwen2.5-coder-0.5b by default); null or
     # {method: none}: no speculation
     speculation: SpeculativeConfig | None = Field(default_factory=SpeculativeConfig)
-    # "gguf": the target and the draft keep their GGUF block formats (bundled models; int8 activations, a fraction
-    # of the memory); "gguf_exact": the same with fp32 activations (outputs bitwise None's); None: fp32 weights
-    quantization: Literal["gguf", "gguf_exact"] | None = None
+    # "auto": "gguf" for models whose folder holds a GGUF file (the bundled ones), fp32 under tensor parallelism;
+    # "gguf": the target and the draft keep their GGUF block formats (int8 activations, a fraction of the
+    # memory); "gguf_exact": the same with fp32 activations (outputs bitwise None's); None: fp32 weights
+    quantization: Literal["auto", "gguf", "gguf_exact"] | None = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
     tp_num_cpus: float = Field(0.25, gt=0)  # per tensor-parallel worker actor
     kv_cache_gib: float = Field(1.0, gt=0)
@@ -82,7 +83,7 @@ class AppConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
-        if self.quantization and self.tensor_parallel_size > 1:
+        if self.quantization not in (None, "auto") and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization {self.quantization!r} does not shard over tensor-parallel workers yet: use "
                              "tensor_parallel_size 1, or quantization null")
         self.engine_config()  # the engine's own checks, now, with a clear message

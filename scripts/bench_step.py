@@ -43,9 +43,10 @@ def measure_bandwidth() -> float:
     return max(x.numel() * 4 / timed(lambda: x.sum(), 5), x.numel() * 4 / timed(lambda: a @ v, 5)) / 1e9
 
 
-def bench_engine(model: str, reps: int) -> tuple[dict, int]:
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_batched_tokens=4096))
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+def bench_engine(model: str, reps: int, quantization: str | None) -> tuple[dict, int]:
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_batched_tokens=4096,
+                                    quantization=quantization))
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
     gen = torch.Generator().manual_seed(0)
     for i in range(16):  # 16 requests with a 200-token context already in the cache
         engine.add_request(torch.randint(100, 5000, (CONTEXT,), generator=gen).tolist(), request_id=f"b{i}")
@@ -91,8 +92,11 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "gguf_exact", "none"],
+                    help="the engine's weights (auto: the GGUF blocks of a bundled model)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
+    quantization = None if args.quantization == "none" else args.quantization
     torch.set_num_threads(args.threads)
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -102,12 +106,12 @@ def main() -> int:
     rows = []
     for model in args.models:
         print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
-        ours, weight_bytes = bench_engine(model, args.reps)
+        ours, weight_bytes = bench_engine(model, args.reps, quantization)
         print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
         theirs = bench_transformers(model, args.reps)
         for (b, n), t in ours.items():
             for impl, sec in (("smartspec", t), ("transformers", theirs[(b, n)])):
-                rows.append(dict(model=model, impl=impl, batch=b, new_tokens=n, ms=sec * 1e3,
+                rows.append(dict(model=model, impl=impl, quantization=args.quantization, batch=b, new_tokens=n, ms=sec * 1e3,
                                  tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
                                  bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads))
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -24,10 +24,11 @@ class EngineConfig:
     use_kernels: bool = True
     dtype: str = "float32"
     device: str = "cpu"
-    # None: fp32 weights (the model's safetensors); "gguf": the weights stay in the model folder's GGUF block
-    # formats and linears compute from them with int8 activations (llama.cpp's numerics, AVX-512 VNNI);
-    # "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of None. CPU kernels only.
-    quantization: str | None = None
+    # "auto": "gguf" for a model folder that holds a GGUF file (the bundled models), else None. "gguf": the
+    # weights stay in the GGUF block formats and linears compute from them with int8 activations (llama.cpp's
+    # numerics, AVX-512 VNNI); "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of
+    # None: fp32 weights (the folder's safetensors). The GGUF modes need the CPU kernels.
+    quantization: str | None = "auto"
     # Speculative decoding: None, or a SpeculativeConfig or its dict ({"method": "draft_model" | "ngram",
     # "model": <draft>, "num_speculative_tokens": K, "policy": "smartspec" | "off" | ..., ...})
     speculative_config: SpeculativeConfig | dict | None = None
@@ -55,5 +56,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "auto" and not self.use_kernels:
+            self.quantization = None  # the GGUF modes compute on the kernels
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -85,7 +85,9 @@ def test_bad_app_config_is_refused_with_the_reason(args, message):
 
 def test_quantization_reaches_the_engine():
     assert AppConfig.model_validate({"model": "m", "quantization": "gguf"}).engine_config().quantization == "gguf"
-    assert AppConfig.model_validate({"model": "m"}).engine_config().quantization is None
+    assert AppConfig.model_validate({"model": "m"}).engine_config().quantization == "auto"
+    assert AppConfig.model_validate({"model": "m", "quantization": None}).engine_config().quantization is None
+    assert AppConfig.model_validate({"model": "m", "tensor_parallel_size": 2}).tensor_parallel_size == 2
 
 
 def test_each_replica_traces_its_steps_to_a_folder_of_its_own(tmp_path):

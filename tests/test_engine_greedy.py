@@ -57,7 +57,7 @@ def test_preemption_under_a_small_cache_keeps_outputs(tiny_qwen):
 
 @pytest.mark.real_model
 def test_real_model_matches_transformers_generate(smollm):
-    llm = LLM(smollm, kv_cache_gib=0.25, max_model_len=1024)
+    llm = LLM(smollm, kv_cache_gib=0.25, max_model_len=1024, quantization=None)  # the fp32 weights
     hf = _hf(smollm)
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function is_prime(n)."}],
                                              tokenize=False, add_generation_prompt=True)

@@ -26,10 +26,24 @@ def test_gguf_tensor_names_map_to_transformers_names():
         hf_name("blk.0.ffn_gate_exps.weight")
 
 
+@pytest.mark.real_model
+@needs_kernels
+def test_auto_quantization_picks_the_gguf_file_where_there_is_one(tiny_qwen, smollm):
+    from smartspec.engine.quant_linear import Q8Linear, QuantLinear
+    from smartspec.models.loader import auto_quantization
+
+    assert auto_quantization(smollm) == "gguf"
+    assert auto_quantization(smollm, dtype="bfloat16") is None
+    assert auto_quantization(tiny_qwen) is None
+    assert LLM(smollm, use_kernels=False, **OPTIONS).engine.config.quantization is None
+    layer = LLM(smollm, **OPTIONS).engine.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Q8Linear if kernels.load().q8_linear_available() else QuantLinear)
+
+
 def test_quantized_loading_needs_a_gguf_file(tiny_qwen):
     with pytest.raises(ValueError, match="exactly one .gguf file"):
         LLM(tiny_qwen, quantization="gguf", num_kv_blocks=64, block_size=4, max_model_len=128)
-    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'gguf', 'gguf_exact'\)"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'auto', 'gguf', 'gguf_exact'\)"):
         LLM(tiny_qwen, quantization="awq")
 
 
@@ -38,7 +52,7 @@ OPTIONS = {"kv_cache_gib": 0.25, "max_model_len": 1024}
 
 @pytest.fixture(scope="module")
 def pair(smollm):
-    return LLM(smollm, quantization="gguf_exact", **OPTIONS), LLM(smollm, **OPTIONS)
+    return LLM(smollm, quantization="gguf_exact", **OPTIONS), LLM(smollm, quantization=None, **OPTIONS)
 
 
 @pytest.fixture(scope="module")

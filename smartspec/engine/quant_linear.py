@@ -43,9 +43,21 @@ def _by_panel(u: np.ndarray) -> np.ndarray:
     return padded.reshape(-1, PANEL, k)
 
 
-def q8_blob(rows: QuantizedRows) -> torch.Tensor:
+def q8_blob(rows: QuantizedRows, chunk_rows: int = 8192) -> torch.Tensor:
     """The int8 kernel's weight [P, bytes]: per panel, superblock by superblock, codes (unsigned: q + bias), high
-    bits, group scales, fp16 d and offset, padded to 64 bytes (layout: engine/kernels/q8_linear.cpp)."""
+    bits, group scales, fp16 d and offset, padded to 64 bytes (layout: engine/kernels/q8_linear.cpp). Packed
+    chunk_rows rows at a time, so that an output layer's temporaries stay small."""
+    n = rows.shape[0]
+    blob = None
+    for r0 in range(0, n, chunk_rows):
+        part = _q8_blob_rows(rows.take(np.arange(r0, min(n, r0 + chunk_rows))))
+        if blob is None:
+            blob = torch.empty((-(-n // PANEL), part.shape[1]), dtype=torch.uint8)
+        blob[r0 // PANEL:r0 // PANEL + part.shape[0]] = part
+    return blob
+
+
+def _q8_blob_rows(rows: QuantizedRows) -> torch.Tensor:
     bias, high = Q8_CODES[rows.kind]
     u = _by_panel((rows.q.astype(np.int16) + bias).astype(np.uint8))
     p, _, k = u.shape

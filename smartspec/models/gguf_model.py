@@ -43,31 +43,88 @@ def _rotary_order(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _rows(tensor) -> tuple[str, np.ndarray, int, int]:
-    """(type, bytes, rows n, row length k); a vector is one row."""
-    k, n = (int(v) for v in tensor.shape[:2]) if len(tensor.shape) > 1 else (int(tensor.shape[0]), 1)
-    return tensor.tensor_type.name, np.asarray(tensor.data), n, k
+def _shape(tensor) -> tuple[int, int]:
+    """(rows n, row length k); a vector is one row."""
+    return (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) > 1 else (1, int(tensor.shape[0]))
+
+
+def _read(f, tensor, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of a tensor's bytes, read from the file (not through the reader's memory map, whose pages
+    would stay resident beside the packed weights)."""
+    n, _ = _shape(tensor)
+    row_bytes = int(tensor.n_bytes) // n
+    f.seek(int(tensor.data_offset) + r0 * row_bytes)
+    return np.frombuffer(f.read((r1 - r0) * row_bytes), dtype=np.uint8)
+
+
+def _unpack(f, tensor, kind: str, n: int, k: int, chunk_rows: int = 8192) -> QuantizedRows:
+    """The tensor's codes and scales, unpacked chunk_rows rows at a time into arrays allocated once."""
+    out = None
+    for r0 in range(0, n, chunk_rows):
+        r1 = min(n, r0 + chunk_rows)
+        part = unpack(kind, _read(f, tensor, r0, r1), r1 - r0, k)
+        if out is None:
+            def alloc(a):
+                return None if a is None else np.empty((n, *a.shape[1:]), dtype=a.dtype)
+            out = QuantizedRows(kind, alloc(part.q), alloc(part.d), alloc(part.sc), alloc(part.off), alloc(part.mn),
+                                part.group, part.superblock, part.nibble)
+        for name in ("q", "d", "sc", "off", "mn"):
+            if getattr(part, name) is not None:
+                getattr(out, name)[r0:r1] = getattr(part, name)
+    return out
 
 
 def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    if kind not in ("F32", "F16"):
+    """A tensor's bytes as fp32 of this shape."""
+    if kind in ("F32", "F16"):
+        values = data.view(np.float32 if kind == "F32" else np.float16)
+    else:
         from gguf import GGMLQuantizationType, quants
         logger.warning("GGUF type %s is not kept quantized: dequantized to fp32 at load", kind)
-        data = quants.dequantize(data, getattr(GGMLQuantizationType, kind))
-    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file
+        values = quants.dequantize(data.reshape(shape[0] if len(shape) > 1 else 1, -1),
+                                   getattr(GGMLQuantizationType, kind))
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
+           biases: dict[str, torch.Tensor]) -> QuantizedRows | None:
+    """Put one GGUF tensor in the model; returns the token embedding's blocks when this is it."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    from smartspec.engine.quant_linear import QuantEmbedding
+
+    name, kind = hf_name(tensor.name), tensor.tensor_type.name
+    (n, k), vector = _shape(tensor), len(tensor.shape) == 1
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding)) and kind in FORMATS:
+        rows = _unpack(f, tensor, kind, n, k)
+        rows = rows if order is None else rows.take(order)
+        if isinstance(module, nn.Embedding):
+            model.set_input_embeddings(QuantEmbedding(rows))
+            return rows
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, linear(rows, ext))
+        return None
+    value = _dense(kind, _read(f, tensor, 0, n), (n * k,) if vector else (n, k))
+    if order is not None:
+        value = value[torch.from_numpy(order)]
+    if attr == "bias":
+        biases[module_name] = value
+    else:
+        set_module_tensor_to_device(model, name, "cpu", value=value)
+    return None
 
 
 def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True) -> nn.Module:
     """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels."""
     from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from smartspec.engine.quant_linear import Q8Linear, QuantEmbedding, QuantLinear
+    from smartspec.engine.quant_linear import Q8Linear, QuantLinear
 
     linear = Q8Linear if int8_activations else QuantLinear
-
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"quantized GGUF loading supports {ARCHITECTURES}, not {config.model_type!r}")
@@ -77,29 +134,13 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
              "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     embedding_rows: QuantizedRows | None = None
     biases: dict[str, torch.Tensor] = {}
-    for tensor in GGUFReader(gguf_file).tensors:
-        name, part = hf_name(tensor.name), tensor.name.split(".")[-2]
-        kind, data, n, k = _rows(tensor)
-        order = _rotary_order(n, heads[part]) if config.model_type == "llama" and part in heads else None
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if attr == "bias":
-            bias = _dense(kind, data, (n * k,))
-            biases[module_name] = bias if order is None else bias[torch.from_numpy(order)]
-        elif isinstance(module, (nn.Linear, nn.Embedding)) and kind in FORMATS:
-            rows = unpack(kind, data, n, k)
-            rows = rows if order is None else rows.take(order)
-            if isinstance(module, nn.Embedding):
-                embedding_rows = rows
-                model.set_input_embeddings(QuantEmbedding(rows))
-            else:
-                parent, _, child = module_name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, linear(rows, ext))
-        else:
-            weight = _dense(kind, data, (n, k) if len(tensor.shape) > 1 else (k,))
-            if order is not None:
-                weight = weight[torch.from_numpy(order)]
-            set_module_tensor_to_device(model, name, "cpu", value=weight)
+    with open(gguf_file, "rb") as f:
+        for tensor in GGUFReader(gguf_file).tensors:
+            part = tensor.name.split(".")[-2]
+            permuted = config.model_type == "llama" and part in heads
+            order = _rotary_order(_shape(tensor)[0] if len(tensor.shape) > 1 else int(tensor.shape[0]),
+                                  heads[part]) if permuted else None
+            embedding_rows = _place(model, f, tensor, order, linear, ext, biases) or embedding_rows
     for module_name, bias in biases.items():
         model.get_submodule(module_name).bias = nn.Parameter(bias, requires_grad=False)
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:

@@ -39,7 +39,7 @@ def _generation_config(path: str):
         return None
 
 
-QUANTIZATIONS = (None, "gguf", "gguf_exact")
+QUANTIZATIONS = (None, "auto", "gguf", "gguf_exact")
 
 
 def gguf_file_of(path: str) -> str:
@@ -50,18 +50,32 @@ def gguf_file_of(path: str) -> str:
     return str(found[0])
 
 
+def auto_quantization(path: str, device: str = "cpu", dtype: str = "float32", use_kernels: bool = True) -> str | None:
+    """What "auto" means for this model: "gguf" when its folder holds one GGUF file and the CPU kernels run here
+    (cpu, float32), else None (the folder's safetensors)."""
+    if not (use_kernels and device == "cpu" and dtype == "float32" and len(list(Path(path).glob("*.gguf"))) == 1):
+        return None
+    from smartspec.engine import kernels
+
+    return "gguf" if kernels.load() is not None else None
+
+
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights: bool = True,
                quantization: str | None = None, **from_pretrained) -> LoadedModel:
     """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan).
     quantization "gguf": the weights stay in the folder's GGUF block formats, linears computed from them with int8
     activations (llama.cpp's numerics); "gguf_exact": the same weights with fp32 activations, outputs bitwise those
-    of None, the dequantized fp32 model."""
+    of None, the dequantized fp32 model; "auto": "gguf" where the folder has a GGUF file, else None."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if quantization == "auto":
+        quantization = auto_quantization(path, device, dtype) if weights and not from_pretrained else None
+        if weights:
+            logger.info("%s: quantization 'auto' loads %s", model, quantization or "the safetensors weights")
     if weights and quantization in ("gguf", "gguf_exact"):
         from smartspec.engine import kernels
         from smartspec.models.gguf_model import load_gguf_model
