@@ -16,13 +16,17 @@ from smartspec.models.gguf_blocks import QuantizedRows
 PANEL = 16  # output rows per panel, as the kernel's fp32 weights
 
 
-def _panels(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [N, C] -> panels [ceil(N / 16), C, 16] (rows padded with zeros), the layout the kernel streams."""
+def _by_panel(a: np.ndarray) -> np.ndarray:
+    """Rows [N, C] -> [ceil(N / 16), 16, C] (rows padded with zeros)."""
     n, c = a.shape
     padded = np.zeros((-(-n // PANEL) * PANEL, c), dtype=a.dtype)
     padded[:n] = a
-    out = padded.reshape(-1, PANEL, c).transpose(0, 2, 1)
-    return torch.from_numpy(np.ascontiguousarray(out)).to(dtype)
+    return padded.reshape(-1, PANEL, c)
+
+
+def _panels(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [N, C] -> panels [ceil(N / 16), C, 16], the layout the kernel streams."""
+    return torch.from_numpy(np.ascontiguousarray(_by_panel(a).transpose(0, 2, 1))).to(dtype)
 
 
 def _nibble_panels(q: np.ndarray) -> torch.Tensor:
@@ -33,14 +37,6 @@ def _nibble_panels(q: np.ndarray) -> torch.Tensor:
 
 # kind -> the bias that makes its codes unsigned (the int8 kernel's weight operand), high bits beyond a nibble
 Q8_CODES = {"Q4_K": (0, 0), "Q6_K": (32, 2), "Q8_0": (128, None), "Q5_0": (16, 1), "Q4_1": (0, 0)}
-
-
-def _by_panel(u: np.ndarray) -> np.ndarray:
-    """Codes [N, K] -> [P, 16, K] (rows padded with zeros)."""
-    n, k = u.shape
-    padded = np.zeros((-(-n // PANEL) * PANEL, k), dtype=np.uint8)
-    padded[:n] = u
-    return padded.reshape(-1, PANEL, k)
 
 
 def q8_blob(rows: QuantizedRows, chunk_rows: int = 8192) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """A transformers model built from a GGUF file with its weights left quantized.
 
 Linears become Q8Linear (int8 activations) or QuantLinear (exact, fp32 activations), computed from the blocks;
-the token embedding a QuantEmbedding (rows dequantized as they are looked up), and the small tensors (norms, biases, any F32/F16 weight) are read as fp32. The model's
-config and tokenizer come from the model's folder. Qwen2 and Llama architectures; a Llama GGUF stores its q and k
-rows permuted for its rotary layout, and they are put back in transformers' order, as transformers' own GGUF
-loader does."""
+the token embedding a QuantEmbedding (rows dequantized as they are looked up); the small tensors (norms, biases,
+any F32/F16 weight) are read as fp32. The model's config and tokenizer come from the model's folder. Qwen2 and
+Llama architectures; a Llama GGUF stores its q and k rows permuted for its rotary layout, and they are put back in
+transformers' order, as transformers' own GGUF loader does."""
 from __future__ import annotations
 
 import logging

@@ -50,10 +50,10 @@ def gguf_file_of(path: str) -> str:
     return str(found[0])
 
 
-def auto_quantization(path: str, device: str = "cpu", dtype: str = "float32", use_kernels: bool = True) -> str | None:
+def auto_quantization(path: str, device: str = "cpu", dtype: str = "float32") -> str | None:
     """What "auto" means for this model: "gguf" when its folder holds one GGUF file and the CPU kernels run here
     (cpu, float32), else None (the folder's safetensors)."""
-    if not (use_kernels and device == "cpu" and dtype == "float32" and len(list(Path(path).glob("*.gguf"))) == 1):
+    if not (device == "cpu" and dtype == "float32" and len(list(Path(path).glob("*.gguf"))) == 1):
         return None
     from smartspec.engine import kernels
 
