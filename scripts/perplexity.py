@@ -2,7 +2,8 @@
 within 1% of the dequantized fp32 model (None) and of the exact quantized path ("gguf_exact").
 
 The text: HumanEval's first problems, prompt and canonical solution, concatenated, scored in windows of --window
-tokens (no overlap, each window from scratch). Prints a table; writes results/perplexity.parquet.
+tokens (no overlap, each window from scratch) by the engine's own forward (ModelRunner.score: the fused decoder
+layers where they run). Prints a table; writes results/perplexity.parquet.
 
     python scripts/perplexity.py --model qwen2.5-coder-1.5b --tokens 2048
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from smartspec import LLM
 from smartspec.bench.workloads import humaneval_problems
-from smartspec.models.loader import load_model
 
 FORMATS = {"none": None, "gguf": "gguf", "gguf_exact": "gguf_exact"}
 
@@ -31,18 +32,17 @@ def fixed_text_ids(tokenizer, tokens: int) -> list[int]:
     raise ValueError(f"HumanEval holds fewer than {tokens} tokens")
 
 
-@torch.inference_mode()
-def perplexity(model, ids: list[int], window: int) -> tuple[float, int]:
+def perplexity(llm: LLM, ids: list[int], window: int) -> tuple[float, int]:
     """exp(mean negative log-likelihood) of every token after the first of each window, and that token count."""
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = torch.tensor([ids[start:start + window]])
-        if chunk.shape[1] < 2:
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
             break
-        logits = model(input_ids=chunk).logits[0, :-1].float()
-        nll += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
-        count += chunk.shape[1] - 1
-        print(f"  {start + chunk.shape[1]}/{len(ids)} tokens", file=sys.stderr, flush=True)
+        logits = llm.engine.runner.score(chunk)[:-1]
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
+        print(f"  {start + len(chunk)}/{len(ids)} tokens", file=sys.stderr, flush=True)
     return math.exp(nll / count), count
 
 
@@ -60,13 +60,13 @@ def main() -> None:
     ids = None
     for name in args.formats:
         print(f"{args.model} weights {name}: loading", file=sys.stderr, flush=True)
-        loaded = load_model(args.model, quantization=FORMATS[name])
-        ids = ids or fixed_text_ids(loaded.tokenizer, args.tokens)
+        llm = LLM(args.model, quantization=FORMATS[name], max_model_len=args.window, kv_cache_gib=0.5)
+        ids = ids or fixed_text_ids(llm.tokenizer, args.tokens)
         start = time.perf_counter()
-        ppl, count = perplexity(loaded.model, ids, args.window)
+        ppl, count = perplexity(llm, ids, args.window)
         rows.append({"model": args.model, "weights": name, "perplexity": ppl, "tokens": count,
                      "seconds": time.perf_counter() - start})
-        del loaded
+        del llm
     base = next((r for r in rows if r["weights"] == "none"), rows[0])
     print(f"\n{'weights':12s} {'perplexity':>11s} {'vs ' + base['weights']:>9s} {'tokens':>7s} {'seconds':>8s}")
     for r in rows:

@@ -3,12 +3,14 @@ linears, a Q8_0 embedding tied to the output layer): with fp32 activations ("ggu
 bit, as the fp32 model dequantized from the same file; with int8 activations ("gguf") a perplexity within 1% of
 it, and speculation on either equal to its own plain decoding."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from smartspec import LLM, SamplingParams
 from smartspec.engine import kernels
+from smartspec.engine.fused_decoder import FusedDecoder
 from smartspec.models.gguf_model import hf_name
 from smartspec.models.loader import load_model
 
@@ -80,23 +82,70 @@ def perplexity(model: str, quantization: str | None, text: str) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
 
 
+def fixed_text() -> str:
+    """HumanEval's first problems with their solutions: some 900 tokens of code, a fixed text."""
+    from smartspec.bench.workloads import humaneval_problems
+
+    return "\n\n".join(p["prompt"] + p["canonical_solution"] for p in humaneval_problems()[:6])
+
+
+def engine_perplexity(llm: LLM, text: str) -> float:
+    ids = llm.tokenizer(text)["input_ids"]
+    logits = llm.engine.runner.score(ids)[:-1]
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+
+
 @pytest.mark.real_model
 @needs_kernels
-def test_int8_activations_keep_perplexity_within_one_percent(smollm):
-    text = " ".join(PROMPTS) + " def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + " \
-        "fibonacci(n - 2)\n\nprint([fibonacci(i) for i in range(10)])\n"
+def test_int8_activations_keep_perplexity_within_one_percent(smollm, pair, int8_model):
+    """transformers' forward on the int8 linears, and the engine's (the fused decoder layers, and the same layers
+    through transformers' modules), each within 1% of the fp32 model's."""
+    text = fixed_text()
     dense = perplexity(smollm, None, text)
     assert abs(perplexity(smollm, "gguf", text) / dense - 1) < 0.01
+    runner = int8_model.engine.runner
+    assert runner.fused is not None  # SmolLM2 is a Llama: its layers run fused
+    engine_dense = engine_perplexity(pair[1], text)
+    fused = engine_perplexity(int8_model, text)
+    runner.fused = None
+    try:
+        modules = engine_perplexity(int8_model, text)
+    finally:
+        runner.fused = FusedDecoder.build(int8_model.engine.model, kernels.load())
+    assert abs(fused / engine_dense - 1) < 0.01 and abs(modules / engine_dense - 1) < 0.01
+    assert abs(engine_dense / dense - 1) < 0.01
 
 
 @pytest.mark.real_model
 @needs_kernels
-@pytest.mark.parametrize("quantization", ["gguf", "gguf_exact"])
-def test_speculation_on_the_quantized_model_equals_its_plain_decoding(smollm, pair, int8_model, quantization):
+@pytest.mark.parametrize("quantization, tree", [("gguf", None), ("gguf", {"max_nodes": 8, "max_depth": 3}),
+                                               ("gguf_exact", None)])
+def test_speculation_on_the_quantized_model_equals_its_plain_decoding(smollm, pair, int8_model, quantization, tree):
     plain = int8_model if quantization == "gguf" else pair[0]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
+    shape = {"tree": tree} if tree else {"num_speculative_tokens": 5}
     spec = LLM(smollm, quantization=quantization, **OPTIONS,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "policy": "fixed"})
+               speculative_config={"method": "ngram", "policy": "fixed", **shape})
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert spec.engine.speculator.metrics.num_draft_tokens > 0
+
+
+@pytest.mark.real_model
+@needs_kernels
+def test_a_fetched_model_gets_fp32_weights_only_when_they_are_loaded(smollm, tmp_path):
+    """The store keeps the GGUF file with config and tokenizer; quantization None converts it once, on first use."""
+    from smartspec.models.registry import needs_dense
+
+    folder = tmp_path / "smollm"
+    folder.mkdir()
+    for item in Path(smollm).iterdir():
+        if not item.name.endswith(".safetensors") and item.is_file():
+            (folder / item.name).symlink_to(item)
+    assert needs_dense(str(folder))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    quantized = LLM(str(folder), quantization="gguf_exact", **OPTIONS).generate(PROMPTS[:2], params)
+    assert needs_dense(str(folder))  # serving the GGUF blocks needs no conversion
+    dense = LLM(str(folder), quantization=None, **OPTIONS).generate(PROMPTS[:2], params)
+    assert not needs_dense(str(folder)) and (folder / "model.safetensors").stat().st_size > 4 * 10**8
+    assert [o.token_ids for o in dense] == [o.token_ids for o in quantized]

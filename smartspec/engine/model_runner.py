@@ -9,7 +9,9 @@ import torch
 from smartspec.engine import attention, kernels
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.fast_linear import pack_linears
+from smartspec.engine.fused_decoder import FusedDecoder
 from smartspec.engine.request import Request
+from smartspec.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class ModelRunner:
         elif use_kernels:
             logger.warning("batch-invariant kernels not used (%s); running transformers' linears",
                            kernels.unavailable_reason() or f"{self.device.type}/{self.dtype}")
+        # Llama-family models on int8 GGUF weights skip transformers' per-op glue (None: the modules run)
+        self.fused = FusedDecoder.build(model, ext) if self.use_kernels and tp_size == 1 else None
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         shape = (blocks.num_blocks, blocks.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -127,12 +131,24 @@ class ModelRunner:
                 flat = cache.view(-1, self.num_kv_heads, self.head_dim)
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] after every prefix of token_ids, from an empty cache: what the engine's forward
+        computes, for perplexity checks. Holds cache blocks only for the call."""
+        scratch = Request("score", list(token_ids), SamplingParams(max_tokens=1))
+        self.blocks.allocate(scratch, len(token_ids))
+        try:
+            return self.forward([ForwardItem(scratch, list(token_ids), 0, len(token_ids))])
+        finally:
+            self.blocks.free(scratch)
+
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Run all items in one forward; return logits [sum(num_logits), vocab] in item order (fp32)."""
         return self.execute(prepare_step(items, self.blocks))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(inputs, self.kv_caches)
         dev = self.device
         attention.set_step(attention.StepAttention(
             kv_caches=self.kv_caches,

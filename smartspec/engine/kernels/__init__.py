@@ -34,7 +34,7 @@ def load():
             _module = cpp_extension.load(
                 name="smartspec_kernels",
                 sources=[str(here / "batch_invariant.cpp"), str(here / "quant_linear.cpp"),
-                         str(here / "q8_linear.cpp")],
+                         str(here / "q8_linear.cpp"), str(here / "decoder_layer.cpp")],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

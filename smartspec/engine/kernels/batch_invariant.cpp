@@ -158,4 +158,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "batch-invariant linear on quantized panels, int8 activations (VNNI)");
   m.def("q8_linear_available", &q8_linear_available, "whether this build has the int8 (VNNI) kernels");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
+  m.def("rms_norm", &rms_norm, "RMSNorm per row, in one fixed order");
+  m.def("rope_tables", &rope_tables, "cos and sin of rotary angles per position");
+  m.def("q8_decoder_layer", &q8_decoder_layer, "one Llama-family decoder layer on int8-activation GGUF linears");
 }
