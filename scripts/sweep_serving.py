@@ -9,6 +9,8 @@ Configurations (--configs, default all):
                                   ("speculation": {"max_k": ...}), so k = 0 means no draft work at all
   fixed:7                          the same, on request only (not in the default set; needs --k 7)
   vllm-none, vllm-ngram, vllm-draft  scripts/vllm_peer.sh serve none|ngram|draft (install it first), vLLM's K = 4
+  llama-none, llama-ngram, llama-draft  scripts/llama_peer.sh serve none|ngram|draft (install it first): llama.cpp
+                                  on the same GGUF files, K = 8
 Our configurations use config.yaml's draft model; --proposers ngram serves them with prompt lookup instead
 (labels smartspec-ngram, fixed:5-ngram, ...), --proposers draft_model ngram with each in turn.
 
@@ -48,9 +50,10 @@ from smartspec.bench.box_speed import print_probe_spread, record_probe
 from smartspec.bench.report import plot_latency_vs_rate, step_work
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS_PORT, VLLM_PORT = 8000, 8001
+OURS_PORT, VLLM_PORT, LLAMA_PORT = 8000, 8001, 8011
 FIXED_LABELS = {"off": 0, "fixed:1": 1, "fixed:3": 3, "fixed:5": 5, "fixed:7": 7}
 VLLM_LABELS = {"vllm-none": "none", "vllm-ngram": "ngram", "vllm-draft": "draft"}
+LLAMA_LABELS = {"llama-none": "none", "llama-ngram": "ngram", "llama-draft": "draft"}
 
 
 def ray_cli(name: str) -> str | None:
@@ -59,7 +62,7 @@ def ray_cli(name: str) -> str | None:
     return shutil.which(name) or (str(beside) if beside.exists() else None)
 
 
-ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS]
+ALL = ["smartspec", "off", "fixed:1", "fixed:3", "fixed:5", "batch_table", *VLLM_LABELS, *LLAMA_LABELS]
 
 
 def server_plan(configs: list[str], proposers: tuple[str, ...] = ("draft_model",)) \
@@ -79,6 +82,7 @@ def server_plan(configs: list[str], proposers: tuple[str, ...] = ("draft_model",
         if "batch_table" in configs:
             plan.append(("ours", {"policy": "batch_table", "method": proposer}, [(f"batch_table{tag}", None)]))
     plan += [("vllm", {"mode": VLLM_LABELS[c]}, [(c, None)]) for c in VLLM_LABELS if c in configs]
+    plan += [("llama", {"mode": LLAMA_LABELS[c]}, [(c, None)]) for c in LLAMA_LABELS if c in configs]
     return plan
 
 
@@ -122,8 +126,9 @@ def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess
         cmd, ready, url = [ray_cli("serve"), "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:
-        cmd = [str(ROOT / "scripts/vllm_peer.sh"), "serve", settings["mode"]]
-        ready, url = f"http://127.0.0.1:{VLLM_PORT}/v1/models", f"http://127.0.0.1:{VLLM_PORT}"
+        port = VLLM_PORT if kind == "vllm" else LLAMA_PORT
+        cmd = [str(ROOT / f"scripts/{kind}_peer.sh"), "serve", settings["mode"]]
+        ready, url = f"http://127.0.0.1:{port}/v1/models", f"http://127.0.0.1:{port}"
     print(f"starting {' '.join(cmd)} (log {log})", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -294,6 +299,9 @@ def main() -> int:
     if any(c in VLLM_LABELS for c in args.configs) and not (ROOT / ".venv-vllm").exists() \
             and "VLLM_VENV" not in os.environ:
         ap.error("vLLM configurations need scripts/vllm_peer.sh install first")
+    if any(c in LLAMA_LABELS for c in args.configs) and not (ROOT / ".llama/bin/llama-server").exists() \
+            and "LLAMA_DIR" not in os.environ:
+        ap.error("llama.cpp configurations need scripts/llama_peer.sh install first")
     if args.cycles < 1:
         ap.error("--cycles must be at least 1")
     if any(kind == "ours" for kind, _, _ in server_plan(args.configs, tuple(args.proposers))) \

@@ -16,7 +16,7 @@ def _models(args) -> int:
         return 0
     try:
         for name in args.names:
-            print(fetch(name, force=args.force))
+            print(fetch(name, force=args.force, dense=args.dense))
     except ModelFetchError as exc:
         print(f"smartspec: error: {exc}", file=sys.stderr)
         return 1
@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("models", help="list or fetch the bundled models")
     m.add_argument("action", choices=["list", "fetch"])
     m.add_argument("names", nargs="*", help="models to fetch")
-    m.add_argument("--force", action="store_true", help="fetch and convert again")
+    m.add_argument("--force", action="store_true", help="fetch again")
+    m.add_argument("--dense", action="store_true",
+                   help="also convert to fp32 safetensors now (else on the first load with quantization None)")
     g = sub.add_parser("generate", help="generate from one prompt with the offline engine")
     g.add_argument("prompt")
     g.add_argument("--model", default="qwen2.5-coder-1.5b")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from smartspec.models.registry import resolve
+from smartspec.models.registry import ensure_dense, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
         lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8)
         config, generation = lm.config, _generation_config(path)
     elif weights:
+        ensure_dense(path)  # a bundled model is fetched as its GGUF file: its fp32 weights are made on first use
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **from_pretrained)
         lm = lm.eval() if from_pretrained.get("tp_plan") else lm.to(device).eval()
         lm.requires_grad_(False)

