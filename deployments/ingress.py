@@ -95,13 +95,12 @@ class OpenAIIngress:
         result = await self._begin(data, schema, chat)
         if isinstance(result, HTTPError):
             return _error_response(result.status, result.message, result.param)
-        rid, body, streams, prompt_tokens = result
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(rid, streams, prompt_tokens, chat, usage),
-                                     media_type="text/event-stream")
+        rid, gen, streams = result
+        if gen.body.stream:
+            usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
+            return StreamingResponse(self._sse(rid, streams, gen, usage), media_type="text/event-stream")
         try:
-            return await self._collect(rid, streams, prompt_tokens, chat)
+            return await self._collect(rid, streams, gen)
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return _error_response(exc.status, exc.message)
@@ -113,9 +112,9 @@ class OpenAIIngress:
                                    else proto.CompletionRequest, chat)
         if isinstance(result, HTTPError):
             return proto.error_body(result.status, result.message, result.param)
-        rid, _, streams, prompt_tokens = result
+        rid, gen, streams = result
         try:
-            return await self._collect(rid, streams, prompt_tokens, chat)
+            return await self._collect(rid, streams, gen)
         except HTTPError as exc:
             return proto.error_body(exc.status, exc.message)
 
@@ -126,24 +125,26 @@ class OpenAIIngress:
         if isinstance(result, HTTPError):
             yield proto.error_body(result.status, result.message, result.param)
             return
-        rid, _, streams, prompt_tokens = result
-        async for chunk in self._sse(rid, streams, prompt_tokens, chat):
+        rid, gen, streams = result
+        async for chunk in self._sse(rid, streams, gen):
             if chunk != proto.sse("[DONE]"):
                 yield json.loads(chunk[len("data: "):])
 
     async def _begin(self, data, schema, chat: bool):
-        """Validate, submit, wait for acceptance: (id, body, streams, prompt tokens), or the HTTPError to answer."""
+        """Validate, submit, wait for acceptance: (id, Generation, streams), or the HTTPError to answer."""
         try:
             body = self._parse(data, schema)
-            streams, prompt_tokens = await self._start(body, chat)
+            streams, accepted = await self._start(body, chat)
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return exc
-        return proto.new_id("chatcmpl" if chat else "cmpl"), body, streams, prompt_tokens
+        return proto.new_id("chatcmpl" if chat else "cmpl"), proto.Generation(body, chat, accepted), streams
 
     def _parse(self, data, schema):
         if not isinstance(data, dict):
             raise HTTPError(400, "request body must be a JSON object")
+        if (message := proto.unsupported_field(data)) is not None:
+            raise HTTPError(400, message, message.split("`")[1])
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
@@ -162,7 +163,8 @@ class OpenAIIngress:
             raise HTTPError(422, str(exc)) from None
         if body.speculation is not None:
             params["max_speculative_tokens"] = body.speculation.max_k
-        payload = ({"messages": [m.model_dump() for m in body.messages]} if chat else {"prompt": body.prompt})
+        payload = ({"messages": [m.model_dump() for m in body.messages]} if chat
+                   else {"prompt": body.prompt, "echo": body.echo})
         streams = []
         try:
             for i in range(body.n):
@@ -183,7 +185,7 @@ class OpenAIIngress:
             if first["type"] == "error":
                 self._cancel(streams)
                 raise HTTPError(first["status"], first["message"])
-        return streams, firsts[0]["prompt_tokens"]
+        return streams, firsts[0]
 
     @staticmethod
     def _cancel(streams) -> None:
@@ -221,16 +223,21 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, rid, streams, prompt_tokens, chat):
+    async def _collect(self, rid, streams, gen: proto.Generation):
+        chat, prompt_tokens = gen.chat, gen.prompt_tokens
         endpoint = "chat" if chat else "completions"
         start = time.monotonic()
         texts, reasons, specs, counts = ([""] * len(streams), [None] * len(streams), [None] * len(streams),
                                          [0] * len(streams))
+        entries, prompt_entries = [[] for _ in streams], [None] * len(streams)
         first_token = None
         try:
             async for i, item in self._merged(streams):
                 first_token = first_token or time.monotonic()
-                texts[i] += item["text"]
+                texts[i] += gen.text(item)
+                entries[i] += item.get("logprobs") or []
+                if item.get("prompt_logprobs") is not None:
+                    prompt_entries[i] = item["prompt_logprobs"]
                 counts[i] = item["completion_tokens"]
                 if item["finished"]:
                     reasons[i], specs[i] = item["finish_reason"], item["spec"]
@@ -241,11 +248,13 @@ class OpenAIIngress:
         except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
             self._cancel(streams)
             raise HTTPError(500, f"generation failed: {exc!r}") from None
-        choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i]) for i in range(len(streams))]
+        choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i], gen.logprobs(i, entries[i], prompt_entries[i]))
+                   for i in range(len(streams))]
         self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
         return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat)
 
-    async def _sse(self, rid, streams, prompt_tokens, chat, include_usage: bool = False):
+    async def _sse(self, rid, streams, gen: proto.Generation, include_usage: bool = False):
+        chat, prompt_tokens = gen.chat, gen.prompt_tokens
         endpoint = "chat" if chat else "completions"
         start, created = time.monotonic(), int(time.time())
         first_token, total = None, [0] * len(streams)
@@ -257,8 +266,10 @@ class OpenAIIngress:
             async for i, item in self._merged(streams):
                 first_token = first_token or time.monotonic()
                 total[i] = item["completion_tokens"]
-                if item["text"]:
-                    yield proto.stream_chunk(rid, self.model_name, i, item["text"], None, chat, created)
+                text = gen.text(item)
+                logprobs = gen.logprobs(i, item.get("logprobs") or [], item.get("prompt_logprobs"))
+                if text or (logprobs is not None and item["token_ids"]):
+                    yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs)
                 if item["finished"]:
                     yield proto.stream_chunk(rid, self.model_name, i, None, item["finish_reason"], chat, created)
             if include_usage:

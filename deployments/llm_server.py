@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppConfig
+from deployments.openai_protocol import token_entries
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.sampling_params import SamplingParams
@@ -101,22 +102,38 @@ class LLMServer:
             params = SamplingParams(**fields)
             rid = body.get("request_id") or uuid.uuid4().hex
             num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
+            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens}
+            if body.get("echo"):
+                accepted.update(self._echo(prompt))
         except (ValueError, TypeError, KeyError) as exc:  # bad prompt, sampling fields or values; over the context
             yield _error(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc))
             return
         except RuntimeError as exc:  # the engine stopped after an error: this replica is unhealthy
             yield _error(503, str(exc))
             return
+        tokenizer = self.engine.engine.tokenizer
         try:
-            yield {"type": "accepted", "prompt_tokens": num_prompt_tokens}
+            yield accepted
+            first = True
             async for out in stream:
-                yield {"type": "delta", "text": out.new_text, "token_ids": out.new_token_ids,
+                yield {"type": "delta", "first": first, "text": out.new_text, "token_ids": out.new_token_ids,
                        "finished": out.finished, "finish_reason": out.finish_reason,
                        "completion_tokens": len(out.token_ids),
-                       "spec": out.metrics["spec_decode"] if out.finished else None}
+                       "spec": out.metrics["spec_decode"] if out.finished else None,
+                       "logprobs": None if out.new_logprobs is None else token_entries(tokenizer, out.new_logprobs),
+                       "prompt_logprobs": token_entries(tokenizer, out.prompt_logprobs)
+                       if first and out.prompt_logprobs is not None else None}
+                first = False
         finally:
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
             self.engine.discard(rid)  # (aclose of a stream never started runs none of its cleanup)
+
+    def _echo(self, prompt: str | list[int]) -> dict:
+        """What a completion with echo needs of its prompt: the text, and its first token's (which has no logprob)."""
+        tokenizer = self.engine.engine.tokenizer
+        ids = self.engine.engine.tokenize(prompt)
+        return {"prompt_text": prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+                "prompt_first_token": tokenizer.decode(ids[:1])}
 
     # ---- state, health, controller -------------------------------------------------------------------------
     async def stats(self) -> dict:

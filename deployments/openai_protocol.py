@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from smartspec.sampling_params import SamplingParams
 
@@ -21,8 +21,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with no choices and the request's token usage
 
 
+# OpenAI (and vLLM) request fields this server does not implement, with the values that mean "not used": a
+# request that sets one to anything else is refused with a 400 naming it, never answered as if it were honoured.
+UNSUPPORTED = {
+    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "logits_processors": (None, []),
+}
+
+
+def unsupported_field(data: dict) -> str | None:
+    """The first field set to a value this server would not honour, as a message; None when there is none."""
+    for name, neutral in UNSUPPORTED.items():
+        if name in data and not any(data[name] == v and type(data[name]) is type(v) or data[name] is v
+                                    for v in neutral):
+            return (f"`{name}` is not supported by this server (got {json.dumps(data[name])[:80]}); "
+                    "leave it out or at its default")
+    return None
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, logprobs=None)
+    model_config = ConfigDict(extra="ignore")  # fields no generation depends on (user, store, metadata)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -48,14 +71,22 @@ class _Common(BaseModel):
     def sampling_params(self, default_max_tokens: int | None) -> dict:
         """SamplingParams fields; max_tokens None = up to the end of the context (the replica knows it)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        SamplingParams(max_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, seed=self.seed, stop=self.stop or [])  # checked here, built in the replica
-        return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos)
+        fields = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos, **self.logprob_fields())
+        SamplingParams(**{**fields, "max_tokens": max_tokens or 1})  # checked here, built in the replica
+        return fields
+
+    def logprob_fields(self) -> dict:
+        return {}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token; 0: the chosen token's alone
+    echo: bool = False  # the prompt before the completion (with its logprobs when logprobs is set)
+
+    def logprob_fields(self) -> dict:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class ChatMessage(BaseModel):
@@ -66,6 +97,17 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_fields(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 # ---- responses --------------------------------------------------------------------------------------------------
@@ -84,9 +126,43 @@ def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens
             "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool, spec: dict | None = None) -> dict:
-    body = ({"index": index, "message": {"role": "assistant", "content": text}} if chat
-            else {"index": index, "text": text, "logprobs": None})
+def token_entries(tokenizer, logprobs) -> list[dict | None]:
+    """TokenLogprobs (smartspec.engine.logprobs) as plain dicts with each token's text, for the wire (None stays
+    None: a prompt's first token, which nothing predicts)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [None if lp is None else {"token": text(lp.token_id), "logprob": lp.logprob,
+                                     "top": [[text(t), v] for t, v in lp.top]} for lp in logprobs]
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(t, v) for t, v in e["top"]]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[dict | None], first_tokens: list[str] | None = None, offset: int = 0) -> dict:
+    """The legacy completions shape; entries None (a prompt's first token) get a null logprob, their token text
+    from first_tokens, in order."""
+    first = iter(first_tokens or [])
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        token = next(first) if e is None else e["token"]
+        tokens.append(token)
+        values.append(None if e is None else e["logprob"])
+        tops.append(None if e is None else {t: v for t, v in e["top"]})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool, spec: dict | None = None,
+           logprobs: dict | None = None) -> dict:
+    body = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if chat
+            else {"index": index, "text": text, "logprobs": logprobs})
     body["finish_reason"] = finish_reason
     if spec is not None:
         body["speculation"] = spec  # proposed / accepted draft tokens of this choice (a SmartSpec extension)
@@ -94,13 +170,13 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, spec: d
 
 
 def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
-                 created: int, role: bool = False) -> str:
+                 created: int, role: bool = False, logprobs: dict | None = None) -> str:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        c = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
     else:
-        c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
     return f"data: {json.dumps(body)}\n\n"
 
@@ -118,3 +194,34 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class Generation:
+    """One request's answer as it streams in from its n generations: the echoed prompt and the logprobs of each
+    choice in the shape its endpoint uses (chat: content entries; completions: token lists with text offsets)."""
+
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, chat: bool, accepted: dict) -> None:
+        self.body, self.chat = body, chat
+        self.prompt_tokens = accepted["prompt_tokens"]
+        self.echo = not chat and body.echo
+        self.prompt_text = accepted.get("prompt_text", "")
+        self.prompt_first_token = accepted.get("prompt_first_token")
+        self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
+        self.offsets = [0] * body.n  # completions: where each choice's next token starts in its text
+
+    def text(self, item: dict) -> str:
+        """A delta's text; the first of an echoing completion starts with the prompt."""
+        return (self.prompt_text + item["text"]) if self.echo and item.get("first") else item["text"]
+
+    def logprobs(self, index: int, entries: list[dict], prompt_entries: list | None = None) -> dict | None:
+        """Choice `index`'s logprobs for these output entries (and the prompt's, echoed), None when not asked."""
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        firsts = None
+        if self.echo and prompt_entries is not None:
+            entries, firsts = list(prompt_entries) + list(entries), [self.prompt_first_token]
+        out = completion_logprobs(entries, firsts, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in out["tokens"])
+        return out

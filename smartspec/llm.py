@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.logprobs import TokenLogprob
 from smartspec.sampling_params import SamplingParams
 
 
@@ -18,6 +19,8 @@ class CompletionOutput:
     finish_reason: str
     ttft_s: float  # arrival to first token
     latency_s: float  # arrival to finish
+    logprobs: list[TokenLogprob] | None = None  # per output token, when SamplingParams.logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), when asked
 
 
 class LLM:
@@ -36,8 +39,11 @@ class LLM:
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, object] = {}
+        logprobs: dict[str, list] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.new_logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
                 if out.finished:
                     done[out.request_id] = out
                     if progress:
@@ -50,5 +56,6 @@ class LLM:
             m = out.metrics
             results.append(CompletionOutput(
                 prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
-                m["first_token_time"] - m["arrival_time"], m["finish_time"] - m["arrival_time"]))
+                m["first_token_time"] - m["arrival_time"], m["finish_time"] - m["arrival_time"],
+                logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs))
         return results

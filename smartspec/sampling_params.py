@@ -17,6 +17,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # Cap this request's speculation length (0 = never speculate); None = the engine's K. For experiments.
     max_speculative_tokens: int | None = None
+    # Log-probabilities (the target's log-softmax) of each output token with this many alternatives (0-20);
+    # None = not computed. prompt_logprobs: the same for the prompt's tokens (the first has none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +41,10 @@ class SamplingParams:
         m = self.max_speculative_tokens
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
             raise ValueError(f"max_speculative_tokens must be an integer >= 0, got {m!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 20):
+                raise ValueError(f"{name} must be an integer in [0, 20] (alternatives per token), got {n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

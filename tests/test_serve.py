@@ -300,6 +300,10 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     ({"model": "tiny", "prompt": "x", "n": 0}, 422, "n:"),
     ({"model": "tiny", "prompt": "y" * 600}, 400, "the context holds 512"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "token ids must be integers"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, "`presence_penalty` is not supported"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "`logit_bias` is not supported"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -308,6 +312,63 @@ def test_bad_input_gets_openai_error(app, body, status, message):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["code"] == status and err["type"]
+
+
+def test_chat_logprobs_are_the_offline_engines_and_stream_alike(app, tiny_qwen):
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], tokenize=False,
+                                               add_generation_prompt=True)
+    want = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2))[0]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    got = httpx.post(f"{app}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    assert [e["logprob"] for e in got["content"]] == [lp.logprob for lp in want.logprobs]  # bitwise, via JSON
+    assert [[t["logprob"] for t in e["top_logprobs"]] for e in got["content"]] == \
+        [[v for _, v in lp.top] for lp in want.logprobs]
+    assert [e["token"] for e in got["content"]] == [llm.tokenizer.decode([t]) for t in want.token_ids]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in got["content"])
+    # streamed: the chunks' entries, in order, are the same
+    streamed = []
+    with httpx.stream("POST", f"{app}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                streamed += (c.get("logprobs") or {}).get("content", [])
+    assert streamed == got["content"]
+    # the official client reads them
+    out = _client(app).chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                              extra_body={"ignore_eos": True})
+    assert [e.logprob for e in out.choices[0].logprobs.content] == [lp.logprob for lp in want.logprobs]
+    r = httpx.post(f"{app}/v1/chat/completions", json={**body, "logprobs": False}, timeout=60)
+    assert r.status_code == 422 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
+    plain = httpx.post(f"{app}/v1/chat/completions", json={k: v for k, v in body.items() if "logprobs" not in k},
+                       timeout=120).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completion_echo_with_logprobs(app, tiny_qwen):
+    """lm-eval's loglikelihood request: echo, logprobs, one new token; the prompt's logprobs as the engine's."""
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    want = llm.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    got = httpx.post(f"{app}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    lp = got["logprobs"]
+    n = len(want.prompt_token_ids)
+    assert got["text"] == PROMPTS[1] + want.text
+    assert len(lp["tokens"]) == n + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [p.logprob for p in want.prompt_logprobs[1:]] + [want.logprobs[0].logprob]
+    assert "".join(lp["tokens"][:n]) == PROMPTS[1] and lp["text_offset"][0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    streamed = []
+    with httpx.stream("POST", f"{app}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line[6:])["choices"][0])
+    assert "".join(c["text"] for c in streamed) == got["text"]
+    assert [v for c in streamed if c["logprobs"] for v in c["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    echo_only = httpx.post(f"{app}/v1/completions", json={**body, "logprobs": None}, timeout=120).json()
+    assert echo_only["choices"][0]["text"] == got["text"] and echo_only["choices"][0]["logprobs"] is None
 
 
 def test_chat_errors(app):

@@ -3,6 +3,7 @@ batch-invariant, so this is asserted bitwise, without a near-tie allowance)."""
 import pytest
 
 from smartspec import LLM, SamplingParams
+from smartspec.engine.logprobs import token_logprob
 from smartspec.policy import Policy
 from smartspec.spec_decode.ngram import lookup
 
@@ -188,7 +189,7 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
     """The default pair: Qwen2.5-Coder-1.5B verified against drafts from the 0.5B at a fixed k = 4 (the goodput
     policy may rightly choose k = 0 everywhere on a CPU where the draft does not pay, and a lossless test must
     not hang on the machine's step costs), in one engine; policy "off" (the draft never runs) is the
-    non-speculative reference."""
+    non-speculative reference. Logprobs too: equal greedy; sampled, the target's over the final sequence."""
     from smartspec.models import fetch
     from smartspec.policy import OffPolicy
 
@@ -200,10 +201,18 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
                                               add_generation_prompt=True)
             for c in ("Write a Python function is_palindrome(s).", "Explain what a mutex is in one sentence.")]
     prompts = chat + ["def fibonacci(n):\n    "]
-    params = SamplingParams(max_tokens=24)
-    spec = [o.token_ids for o in llm.generate(prompts, params)]
+    params = SamplingParams(max_tokens=24, logprobs=2)
+    spec = llm.generate(prompts, params)
     m = llm.engine.speculator.metrics
+    sampled = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.8, seed=5, logprobs=1))
     llm.engine.set_speculation(policy=OffPolicy())
-    plain = [o.token_ids for o in llm.generate(prompts, params)]
-    assert spec == plain
+    plain = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert m.num_drafts > 0 and m.num_accepted_tokens > 0
+    # logprobs: the same bits with and without speculation; sampled, each the target's over the final sequence
+    assert [o.logprobs for o in spec] == [o.logprobs for o in plain]
+    for out in sampled:
+        ids = out.prompt_token_ids + out.token_ids
+        scored = llm.engine.runner.score(ids)
+        n = len(out.prompt_token_ids)
+        assert out.logprobs == [token_logprob(scored[n + i - 1], t, 1) for i, t in enumerate(out.token_ids)]

@@ -5,13 +5,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from smartspec.config import EngineConfig
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.detokenizer import append_text, find_stop
+from smartspec.engine.logprobs import TokenLogprob, rows_of_new_tokens, token_logprob
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler, split_batch
@@ -41,6 +42,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort"
     num_prompt_tokens: int
     metrics: dict = field(default_factory=dict)
+    new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once the prompt is computed, when asked
 
 
 # Hooks for where the parts run (the serving layer puts them in Ray actors); the defaults run them in-process.
@@ -184,12 +187,18 @@ class LLMEngine:
                 items.append(tree_item(req, draft.tree))
                 continue
             tokens = draft.tokens if draft is not None else []
-            items.append(ForwardItem(req, req.token_ids[c:c + s.num_tokens] + list(tokens), c,
-                                     1 + len(tokens) if s.completes else 0))
+            num_logits = 1 + len(tokens) if s.completes else 0
+            if req.prompt_logprobs is not None and c < req.num_prompt_tokens:
+                num_logits = s.num_tokens  # every position's row, for the prompt's logprobs
+            items.append(ForwardItem(req, req.token_ids[c:c + s.num_tokens] + list(tokens), c, num_logits))
         t_verify = time.perf_counter()
         logits = self.runner.forward(items)
         t_accept = time.perf_counter()
-        new_tokens = spec.accept(items, logits, drafts)
+        logits, sampled = self._take_prompt_logprobs(items, logits)
+        new_tokens = spec.accept(sampled, logits, drafts)
+        first_row, row = {}, 0
+        for it in sampled:
+            first_row[it.request.request_id], row = row, row + it.num_logits
         for it in items:
             it.request.num_computed_tokens += len(it.tokens)
         outputs, trees = [], {}  # trees: request -> (its tree, the accepted path), for the policy
@@ -200,19 +209,51 @@ class LLMEngine:
             new = new_tokens[req.request_id]
             draft = drafts.get(req.request_id)
             proposed = len(draft.tokens) if draft is not None else 0
+            path = None
             if draft is not None and draft.tree is not None:
-                trees[req.request_id] = (draft.tree, draft.tree.follow(new[:-1]))
-                self._keep_path(it, trees[req.request_id][1])
+                path = draft.tree.follow(new[:-1])
+                trees[req.request_id] = (draft.tree, path)
+                self._keep_path(it, path)
+            logprobs = None
+            if req.params.logprobs is not None:
+                rows = rows_of_new_tokens(len(new), path)
+                logprobs = [token_logprob(logits[first_row[req.request_id] + r], tok, req.params.logprobs)
+                            for r, tok in zip(rows, new)]
             # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the
             # proposer did not make, go back
             self.blocks.truncate(req, req.num_tokens + len(new) - 1)
             spec.record(req, proposed, len(new) - 1)
-            outputs.append(self._commit(req, new))
+            outputs.append(self._commit(req, new, logprobs))
             spec.sync(req)
         t_end = time.perf_counter()
         self._record_step(items, decoding, sum(s.num_tokens for s in prefill), ks, drafts, new_tokens, trees,
                           t_verify - t_draft, t_accept - t_verify, t_end - t_start)
         return outputs
+
+    def _take_prompt_logprobs(self, items: list[ForwardItem], logits: torch.Tensor) \
+            -> tuple[torch.Tensor, list[ForwardItem]]:
+        """Record the prompt logprobs of chunks that computed every position's row; hand on the rows (and items)
+        that sampling needs: a chunk's last row, when it completes its prompt, predicts the first new token."""
+        if all(it.request.prompt_logprobs is None for it in items):
+            return logits, items
+        keep, sampled, row = [], [], 0
+        for it in items:
+            req = it.request
+            if req.prompt_logprobs is not None and it.num_logits == len(it.tokens) and len(it.tokens) \
+                    and it.start < req.num_prompt_tokens:
+                completes = it.start + len(it.tokens) == req.num_tokens
+                for j in range(it.num_logits - completes):
+                    pos = it.start + j + 1
+                    if pos < req.num_prompt_tokens and req.prompt_logprobs[pos] is None:
+                        req.prompt_logprobs[pos] = token_logprob(logits[row + j], req.token_ids[pos],
+                                                                 req.params.prompt_logprobs)
+                it_sampled = replace(it, num_logits=int(completes))
+            else:
+                it_sampled = it
+            keep.extend(range(row + it.num_logits - it_sampled.num_logits, row + it.num_logits))
+            sampled.append(it_sampled)
+            row += it.num_logits
+        return logits[keep], sampled
 
     def _keep_path(self, item: ForwardItem, path: list[int]) -> None:
         """A token tree's accepted nodes move next to the context, so the cache is the committed sequence."""
@@ -243,7 +284,7 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.add(record)
 
-    def _commit(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _commit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append tokens to a request, ending it at the first stop (nothing past a stop is kept)."""
         now = time.monotonic()
         if req.first_token_time is None:
@@ -265,6 +306,8 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 self._finish(req, reason)
                 break
+        if logprobs is not None:
+            req.logprobs.extend(logprobs[:len(added)])
         return self._output(req, added, self._take_text(req))
 
     @staticmethod
@@ -289,8 +332,9 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
                    "spec_decode": req.spec.as_dict()}
+        new_logprobs = req.logprobs[len(req.logprobs) - len(added):] if req.params.logprobs is not None else None
         return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
-                             req.finish_reason, req.num_prompt_tokens, metrics)
+                             req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs)
 
 
 def tree_item(req: Request, tree: TokenTree) -> ForwardItem:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from smartspec.engine.logprobs import TokenLogprob
 from smartspec.sampling_params import SamplingParams
 from smartspec.spec_decode.metrics import SpecDecodeMetrics
 
@@ -39,9 +40,14 @@ class Request:
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
+    # filled only when params ask: per output token, and per prompt position (position 0 has none)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
