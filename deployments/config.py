@@ -54,6 +54,7 @@ class AppConfig(Strict):
     max_waiting: int = Field(64, ge=1)
     controller_interval_s: float = Field(1.0, gt=0)
     warmup_profile: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (target and draft)
     # each replica writes every step (shape, k, accepted, predicted and measured time) to Parquet part files in
     # <step_trace_dir>/<replica id>/, readable while it serves; for diagnosing a server and for `smartspec sim`
     step_trace_dir: str | None = None
@@ -110,4 +111,4 @@ class AppConfig(Strict):
                             num_threads=self.threads, use_kernels=self.use_kernels, device=self.device,
                             quantization=self.quantization,
                             speculative_config=self.speculation, warmup_profile=self.warmup_profile,
-                            trace_path=trace)
+                            trace_path=trace, enable_prefix_caching=self.enable_prefix_caching)

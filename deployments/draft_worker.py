@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 class DraftWorker:
     def __init__(self, draft_model: str, target_model: str, target_vocab_size: int, num_blocks: int,
                  block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None,
-                 tree: dict | None = None, quantization: str | None = None) -> None:
+                 tree: dict | None = None, quantization: str | None = None,
+                 enable_prefix_caching: bool = False) -> None:
         from smartspec.models import load_model
         from smartspec.spec_decode.draft_model import DraftModelProposer
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
@@ -33,7 +34,7 @@ class DraftWorker:
             torch.set_num_threads(num_threads)
         target_tokenizer = load_model(target_model, weights=False).tokenizer
         args = (draft_model, target_tokenizer, target_vocab_size, num_blocks, block_size, use_kernels, dtype, device,
-                quantization)
+                quantization, enable_prefix_caching)
         # tree: {"max_depth", "branching"}: grow token trees instead of chains
         self.proposer = DraftTreeProposer(*args, **tree) if tree else DraftModelProposer(*args)
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new incarnation with no request state

@@ -73,7 +73,8 @@ class LLMServer:
                      engine.config.use_kernels, engine.config.dtype, engine.config.device,
                      spec_config.draft_num_threads or self.cfg.threads,
                      {"max_depth": spec_config.tree.max_depth, "branching": spec_config.tree.branching}
-                     if spec_config.tree else None, quantization=engine.config.quantization)
+                     if spec_config.tree else None, quantization=engine.config.quantization,
+                     enable_prefix_caching=engine.config.enable_prefix_caching)
             return RemoteDraftProposer(actor)
 
         return make
@@ -142,6 +143,8 @@ class LLMServer:
             return {"replica": self.replica_id, "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting), "free_blocks": engine.blocks.num_free,
                     "total_blocks": engine.blocks.num_blocks, "policy_name": policy.name,
+                    "prefix_cache": {"queries": engine.blocks.num_prefix_queries,
+                                     "hits": engine.blocks.num_prefix_hits},
                     "spec_decode": engine.speculator.metrics.as_dict(), "steps": engine.stats.snapshot(),
                     "draft_available": (engine.speculator.proposer.available
                                         if engine.speculator.proposer is not None else None),

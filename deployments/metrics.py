@@ -64,6 +64,10 @@ REPLICA_FAMILIES = {
     "smartspec_requests_running": ("gauge", "Requests running in the engine", (None, "running")),
     "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine", (None, "waiting")),
     "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", (None, "free_blocks")),
+    "smartspec_prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache",
+                                             ("prefix_cache", "queries")),
+    "smartspec_prefix_cache_hits_total": ("counter", "Prompt tokens whose KV the prefix cache held",
+                                          ("prefix_cache", "hits")),
     "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate of a draft's first token",
                                    (None, "alpha_prior")),
     "smartspec_acceptance_prior_later": ("gauge", ("The policy's shared acceptance estimate of each later draft "

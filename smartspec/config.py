@@ -37,6 +37,9 @@ class EngineConfig:
     trace_path: str | None = None
     # Seed a learning policy's cost model with a few measured step shapes at start (a few seconds on CPU).
     warmup_profile: bool = True
+    # Reuse the KV of full blocks whose tokens (and every token before them) an earlier request computed, in the
+    # target's cache and the draft model's: a shared system prompt is prefilled once.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -371,6 +371,25 @@ def test_completion_echo_with_logprobs(app, tiny_qwen):
     assert echo_only["choices"][0]["text"] == got["text"] and echo_only["choices"][0]["logprobs"] is None
 
 
+def test_prefix_cache_hits_rise_on_a_repeated_system_prompt(app):
+    system = "You are SmartSpec's test assistant; answer briefly. " * 4
+
+    def hits() -> float:
+        text = httpx.get(f"{app}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("smartspec_prefix_cache_hits_total{"))
+
+    before = hits()
+    for question in ("one", "two", "three", "four"):  # two replicas: at least one sees the prompt twice
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        assert httpx.post(f"{app}/v1/chat/completions", json=body, timeout=120).status_code == 200
+    deadline = time.monotonic() + 30
+    while hits() < before + 200 and time.monotonic() < deadline:  # replicas report every 0.5 s
+        time.sleep(0.5)
+    assert hits() >= before + 200, (before, hits())
+
+
 def test_chat_errors(app):
     r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=60)
     assert r.status_code == 422 and "messages" in r.json()["error"]["message"]

@@ -1,19 +1,34 @@
-"""Fixed-size KV cache blocks: a free list and per-request block tables."""
+"""Fixed-size KV cache blocks: a free pool, per-request block tables and, with prefix caching, full blocks shared
+between requests by the tokens they hold.
+
+Prefix caching: a full block whose KV was computed is registered under a chain hash of its tokens and of every
+token before it, so a later request whose prompt starts with the same tokens reuses the block (a reference count
+keeps it while any request holds it). A released block keeps its contents and registration while it waits in the
+free pool, least recently released first out: it is evicted only when the pool hands it out again. A request
+never writes into a block it did not allocate for itself (it reuses full blocks only, and computes from the first
+position after them), and the kernels are batch-invariant, so reused KV is bitwise what recomputing would give."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from smartspec.engine.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest released first
+        self._refs = [0] * num_blocks
+        self._cached: dict[int, int] = {}  # chain hash -> block holding those tokens' KV
+        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (chain hash, its tokens), once registered
+        self.num_prefix_queries = 0  # prompt tokens looked up in the cache, and found (vLLM's counters)
+        self.num_prefix_hits = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks no request holds (cached ones among them: they are evicted when handed out)."""
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -28,20 +43,79 @@ class BlockManager:
         if need > len(self._free):
             raise RuntimeError(f"{need} KV blocks needed, {len(self._free)} free")
         for _ in range(need):
-            req.block_table.append(self._free.popleft())
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            req.block_table.append(block)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Keep the cache for the first num_tokens tokens; later tokens' slots are simply overwritten, and
-        whole blocks past the end go back to the free list. Rejected draft tokens cost O(blocks freed)."""
+        whole blocks past the end go back to the free pool. Rejected draft tokens cost O(blocks freed)."""
         keep = self.blocks_for(num_tokens)
         while len(req.block_table) > keep:
-            self._free.append(req.block_table.pop())
+            self._release(req.block_table.pop())
         req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
 
     def free(self, req: Request) -> None:
-        self._free.extend(reversed(req.block_table))
+        """Give back all of a request's blocks; with prefix caching its computed full blocks stay findable."""
+        self.register(req)
+        for block in reversed(req.block_table):  # a prompt's last blocks are evicted before its first
+            self._release(block)
         req.block_table.clear()
         req.num_computed_tokens = 0
 
     def slot(self, req: Request, position: int) -> int:
         return req.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- prefix caching -------------------------------------------------------------------------------------
+    def match_prefix(self, req: Request, max_tokens: int) -> int:
+        """A request holding no blocks yet takes the cached full blocks its first max_tokens tokens start with;
+        its computed tokens start after them. Returns the tokens reused."""
+        if not self.enable_prefix_caching or req.block_table:
+            return 0
+        usable = max_tokens // self.block_size
+        self.num_prefix_queries += usable * self.block_size
+        chain = 0
+        for i in range(usable):
+            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chain = hash((chain, tokens))
+            block = self._cached.get(chain)
+            if block is None or self._key[block][1] != tokens:
+                break
+            self._free.pop(block, None)
+            self._refs[block] += 1
+            req.block_table.append(block)
+        matched = len(req.block_table) * self.block_size
+        req.num_computed_tokens = matched
+        self.num_prefix_hits += matched
+        return matched
+
+    def register(self, req: Request, num_tokens: int | None = None) -> None:
+        """Make the request's full blocks among its first num_tokens computed tokens (default: all of them)
+        findable by later requests. Only tokens that will not be rewritten may be registered."""
+        if not self.enable_prefix_caching:
+            return
+        limit = min(req.num_computed_tokens, len(req.token_ids), num_tokens if num_tokens is not None else 1 << 62)
+        chain = 0
+        for i, block in enumerate(req.block_table[:limit // self.block_size]):
+            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chain = hash((chain, tokens))
+            if block in self._key or chain in self._cached:
+                continue  # registered already, or another block holds the same tokens
+            self._cached[chain] = block
+            self._key[block] = (chain, tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (their contents stay, unfindable): the next requests start cold."""
+        self._cached.clear()
+        self._key.clear()
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[block] = None
+
+    def _evict(self, block: int) -> None:
+        key = self._key.pop(block, None)
+        if key is not None:
+            del self._cached[key[0]]

@@ -73,7 +73,7 @@ class LLMEngine:
                 f"the KV cache ({num_blocks} blocks x {config.block_size} tokens = "
                 f"{num_blocks * config.block_size} tokens) cannot hold one request of max_model_len="
                 f"{self.max_model_len} tokens; raise kv_cache_gib / num_kv_blocks or lower max_model_len")
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
                        else ModelRunner(self.model, self.blocks, config.use_kernels, config.device))
@@ -224,6 +224,8 @@ class LLMEngine:
             self.blocks.truncate(req, req.num_tokens + len(new) - 1)
             spec.record(req, proposed, len(new) - 1)
             outputs.append(self._commit(req, new, logprobs))
+            if not req.finished:
+                self.blocks.register(req)  # committed tokens are final: their full blocks can be shared
             spec.sync(req)
         t_end = time.perf_counter()
         self._record_step(items, decoding, sum(s.num_tokens for s in prefill), ks, drafts, new_tokens, trees,
@@ -354,7 +356,7 @@ def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     c = engine.config
     args = (spec.model, engine.tokenizer, engine.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
-            c.device, c.quantization)
+            c.device, c.quantization, c.enable_prefix_caching)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
         return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)

@@ -90,8 +90,11 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if not req.block_table and req.prompt_logprobs is None:  # prompt logprobs need every position's row
+                self.blocks.match_prefix(req, req.num_tokens - 1)  # the last token is computed: it gives logits
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.can_hold(req, req.num_computed_tokens + n):
+                self.blocks.free(req)  # the matched blocks go back (still cached) while it waits
                 break
             self.waiting.popleft()
             self.blocks.allocate(req, req.num_computed_tokens + n)

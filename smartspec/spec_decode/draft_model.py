@@ -32,15 +32,15 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
 
     def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
-                 use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
-                 ) -> None:
+                 use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
+                 enable_prefix_caching: bool = False) -> None:
         loaded = load_model(model, dtype, device, quantization=quantization)
         if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
                              "draft and target must use the same vocabulary")
         self.model = loaded.model
         self.target_vocab_size = target_vocab_size
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.blocks, use_kernels, device)
         self.state: dict[str, Request] = {}
 
@@ -51,6 +51,9 @@ class DraftModelProposer(Proposer):
         valid = min(ds.num_computed_tokens, _common_prefix(ds.token_ids, req.token_ids))
         self.blocks.truncate(ds, valid)
         ds.token_ids = list(req.token_ids)
+        if not ds.block_table:  # new, or every token rejected: start from the cached blocks of its prefix
+            self.blocks.match_prefix(ds, ds.num_tokens - 1)
+        self.blocks.register(ds, valid)  # the target committed these: they are never rewritten
         return ds
 
     def sync(self, request: Request) -> None:
