@@ -134,7 +134,7 @@ class OpenAIIngress:
         """Validate, submit, wait for acceptance: (id, Generation, streams), or the HTTPError to answer."""
         try:
             body = self._parse(data, schema)
-            streams, accepted = await self._start(body, chat)
+            streams, accepted = await self._start(body, chat)  # one acceptance per choice
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return exc
@@ -163,15 +163,17 @@ class OpenAIIngress:
             raise HTTPError(422, str(exc)) from None
         if body.speculation is not None:
             params["max_speculative_tokens"] = body.speculation.max_k
-        payload = ({"messages": [m.model_dump() for m in body.messages]} if chat
-                   else {"prompt": body.prompt, "echo": body.echo})
+        payloads = ([{"messages": [m.model_dump() for m in body.messages]}] if chat
+                    else [{"prompt": prompt, "echo": body.echo} for prompt in body.prompts()])
         streams = []
         try:
-            for i in range(body.n):
-                p = dict(params)
-                if p["seed"] is not None:
-                    p["seed"] += i  # n samples from one seed: distinct, and reproducible
-                streams.append(self.server.options(stream=True).generate.remote({**payload, "params": p}))
+            # choices: n per prompt, prompt after prompt (OpenAI's order for a batch of prompts)
+            for payload in payloads:
+                for i in range(body.n):
+                    p = dict(params)
+                    if p["seed"] is not None:
+                        p["seed"] += i  # n samples from one seed: distinct, and reproducible
+                    streams.append(self.server.options(stream=True).generate.remote({**payload, "params": p}))
             firsts = [await anext(s) for s in streams]
         except BackPressureError as exc:
             self._cancel(streams)
@@ -185,7 +187,7 @@ class OpenAIIngress:
             if first["type"] == "error":
                 self._cancel(streams)
                 raise HTTPError(first["status"], first["message"])
-        return streams, firsts[0]
+        return streams, firsts
 
     @staticmethod
     def _cancel(streams) -> None:
@@ -234,7 +236,7 @@ class OpenAIIngress:
         try:
             async for i, item in self._merged(streams):
                 first_token = first_token or time.monotonic()
-                texts[i] += gen.text(item)
+                texts[i] += gen.text(i, item)
                 entries[i] += item.get("logprobs") or []
                 if item.get("prompt_logprobs") is not None:
                     prompt_entries[i] = item["prompt_logprobs"]
@@ -266,7 +268,7 @@ class OpenAIIngress:
             async for i, item in self._merged(streams):
                 first_token = first_token or time.monotonic()
                 total[i] = item["completion_tokens"]
-                text = gen.text(item)
+                text = gen.text(i, item)
                 logprobs = gen.logprobs(i, item.get("logprobs") or [], item.get("prompt_logprobs"))
                 if text or (logprobs is not None and item["token_ids"]):
                     yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs)

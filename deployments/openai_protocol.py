@@ -80,10 +80,28 @@ class _Common(BaseModel):
         return {}
 
 
+def _is_batch(prompt) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt (a text, or one list of token ids)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    # one prompt (text or token ids), or a batch of them: n choices per prompt, in prompt order
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token; 0: the chosen token's alone
     echo: bool = False  # the prompt before the completion (with its logprobs when logprobs is set)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v):
+        if _is_batch(v) and any(not p for p in v):
+            raise ValueError("a batch of prompts holds no empty prompt")
+        if _is_batch(v) and len(v) > 64:
+            raise ValueError("a batch holds at most 64 prompts")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
 
     def logprob_fields(self) -> dict:
         return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
@@ -200,18 +218,18 @@ class Generation:
     """One request's answer as it streams in from its n generations: the echoed prompt and the logprobs of each
     choice in the shape its endpoint uses (chat: content entries; completions: token lists with text offsets)."""
 
-    def __init__(self, body: CompletionRequest | ChatCompletionRequest, chat: bool, accepted: dict) -> None:
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, chat: bool, accepted: list[dict]) -> None:
         self.body, self.chat = body, chat
-        self.prompt_tokens = accepted["prompt_tokens"]
+        self.prompt_tokens = sum(a["prompt_tokens"] for a in accepted[::body.n])  # each prompt once
         self.echo = not chat and body.echo
-        self.prompt_text = accepted.get("prompt_text", "")
-        self.prompt_first_token = accepted.get("prompt_first_token")
+        self.prompt_texts = [a.get("prompt_text", "") for a in accepted]
+        self.prompt_first_tokens = [a.get("prompt_first_token") for a in accepted]
         self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
-        self.offsets = [0] * body.n  # completions: where each choice's next token starts in its text
+        self.offsets = [0] * len(accepted)  # completions: where each choice's next token starts in its text
 
-    def text(self, item: dict) -> str:
-        """A delta's text; the first of an echoing completion starts with the prompt."""
-        return (self.prompt_text + item["text"]) if self.echo and item.get("first") else item["text"]
+    def text(self, index: int, item: dict) -> str:
+        """A delta's text; the first of an echoing completion starts with its prompt."""
+        return (self.prompt_texts[index] + item["text"]) if self.echo and item.get("first") else item["text"]
 
     def logprobs(self, index: int, entries: list[dict], prompt_entries: list | None = None) -> dict | None:
         """Choice `index`'s logprobs for these output entries (and the prompt's, echoed), None when not asked."""
@@ -221,7 +239,7 @@ class Generation:
             return chat_logprobs(entries)
         firsts = None
         if self.echo and prompt_entries is not None:
-            entries, firsts = list(prompt_entries) + list(entries), [self.prompt_first_token]
+            entries, firsts = list(prompt_entries) + list(entries), [self.prompt_first_tokens[index]]
         out = completion_logprobs(entries, firsts, self.offsets[index])
         self.offsets[index] += sum(len(t) for t in out["tokens"])
         return out

@@ -390,6 +390,22 @@ def test_prefix_cache_hits_rise_on_a_repeated_system_prompt(app):
     assert hits() >= before + 200, (before, hits())
 
 
+def test_a_batch_of_token_prompts_with_echo_is_answered_per_prompt(app, tiny_qwen):
+    """The shape lm-eval's local-completions sends for loglikelihood: token-id prompts in one request."""
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    batch = [llm.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    body = {"model": "tiny", "prompt": batch, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    got = httpx.post(f"{app}/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert got["usage"]["prompt_tokens"] == sum(map(len, batch))
+    for ids, choice in zip(batch, got["choices"]):
+        one = httpx.post(f"{app}/v1/completions", json={**body, "prompt": ids}, timeout=120).json()["choices"][0]
+        assert choice["logprobs"] == one["logprobs"] and choice["text"] == one["text"]
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + 1
+    r = httpx.post(f"{app}/v1/completions", json={**body, "prompt": [[1, 2], []]}, timeout=60)
+    assert r.status_code == 422 and "no empty prompt" in r.json()["error"]["message"]
+
+
 def test_chat_errors(app):
     r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=60)
     assert r.status_code == 422 and "messages" in r.json()["error"]["message"]

@@ -1,0 +1,155 @@
+"""lm-eval against a running server, scored again by the offline engine: the check that a third-party eval client
+gets from the server exactly what the engine computes.
+
+Two tasks built from local files (HumanEval; no hub): "which function does this docstring describe" as a
+loglikelihood multiple choice (`local-completions`: echo + logprobs over token-id prompts), and "name the function
+defined here" as a chat generate_until (`local-chat-completions`). lm-eval runs in its own virtualenv (it pins
+packages of its own): make one with `python3 -m venv .venv-lmeval && .venv-lmeval/bin/pip install torch==2.13.0
+"lm_eval[api]==0.4.13" transformers==5.23.0`. Then, with `serve run config.yaml` answering on :8000:
+
+    python scripts/lm_eval_check.py --lm-eval .venv-lmeval/bin/lm_eval --docs 20
+
+Prints lm-eval's scores beside the offline engine's and how many per-sample values agree bit for bit; writes
+results/lm_eval/ (lm-eval's outputs and samples, check.parquet)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from smartspec import LLM, SamplingParams
+from smartspec.bench.workloads import humaneval_problems
+from smartspec.models.registry import resolve
+
+MC_TEXT = "{{question}}\nThe function's name is"
+GEN_TEXT = "What is the name of the Python function defined below? Answer with the name only.\n\n{{code}}"
+
+
+def docstring_of(prompt: str) -> str:
+    """The problem's text without its def line (the name is what is asked)."""
+    lines = [line for line in prompt.splitlines() if not line.lstrip().startswith("def ")]
+    return "\n".join(lines).strip()
+
+
+def write_tasks(folder: Path, docs: int, seed: int) -> None:
+    problems = humaneval_problems()[:docs]
+    names = [p["entry_point"] for p in humaneval_problems()]
+    rng = random.Random(seed)
+    mc, gen = [], []
+    for p in problems:
+        wrong = rng.sample([n for n in names if n != p["entry_point"]], 3)
+        choices = wrong + [p["entry_point"]]
+        rng.shuffle(choices)
+        mc.append({"question": docstring_of(p["prompt"]), "choices": [" " + c for c in choices],
+                   "answer": choices.index(p["entry_point"])})
+        gen.append({"code": p["prompt"] + p["canonical_solution"], "answer": p["entry_point"]})
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("mc", mc), ("gen", gen)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
+    (folder / "smartspec_names_mc.yaml").write_text(
+        "task: smartspec_names_mc\n" + common.format(path=folder / "mc.jsonl") +
+        f"output_type: multiple_choice\ndoc_to_text: \"{MC_TEXT}\"\ndoc_to_choice: \"{{{{choices}}}}\"\n"
+        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
+    (folder / "smartspec_names_gen.yaml").write_text(
+        "task: smartspec_names_gen\n" + common.format(path=folder / "gen.jsonl") +
+        "output_type: generate_until\n" + "doc_to_text: " + json.dumps(GEN_TEXT) + "\n"
+        "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 16\n"
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\n    aggregation: mean\n"
+        "    higher_is_better: true\n    regexes_to_ignore: [\"\\\\s\", \"`\"]\n")
+
+
+def run_lm_eval(lm_eval: str, model_type: str, task: str, url: str, model: str, tokenizer: str, tasks: Path,
+                out: Path, chat: bool) -> dict:
+    args = f"model={model},base_url={url},tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=1," \
+           "max_retries=1,timeout=600"
+    cmd = [lm_eval, "--model", model_type, "--model_args", args, "--include_path", str(tasks), "--tasks", task,
+           "--output_path", str(out), "--log_samples", "--batch_size", "1"]
+    if chat:
+        cmd.append("--apply_chat_template")
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    samples = max(out.rglob(f"samples_{task}_*.jsonl"))
+    return {"samples": [json.loads(line) for line in samples.read_text().splitlines()],
+            "results": json.loads(max(out.rglob("results_*.json")).read_text())["results"][task]}
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split: trailing spaces of the context go to the continuation; the whole is encoded once."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        continuation, context = context[-spaces:] + continuation, context[:-spaces]
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    return ctx, whole[len(ctx):]
+
+
+def arguments(sample: dict) -> list[tuple[str, str]]:
+    """A logged loglikelihood sample's (context, continuation) per choice."""
+    args = sample["arguments"]
+    if isinstance(args, dict):  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
+        return [(a["arg_0"], a["arg_1"]) for a in args.values()]
+    return [tuple(a) for a in args]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lm-eval", default=".venv-lmeval/bin/lm_eval", help="lm-eval's command (its own venv)")
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="the served name, and the model scored offline")
+    ap.add_argument("--docs", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/lm_eval")
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    tasks = out / "tasks"
+    write_tasks(tasks, args.docs, args.seed)
+    path = resolve(args.model)
+    mc = run_lm_eval(args.lm_eval, "local-completions", "smartspec_names_mc", f"{args.url}/v1/completions",
+                     args.model, path, tasks, out / "mc", chat=False)
+    gen = run_lm_eval(args.lm_eval, "local-chat-completions", "smartspec_names_gen",
+                      f"{args.url}/v1/chat/completions", args.model, path, tasks, out / "gen", chat=True)
+
+    llm = LLM(args.model, kv_cache_gib=0.5, max_model_len=4096)
+    tok = llm.tokenizer
+    rows, same_values, correct = [], 0, 0
+    for s in mc["samples"]:
+        values = []
+        for context, continuation in arguments(s):
+            ctx, cont = encode_pair(tok, context, continuation)
+            out_ = llm.generate(ctx + cont, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+            values.append(sum(p.logprob for p in out_.prompt_logprobs[len(ctx):]))
+        served = [float(r[0][0]) for r in s["resps"]]
+        same_values += sum(a == b for a, b in zip(values, served))
+        correct += int(max(range(len(values)), key=values.__getitem__) == int(s["doc"]["answer"]))
+        rows.append({"task": "mc", "doc": s["doc_id"], "served": list(map(repr, served)),
+                     "offline": list(map(repr, values))})
+    offline_acc = correct / len(mc["samples"])
+    gen_same, gen_correct = 0, 0
+    for s in gen["samples"]:
+        messages = [{"role": "user", "content": GEN_TEXT.replace("{{code}}", s["doc"]["code"])}]
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = llm.generate(prompt, SamplingParams(max_tokens=16, stop=["\n"]))[0].text
+        served = s["resps"][0][0]
+        gen_same += int(text == served)
+        gen_correct += int(text.strip() == s["target"].strip())
+        rows.append({"task": "gen", "doc": s["doc_id"], "served": [served], "offline": [text]})
+    n_values = sum(len(r["served"]) for r in rows if r["task"] == "mc")  # values kept as repr: exact
+    print(f"\nloglikelihood multiple choice ({len(mc['samples'])} docs): lm-eval acc {mc['results'].get('acc,none')}, "
+          f"offline engine acc {offline_acc}; per-choice loglikelihoods bitwise equal: {same_values}/{n_values}")
+    print(f"chat generate_until ({len(gen['samples'])} docs): lm-eval exact_match "
+          f"{gen['results'].get('exact_match,none')}, offline engine {gen_correct / len(gen['samples'])}; "
+          f"generations identical: {gen_same}/{len(gen['samples'])}")
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(out / "check.parquet")
+    print(f"wrote {out}")
+    return 0 if same_values == n_values and gen_same == len(gen["samples"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
