@@ -110,7 +110,17 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str  # or OpenAI's list of content parts, of which text parts are served (joined)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in v):
+                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are served")
+            return "".join(p["text"] for p in v)
+        return v
 
 
 class ChatCompletionRequest(_Common):

@@ -2,8 +2,8 @@
 # vLLM's CPU build as the peer for `smartspec bench serve`, in its own virtualenv.
 #   scripts/vllm_peer.sh install                 # ~3 min, ~3.4 GB in .venv-vllm
 #   scripts/vllm_peer.sh serve none|ngram|draft  # OpenAI server on 127.0.0.1:${PORT:-8001}, fp32, both cores
-# It serves the same fp32 safetensors as SmartSpec, from SmartSpec's cache (fetch them first:
-# smartspec models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b), under the same served model name.
+# It serves fp32 safetensors from SmartSpec's model store (made from the same GGUF files on first use:
+# `smartspec models fetch NAME --dense`), under the same served model name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
@@ -12,10 +12,10 @@ TARGET=${TARGET:-qwen2.5-coder-1.5b}
 DRAFT=${DRAFT:-qwen2.5-coder-0.5b}
 PORT=${PORT:-8001}
 K=${K:-4}
-# SmartSpec has no prefix cache, and the benchmarks send the same prompts at every rate: with vLLM's default
-# prefix cache, every rate after the first would skip its prefills. PREFIX_CACHING=1 turns it back on.
-CACHE_FLAG=--no-enable-prefix-caching
-[ "${PREFIX_CACHING:-0}" = 1 ] && CACHE_FLAG=--enable-prefix-caching
+# Both servers cache prompt prefixes by default (SmartSpec: enable_prefix_caching), as users run them.
+# PREFIX_CACHING=0 turns vLLM's off (then set enable_prefix_caching: false on ours for a like comparison).
+CACHE_FLAG=--enable-prefix-caching
+[ "${PREFIX_CACHING:-1}" = 0 ] && CACHE_FLAG=--no-enable-prefix-caching
 
 case "${1:-}" in
   install)
@@ -32,7 +32,9 @@ case "${1:-}" in
       draft) SPEC=(--speculative-config "{\"model\": \"$CACHE/models/$DRAFT\", \"num_speculative_tokens\": $K}") ;;
       *) echo "usage: $0 serve none|ngram|draft" >&2; exit 2 ;;
     esac
-    [ -d "$CACHE/models/$TARGET" ] || { echo "missing $CACHE/models/$TARGET: run smartspec models fetch $TARGET" >&2; exit 1; }
+    # vLLM reads fp32 safetensors: the model store makes them from the GGUF once (--dense)
+    smartspec models fetch "$TARGET" --dense > /dev/null
+    [ "${2:-none}" = draft ] && smartspec models fetch "$DRAFT" --dense > /dev/null
     preload=""
     for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$VENV"/lib/libiomp5.so; do
       [ -e "$lib" ] && preload="$preload:$lib"

@@ -406,6 +406,20 @@ def test_a_batch_of_token_prompts_with_echo_is_answered_per_prompt(app, tiny_qwe
     assert r.status_code == 422 and "no empty prompt" in r.json()["error"]["message"]
 
 
+def test_chat_content_parts_are_text(app):
+    """vLLM's benchmark client (and OpenAI's SDK for multimodal models) send content as a list of parts."""
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{app}/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": "hello there"}]}, timeout=120).json()
+    parts = httpx.post(f"{app}/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]},
+        timeout=120).json()
+    assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
+    r = httpx.post(f"{app}/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, timeout=60)
+    assert r.status_code == 422 and "only text content parts" in r.json()["error"]["message"]
+
+
 def test_chat_errors(app):
     r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=60)
     assert r.status_code == 422 and "messages" in r.json()["error"]["message"]
