@@ -191,7 +191,8 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
     not hang on the machine's step costs), in one engine; policy "off" (the draft never runs) is the
     non-speculative reference. Logprobs too: equal greedy; sampled, the target's over the final sequence."""
     from smartspec.models import fetch
-    from smartspec.policy import OffPolicy
+    from smartspec.policy import FixedPolicy, OffPolicy
+    from smartspec.spec_decode.ngram import NgramTreeProposer
 
     target, draft = str(fetch("qwen2.5-coder-1.5b")), str(fetch("qwen2.5-coder-0.5b"))
     llm = LLM(target, kv_cache_gib=0.5, max_model_len=1024, max_num_seqs=4,
@@ -205,12 +206,17 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
     spec = llm.generate(prompts, params)
     m = llm.engine.speculator.metrics
     sampled = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.8, seed=5, logprobs=1))
-    llm.engine.set_speculation(policy=OffPolicy())
+    draft = llm.engine.speculator.proposer
+    llm.engine.set_speculation(proposer=NgramTreeProposer(3, 2), policy=FixedPolicy(6), k_max=6)
+    tree = llm.generate(prompts, params)
+    assert llm.engine.speculator.metrics.num_accepted_tokens > 0
+    llm.engine.set_speculation(proposer=draft, policy=OffPolicy(), k_max=4)
     plain = llm.generate(prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == [o.token_ids for o in tree]
     assert m.num_drafts > 0 and m.num_accepted_tokens > 0
-    # logprobs: the same bits with and without speculation; sampled, each the target's over the final sequence
-    assert [o.logprobs for o in spec] == [o.logprobs for o in plain]
+    # logprobs: the same bits with and without speculation (chain and tree); sampled, each the target's over the
+    # final sequence
+    assert [o.logprobs for o in spec] == [o.logprobs for o in plain] == [o.logprobs for o in tree]
     for out in sampled:
         ids = out.prompt_token_ids + out.token_ids
         scored = llm.engine.runner.score(ids)
