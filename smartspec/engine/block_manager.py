@@ -98,12 +98,14 @@ class BlockManager:
         limit = min(req.num_computed_tokens, len(req.token_ids), num_tokens if num_tokens is not None else 1 << 62)
         chain = 0
         for i, block in enumerate(req.block_table[:limit // self.block_size]):
+            if block in self._key:  # registered already (by this request, or matched): its chain is known
+                chain = self._key[block][0]
+                continue
             tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain = hash((chain, tokens))
-            if block in self._key or chain in self._cached:
-                continue  # registered already, or another block holds the same tokens
-            self._cached[chain] = block
-            self._key[block] = (chain, tokens)
+            if chain not in self._cached:  # else another block holds the same tokens
+                self._cached[chain] = block
+                self._key[block] = (chain, tokens)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (their contents stay, unfindable): the next requests start cold."""
