@@ -143,8 +143,9 @@ class OpenAIIngress:
     def _parse(self, data, schema):
         if not isinstance(data, dict):
             raise HTTPError(400, "request body must be a JSON object")
-        if (message := proto.unsupported_field(data)) is not None:
-            raise HTTPError(400, message, message.split("`")[1])
+        if (unsupported := proto.unsupported_field(data)) is not None:
+            name, message = unsupported
+            raise HTTPError(400, message, name)
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:

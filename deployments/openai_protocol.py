@@ -34,13 +34,13 @@ UNSUPPORTED = {
 }
 
 
-def unsupported_field(data: dict) -> str | None:
-    """The first field set to a value this server would not honour, as a message; None when there is none."""
+def unsupported_field(data: dict) -> tuple[str, str] | None:
+    """The first field set to a value this server would not honour, and a message; None when there is none."""
     for name, neutral in UNSUPPORTED.items():
         if name in data and not any(data[name] == v and type(data[name]) is type(v) or data[name] is v
                                     for v in neutral):
-            return (f"`{name}` is not supported by this server (got {json.dumps(data[name])[:80]}); "
-                    "leave it out or at its default")
+            return name, (f"`{name}` is not supported by this server (got {json.dumps(data[name])[:80]}); "
+                          "leave it out or at its default")
     return None
 
 
