@@ -102,7 +102,7 @@ class AppConfig(Strict):
     def draft_actor(self) -> bool:
         """Whether the draft model runs in its own Ray actor."""
         spec = self.speculation
-        return spec is not None and spec.method == "draft_model" and spec.draft_actor
+        return spec is not None and "draft_model" in spec.all_methods and spec.draft_actor
 
     def engine_config(self, replica_id: str = "replica") -> EngineConfig:
         trace = os.path.join(self.step_trace_dir, replica_id) if self.step_trace_dir else None

@@ -60,6 +60,11 @@ class LLMServer:
         from deployments.draft_worker import DraftWorker, RemoteDraftProposer
 
         def make(spec_config, engine, num_blocks):
+            if spec_config.methods:  # the draft model in its actor, beside the in-process lookups
+                from smartspec.engine.llm_engine import make_proposer
+                from smartspec.spec_decode.mixed import MixedProposer
+                return MixedProposer(make(spec_config.single("draft_model"), engine, num_blocks),
+                                     make_proposer(spec_config.single("suffix"), engine, num_blocks))
             from smartspec.models import load_model
 
             # a mismatched pair is a configuration error: say so now, not in an actor restarting forever
@@ -146,7 +151,8 @@ class LLMServer:
                     "prefix_cache": {"queries": engine.blocks.num_prefix_queries,
                                      "hits": engine.blocks.num_prefix_hits},
                     "spec_decode": engine.speculator.metrics.as_dict(), "steps": engine.stats.snapshot(),
-                    "draft_available": (engine.speculator.proposer.available
+                    "draft_available": (getattr(engine.speculator.proposer, "draft_available",
+                                                engine.speculator.proposer.available)
                                         if engine.speculator.proposer is not None else None),
                     "draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
                     "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),

@@ -242,11 +242,11 @@ def test_state_export_merge_import():
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix", ["draft_model", "suffix"]])
 def test_engine_under_smartspec_equals_off(method, tiny_qwen, tiny_qwen_draft, tmp_path):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12)]
     spec = {"method": method, "num_speculative_tokens": 4, "policy": "smartspec"}
-    if method == "draft_model":
+    if "draft_model" in method:
         spec["model"] = tiny_qwen_draft
     trace = tmp_path / "trace.parquet"
     llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, speculative_config=spec,

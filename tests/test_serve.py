@@ -428,6 +428,30 @@ def test_chat_errors(app):
     assert r.status_code == 422 and "role" in r.json()["error"]["message"]
 
 
+def test_proposers_chosen_per_request_are_served_from_the_config(ray_serve, tiny_qwen, tiny_qwen_draft, reference):
+    """speculation.method [draft_model, suffix]: the draft in its actor, the lookups in the replica; output equal to
+    the offline engine's without speculation, drafts proposed."""
+    from deployments.app import build_app
+
+    args = {"model": tiny_qwen, "served_model_name": "tiny",
+            "speculation": {"method": ["draft_model", "suffix"], "model": tiny_qwen_draft, "num_speculative_tokens": 3,
+                            "policy": "fixed", "draft_num_cpus": 0.1, "draft_num_threads": 1},
+            "kv_cache_gib": 0.01, "max_model_len": 512, "replica_num_cpus": 0.1, "num_threads": 1}
+    serve.run(build_app(args), name="mixed", route_prefix="/mixed")
+    url = f"{ray_serve}/mixed"
+    _wait_ready(url)
+    try:
+        for prompt in ("abcabcabc abc", "hello world"):
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(prompt, 24)
+        stats = serve.get_deployment_handle("LLMServer", "mixed").stats.remote().result(timeout_s=30)
+        assert stats["draft_available"] and stats["draft_actor"]
+        assert stats["spec_decode"]["num_draft_tokens"] > 0
+    finally:
+        serve.delete("mixed")
+
+
 def _deploy_tight(tiny_qwen, name: str, **limits) -> str:
     from deployments.app import build_app
 

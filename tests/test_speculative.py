@@ -60,20 +60,26 @@ def plain_outputs(tiny_qwen):
     return [o.token_ids for o in make(tiny_qwen).generate(PROMPTS, PARAMS)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix", ["draft_model", "suffix"]])
 def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tiny_qwen_draft, plain_outputs):
     spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
-    if method == "draft_model":
+    if "draft_model" in method:
         spec["model"] = tiny_qwen_draft
     llm = make(tiny_qwen, spec)
+    drew = []  # (proposer, tokens proposed) per request and step
+    llm.engine.speculator.policy.observe = lambda rec: drew.extend(
+        (rec.extra.get("methods", {}).get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed))
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
     m = llm.engine.speculator.metrics
     # the test must exercise both outcomes: accepted drafts and rejected ones
     assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens, m
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
-    if method == "draft_model":
-        draft = llm.engine.speculator.proposer
-        assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
+    proposer = llm.engine.speculator.proposer
+    if isinstance(method, list):  # both proposers drafted, in shared steps
+        assert {m for m, p in drew if p} == set(method), drew
+        proposer = proposer.draft
+    if "draft_model" in method:
+        assert proposer.blocks.num_free == proposer.blocks.num_blocks and not proposer.state
 
 
 def test_self_draft_accepts_everything(tiny_qwen, plain_outputs):

@@ -147,7 +147,7 @@ def test_accepted_path_kv_is_compacted_in_target_and_draft(tiny_qwen):
 
 
 # ---- greedy losslessness ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_greedy_tree_output_equals_plain_with_chains_and_k0_in_one_batch(method, tiny_qwen, tiny_qwen_draft,
                                                                          plain_outputs):
     spec = {"method": method, "tree": TREE, "policy": MixedPolicy()}
@@ -180,7 +180,7 @@ def plain_outputs(tiny_qwen):
     return [o.token_ids for o in make(tiny_qwen).generate(PROMPTS, PARAMS)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
 def test_greedy_tree_under_smartspec_equals_plain(method, tiny_qwen, tiny_qwen_draft, plain_outputs):
     spec = {"method": method, "tree": TREE, "policy": "smartspec"}
     if method == "draft_model":

@@ -279,12 +279,21 @@ class LLMEngine:
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,
             predicted_s=self.speculator.policy.last_prediction if decoding else None,
             draft_catchup_tokens=self.speculator.proposer.last_catchup_tokens if drafts else 0,
-            extra={"trees": trees} if trees else {})
+            extra=self._record_extra(decoding, trees))
         self.last_step = record
         self.stats.add(record, sum(len(t) for t in new_tokens.values()))
         self.speculator.policy.observe(record)
         if self.trace is not None:
             self.trace.add(record)
+
+    def _record_extra(self, decoding: list[Request], trees: dict) -> dict:
+        """What the policy learns from beyond the counts: verified trees with their accepted paths, and which
+        proposer each request drew where the policy chose them."""
+        extra = {"trees": trees} if trees else {}
+        methods = self.speculator.methods
+        if methods is not None:
+            extra["methods"] = {r.request_id: m for r, m in zip(decoding, methods)}
+        return extra
 
     def _commit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append tokens to a request, ending it at the first stop (nothing past a stop is kept)."""
@@ -348,6 +357,14 @@ def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
 
 def make_proposer(spec: SpeculativeConfig, engine: LLMEngine, num_blocks: int) -> Proposer:
     """The proposer a speculative config names, in-process, for the engine's target (the draft's cache: num_blocks)."""
+    if spec.methods:  # several proposers, chosen per request
+        from smartspec.spec_decode.mixed import MixedProposer
+        return MixedProposer(make_proposer(spec.single("draft_model"), engine, num_blocks),
+                             make_proposer(spec.single("suffix"), engine, num_blocks))
+    if spec.method == "suffix":
+        from smartspec.spec_decode.suffix import SuffixProposer
+        return SuffixProposer(spec.tree.max_depth if spec.tree else spec.num_speculative_tokens,
+                              spec.tree.branching if spec.tree else 1, spec.suffix_cache_tokens)
     if spec.method == "ngram":
         from smartspec.spec_decode.ngram import NgramProposer, NgramTreeProposer
         if spec.tree:

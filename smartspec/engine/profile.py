@@ -14,7 +14,8 @@ class _PaddedProposer(Proposer):
     verifies exactly the planned number of tokens (prompt lookup may find nothing in a synthetic prompt)."""
 
     def __init__(self, inner: Proposer) -> None:
-        self.inner = inner
+        # a draft model beside lookups (MixedProposer): profile the draft, the one whose forwards cost
+        self.inner = getattr(inner, "draft", inner)
 
     def propose(self, requests, ks):
         proposal = self.inner.propose(requests, ks)

@@ -20,6 +20,16 @@ class Policy:
         clock of the requests' arrival_time (time.monotonic() when None; a simulator passes its own)."""
         raise NotImplementedError
 
+    def choose_proposers(self, requests: list[Request], k_max: int, lookups: list, use_draft: bool, *,
+                         base_tokens: int = 0, base_context: int = 0, prefilling: Sequence[Request] = (),
+                         now: float | None = None) -> tuple[list[str], list[int]]:
+        """A model-free lookup (suffix speculation) ran before k is chosen: lookups holds each request's candidate
+        tree. Per request, the proposer ("suffix", or "draft_model" where use_draft) and k. Here: this policy's k,
+        from the lookup where its tree holds that many nodes (it costs no draft forward), else from the draft."""
+        ks = self.choose(requests, k_max, base_tokens=base_tokens, base_context=base_context, prefilling=prefilling,
+                         now=now)
+        return ["suffix" if len(t) >= k or not use_draft else "draft_model" for t, k in zip(lookups, ks)], ks
+
     def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:
         """Token trees as proposed for node budgets ks -> the trees to verify (a policy that weighs nodes drops
         some)."""

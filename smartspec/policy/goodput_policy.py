@@ -12,6 +12,7 @@ from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.arrivals import ArrivalGaps
 from smartspec.policy.base import Policy
 from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.proposer_choice import DRAFT, LOOKUP, lookup_gains, select_proposers
 from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plan_value, plans_by_depth, select_from_gains
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
@@ -89,19 +90,11 @@ class GoodputPolicy(Policy):
 
     def choose(self, requests: list[Request], k_max: int, base_tokens: int = 0, base_context: int = 0,
                prefilling: Sequence[Request] = (), now: float | None = None) -> list[int]:
-        self.step += 1
         now = time.monotonic() if now is None else now
-        for r in (*requests, *prefilling):
-            self.arrivals.see(r.request_id, r.arrival_time)
-        self.acceptance.tick(r.request_id for r in requests)
-        if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
-            self.last_prediction = None
+        shape = self._begin_step(requests, k_max, base_tokens, base_context, prefilling)
+        if shape is None:  # nothing measured yet: plain decoding is the one safe plan
             return [0] * len(requests)
-        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1,
-                           k_max if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens))
-                for r in requests]
-        tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
-        self._step_shape = (tokens, context)
+        caps, tokens, context = shape
         if self.tree_depth is None:
             raw_gains = self.acceptance.gains([r.request_id for r in requests], k_max)
             depth_of = np.arange(1, k_max + 1)
@@ -141,6 +134,72 @@ class GoodputPolicy(Policy):
         self.last_prediction = float(predicted + sum(s for s, k in zip(start_s, ks) if k))
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return ks
+
+    def _begin_step(self, requests: list[Request], k_max: int, base_tokens: int, base_context: int,
+                    prefilling: Sequence[Request]) -> tuple[list[int], int, int] | None:
+        """Count the step and see its requests; the caps on k and the step's tokens and context at k = 0, or None
+        while the cost model has measured nothing."""
+        self.step += 1
+        for r in (*requests, *prefilling):
+            self.arrivals.see(r.request_id, r.arrival_time)
+        self.acceptance.tick(r.request_id for r in requests)
+        if not self.cost.ready:
+            self.last_prediction = None
+            return None
+        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1,
+                           k_max if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens))
+                for r in requests]
+        tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
+        self._step_shape = (tokens, context)
+        return caps, tokens, context
+
+    def choose_proposers(self, requests: list[Request], k_max: int, lookups: list, use_draft: bool,
+                         base_tokens: int = 0, base_context: int = 0, prefilling: Sequence[Request] = (),
+                         now: float | None = None) -> tuple[list[str], list[int]]:
+        """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
+        tree's nodes valued by their calibrated confidences, the draft model's tokens by the request's acceptance
+        rate, its catch-up charged as in choose. While the draft's acceptance prior is unlearned, a request the plan
+        leaves at k = 0, that the lookups do not serve and whose catch-up is cheap, now and then probes the draft
+        model with one token."""
+        now = time.monotonic() if now is None else now
+        b = len(requests)
+        shape = self._begin_step(requests, k_max, base_tokens, base_context, prefilling)
+        if shape is None:
+            return [LOOKUP] * b, [0] * b
+        caps, tokens, context = shape
+        lookup = lookup_gains([node_values(t, self.calibration) for t in lookups], k_max)
+        draft, start_s = None, np.zeros(b)
+        if use_draft:
+            start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))
+            self._horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
+            draft = self._charge_starts(self.acceptance.gains([r.request_id for r in requests], k_max), requests,
+                                        caps, start_s)
+        price = None
+        if base_tokens:  # as in _prefill_step_price: drafts must beat the decoding batch's own rate
+            alone = select_proposers(draft, lookup, caps, self.cost.predict, b, context - base_context)
+            price = alone.value * (b + max(1, len(prefilling))) / b
+        plan = select_proposers(draft, lookup, caps, self.cost.predict, tokens, context, price)
+        methods, ks = plan.methods, plan.ks
+        self._probing = set()
+        if use_draft and self.acceptance.evidence < self.min_prior_evidence:
+            # a probe costs a draft catch-up (a whole prompt, the first time), and free drafts are there to lose:
+            # only for a request the lookups do not serve, and whose catch-up costs a small share of the steps it
+            # would be spread over (longer prompts are drafted for once the prior says it pays)
+            due = [i for i, r in enumerate(requests)
+                   if ks[i] == 0 and caps[i] > 0 and lookup[i, 0] < 0.5
+                   and self.step >= self._probe_due.get(r.request_id, 0)
+                   and start_s[i] <= self.explore_fraction * self.catchup_horizon * plan.seconds]
+            if due:
+                i = min(due, key=lambda i: start_s[i])
+                methods[i], ks[i] = DRAFT, 1
+                self._probing.add(requests[i].request_id)
+        drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
+        m_all, m_draft = sum(ks), sum(drafted)
+        self.last_prediction = float(self.cost.predict(tokens + m_all, context + m_all, max(drafted, default=0),
+                                                       m_draft)
+                                     + sum(s for s, k in zip(start_s, drafted) if k))
+        self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, drafted) if k}
+        return methods, ks
 
     def _charge_starts(self, gains: np.ndarray, requests: list[Request], caps: list[int], start_s: np.ndarray
                        ) -> np.ndarray:
@@ -281,7 +340,10 @@ class GoodputPolicy(Policy):
     def observe(self, record: StepRecord) -> None:
         for tree, path in record.extra.get("trees", {}).values():
             self.calibration.observe(tree, path)
+        methods = record.extra.get("methods", {})
         for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
+            if methods.get(rid, DRAFT) != DRAFT:  # a lookup's outcome went to the calibration above
+                continue
             self.acceptance.observe(rid, proposed, accepted)
             if proposed and rid in self._chosen_at:  # the draft fed the context, then its drafts up to the last
                 self._draft_seen[rid] = self._chosen_at[rid] + min(accepted, proposed - 1)
@@ -301,8 +363,12 @@ class GoodputPolicy(Policy):
         self.cost.hold_prior()
 
     def observe_cost(self, record: StepRecord) -> None:
-        depth = self._depth(max(record.proposed, default=0))
-        self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(record.proposed),
+        proposed = record.proposed
+        if "methods" in record.extra:  # only the draft model's tokens cost draft forwards
+            methods = record.extra["methods"]
+            proposed = [p for rid, p in zip(record.request_ids, proposed) if methods.get(rid) == DRAFT]
+        depth = self._depth(max(proposed, default=0))
+        self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(proposed),
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens)
 
     def release(self, request: Request) -> None:

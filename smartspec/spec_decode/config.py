@@ -1,13 +1,14 @@
 """speculative_config, in the ecosystem's shape: {"method", "model", "num_speculative_tokens", ...}."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from smartspec.policy.base import Policy
 from smartspec.policy.factory import make_policy
 from smartspec.spec_decode.tree import MAX_TREE_NODES
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "suffix")
+MIXES = ({"draft_model", "suffix"},)  # proposers that can be chosen per request
 
 
 @dataclass
@@ -39,7 +40,9 @@ class TreeConfig:
 class SpeculativeConfig:
     """How requests speculate: the proposer, K, the policy that picks each request's k, and where a served draft
     model runs. One type for the offline engine and the Serve application; parse() takes a user's dict."""
-    method: str = "draft_model"  # "draft_model" or "ngram" (prompt lookup); parse() reads "none" as no speculation
+    # "draft_model", "ngram" (prompt lookup), "suffix" (suffix speculation), or ["draft_model", "suffix"]: the
+    # proposer chosen per request and step; parse() reads "none" as no speculation
+    method: str | list[str] = "draft_model"
     model: str | None = "qwen2.5-coder-0.5b"  # the draft model, for method "draft_model" (same tokenizer as target)
     num_speculative_tokens: int = 4  # K: the most any request speculates in one step
     prompt_lookup_max: int = 4
@@ -54,13 +57,28 @@ class SpeculativeConfig:
     draft_actor: bool = True
     draft_num_cpus: float = 0.25
     draft_num_threads: int | None = None
+    suffix_cache_tokens: int = 65536  # method "suffix": the most tokens of finished outputs it looks up in
 
     def __post_init__(self) -> None:
         self.tree = TreeConfig.parse(self.tree)
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS} (or 'none'), got {self.method!r}")
-        if self.method == "draft_model" and not self.model:
+        if isinstance(self.method, (list, tuple)):
+            if len(self.method) == 1:
+                self.method = self.method[0]
+            elif set(self.method) in MIXES and len(self.method) == len(set(self.method)):
+                self.method = sorted(self.method)
+            else:
+                raise ValueError(f"speculative methods can be mixed as {[sorted(m) for m in MIXES]}, got "
+                                 f"{self.method!r}")
+        if isinstance(self.method, list):
+            if self.tree:
+                raise ValueError(f"speculative method {self.method} drafts chains: 'tree' is not supported with it")
+        elif self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, a list of {[sorted(m) for m in MIXES]} "
+                             f"(or 'none'), got {self.method!r}")
+        if "draft_model" in self.all_methods and not self.model:
             raise ValueError("speculative method 'draft_model' needs speculation.model (the draft model)")
+        if not _is_int(self.suffix_cache_tokens) or self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
@@ -80,8 +98,22 @@ class SpeculativeConfig:
 
     def make_policy(self) -> Policy:
         """The policy this config names, built with its table, options, prior key and tree depth."""
+        drafts_trees = self.tree is not None and self.method in ("draft_model", "ngram")
         return make_policy(self.policy, self.k_max, self.batch_table, key=self.key, options=self.policy_options,
-                           tree_depth=self.tree.max_depth if self.tree else None)
+                           tree_depth=self.tree.max_depth if drafts_trees else None)
+
+    @property
+    def all_methods(self) -> tuple[str, ...]:
+        return tuple(self.method) if isinstance(self.method, list) else (self.method,)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The proposers chosen per request; () for one proposer."""
+        return tuple(self.method) if isinstance(self.method, list) else ()
+
+    def single(self, method: str) -> SpeculativeConfig:
+        """This config with one of its proposers alone."""
+        return replace(self, method=method, tree=asdict(self.tree) if self.tree else None)
 
     @property
     def k_max(self) -> int:
@@ -91,6 +123,8 @@ class SpeculativeConfig:
     @property
     def key(self) -> str:
         """What acceptance priors are shared by: the proposer and, for a draft model, which one."""
+        if self.methods:
+            return "+".join(f"{m}:{self.model}" if m == "draft_model" else m for m in self.methods)
         key = f"{self.method}:{self.model}" if self.method == "draft_model" else self.method
         return f"{key}:tree" if self.tree else key
 
@@ -105,6 +139,7 @@ class SpeculativeConfig:
         """The config as a user would write it (a Policy instance stays an object)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["tree"] = asdict(self.tree) if self.tree else None
+        out["method"] = list(self.method) if isinstance(self.method, list) else self.method
         return out
 
 

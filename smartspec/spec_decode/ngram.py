@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from smartspec.engine.request import Request
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first
+from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first, count_trie
 
 
 def lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -52,21 +52,7 @@ class NgramTreeProposer(Proposer):
 
     def tree(self, tokens: list[int], budget: int) -> TokenTree:
         follows = lookup_all(tokens, self.max_depth, self.n_max, self.n_min)
-        node_tokens, parents, counts = [], [], []
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for follow in follows:
-            node = -1
-            for tok in follow:
-                child = index.get((node, tok))
-                if child is None:
-                    if sum(1 for p in parents if p == node) >= self.branching:
-                        break
-                    child = index[(node, tok)] = len(node_tokens)
-                    node_tokens.append(tok)
-                    parents.append(node)
-                    counts.append(0)
-                counts[child] += 1
-                node = child
+        node_tokens, parents, counts = count_trie(follows, self.branching)
         root_count = max(1, len(follows))
         conf = [counts[i] / (counts[p] if p >= 0 else root_count) for i, p in enumerate(parents)]
         return best_first(node_tokens, parents, [c / root_count for c in counts], conf, limit=budget,

@@ -36,5 +36,8 @@ class Proposer:
     def sync(self, request: Request) -> None:
         """After the target committed: forget what the request's draft state holds past the agreed tokens."""
 
+    def finish(self, request: Request) -> None:
+        """The request ended with these tokens (a proposer that learns from outputs keeps them)."""
+
     def release(self, request_id: str) -> None:
         """The request ended: free its draft state."""

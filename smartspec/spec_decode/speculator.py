@@ -14,6 +14,7 @@ from smartspec.engine.request import Request
 from smartspec.engine.sampler import sample_tokens
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
+from smartspec.policy.proposer_choice import DRAFT, LOOKUP
 from smartspec.spec_decode.metrics import SpecDecodeMetrics
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.spec_decode.rejection_sampler import accept, accept_tree
@@ -38,6 +39,8 @@ class Speculator:
         self.k_max = k_max
         self.policy = policy if proposer is not None else OffPolicy()
         self.metrics = SpecDecodeMetrics()
+        # this step's proposer per decoding request, where the policy chose them (lookups); None otherwise
+        self.methods: list[str] | None = None
 
     def choose(self, decoding: list[Request], budget: int, blocks: BlockManager, max_model_len: int,
                prefill: list[ScheduledRequest] = (), now: float | None = None) -> list[int]:
@@ -46,17 +49,28 @@ class Speculator:
         which the policy sees as the rest of the step; now: the clock of requests' arrival_time (None: the
         engine's, time.monotonic()). A policy that fails or answers nonsense costs speculation
         for this step, never a request."""
+        self.methods = None
         if self.proposer is None or not decoding or not self.proposer.available:
             return [0] * len(decoding)
+        step = dict(base_tokens=sum(s.num_tokens for s in prefill),
+                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
+                    prefilling=[s.request for s in prefill], now=now)
         try:
-            ks = self.policy.choose(decoding, self.k_max, base_tokens=sum(s.num_tokens for s in prefill),
-                                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
-                                    prefilling=[s.request for s in prefill], now=now)
+            if hasattr(self.proposer, "candidates"):  # model-free lookups: the policy sees them before choosing
+                lookups = self.proposer.candidates(decoding, self.k_max)
+                use_draft = getattr(self.proposer, "draft_available", False)
+                methods, ks = self.policy.choose_proposers(decoding, self.k_max, lookups, use_draft, **step)
+                if len(methods) != len(decoding) or any(m not in (LOOKUP, DRAFT if use_draft else LOOKUP)
+                                                        for m in methods):
+                    raise ValueError(f"invalid proposers {methods!r} for {len(decoding)} requests")
+            else:
+                methods, ks = None, self.policy.choose(decoding, self.k_max, **step)
             if len(ks) != len(decoding) or any(not isinstance(k, int) or not 0 <= k <= self.k_max for k in ks):
                 raise ValueError(f"invalid k {ks!r} for {len(decoding)} requests (K={self.k_max})")
         except Exception:
             logger.exception("policy %r failed; this step runs without speculation", self.policy.name)
             return [0] * len(decoding)
+        self.methods = methods
         out = []
         for req, k in zip(decoding, ks):
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
@@ -77,12 +91,18 @@ class Speculator:
             return {}
         t0 = time.perf_counter()
         try:
-            proposal: Proposal = self.proposer.propose(decoding, ks)
+            if self.methods is not None and hasattr(self.proposer, "draft"):
+                proposal: Proposal = self.proposer.propose(decoding, ks, self.methods)
+            else:
+                proposal = self.proposer.propose(decoding, ks)
         except Exception:  # a failed proposer (a dead draft actor) costs speed, never a request
             logger.exception("proposer failed; this step runs without speculation")
             return {}
         if proposal.trees is None:
             return {r.request_id: Draft(t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs) if t}
+        if self.methods is not None:  # the policy chose on the lookups themselves: nothing to prune
+            return {r.request_id: Draft(t, q, tree) for r, t, q, tree in
+                    zip(decoding, proposal.tokens, proposal.probs, proposal.trees) if t}
         trees = proposal.trees
         try:
             trees = self.policy.prune(decoding, ks, trees, time.perf_counter() - t0)
@@ -124,5 +144,6 @@ class Speculator:
 
     def release(self, req: Request) -> None:
         if self.proposer is not None:
+            self.proposer.finish(req)
             self.proposer.release(req.request_id)
         self.policy.release(req)

@@ -83,6 +83,32 @@ class TokenTree:
 
 
 
+def count_trie(sequences, max_children: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Token sequences merged where they agree: node tokens, parents (-1: the root, parents first) and how many
+    sequences pass through each node. With max_children, a sequence stops where it would add a node's child beyond
+    that many (the first sequences keep theirs)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    counts: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    num_children: dict[int, int] = {}
+    for seq in sequences:
+        node = -1
+        for tok in seq:
+            child = index.get((node, tok))
+            if child is None:
+                if max_children is not None and num_children.get(node, 0) >= max_children:
+                    break
+                num_children[node] = num_children.get(node, 0) + 1
+                child = index[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                counts.append(0)
+            counts[child] += 1
+            node = child
+    return tokens, parents, counts
+
+
 def best_first(tokens: list[int], parents: list[int], scores: list[float], confidences: list[float],
                child_probs: dict[int, torch.Tensor] | None = None, limit: int = MAX_TREE_NODES,
                sibling_order: bool = True) -> TokenTree:
