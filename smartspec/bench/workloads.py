@@ -53,3 +53,33 @@ def serving_requests(workload: str, n: int) -> list[dict]:
                     else EDIT_INSTRUCTION + "```python\n" + p["prompt"] + p["canonical_solution"] + "```")
             out.append({"endpoint": "chat/completions", "messages": [{"role": "user", "content": text}]})
     return out
+
+
+PROPOSER_WORKLOADS = ("edit", "agent", "chat")
+PROSE_INSTRUCTION = ("In three sentences of plain English, without code, explain how you would solve this problem "
+                     "and what the tricky cases are.\n\n")
+TOOL_INSTRUCTION = ("You are an agent. The tool call `read_file` returned the file below. Reply with a JSON object "
+                    "with the keys \"function\", \"arguments\" (a list of names) and \"summary\" (one sentence), then "
+                    "repeat the function's signature line.\n\n")
+
+
+def proposer_prompts(workload: str, n: int, tokenizer) -> list[str]:
+    """Chat prompts for the proposer benchmark: "edit" (rewrite a function: the answer copies the prompt), "agent"
+    (three tool outputs, each read again and again by later requests: their answers repeat across requests, which
+    only the cache of finished outputs can draft from), "chat" (prose about a problem: little to copy)."""
+    if workload not in PROPOSER_WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: one of {PROPOSER_WORKLOADS}")
+    problems = humaneval_problems()
+    texts = []
+    for i in range(n):
+        if workload == "edit":
+            p = problems[i % len(problems)]
+            texts.append(EDIT_INSTRUCTION + "```python\n" + p["prompt"] + p["canonical_solution"] + "```")
+        elif workload == "agent":
+            p = problems[i % 3]
+            texts.append(f"Step {i + 1}. " + TOOL_INSTRUCTION + "```python\n" + p["prompt"] + p["canonical_solution"]
+                         + "```")
+        else:
+            texts.append(PROSE_INSTRUCTION + problems[i % len(problems)]["prompt"])
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts]
