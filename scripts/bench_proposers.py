@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policies import run_rate, summarize  # noqa: E402
+from bench_policies import run_rate, summarize
 
-from smartspec import EngineConfig  # noqa: E402
-from smartspec.bench.workloads import PROPOSER_WORKLOADS, proposer_prompts  # noqa: E402
-from smartspec.engine.llm_engine import LLMEngine  # noqa: E402
-from smartspec.policy import make_policy  # noqa: E402
-from smartspec.spec_decode.mixed import MixedProposer  # noqa: E402
-from smartspec.spec_decode.ngram import NgramProposer  # noqa: E402
-from smartspec.spec_decode.suffix import SuffixProposer  # noqa: E402
+from smartspec import EngineConfig
+from smartspec.bench.workloads import PROPOSER_WORKLOADS, proposer_prompts
+from smartspec.engine.llm_engine import LLMEngine
+from smartspec.policy import make_policy
+from smartspec.spec_decode.mixed import MixedProposer
+from smartspec.spec_decode.ngram import NgramProposer
+from smartspec.spec_decode.suffix import SuffixProposer
 
 METHODS = ("off", "ngram", "draft_model", "suffix", "mixed")
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from smartspec.engine.request import Request
 from smartspec.engine.step_record import StepRecord
+from smartspec.policy.proposer_choice import DRAFT, LOOKUP
 
 
 class Policy:
@@ -28,7 +29,7 @@ class Policy:
         from the lookup where its tree holds that many nodes (it costs no draft forward), else from the draft."""
         ks = self.choose(requests, k_max, base_tokens=base_tokens, base_context=base_context, prefilling=prefilling,
                          now=now)
-        return ["suffix" if len(t) >= k or not use_draft else "draft_model" for t, k in zip(lookups, ks)], ks
+        return [LOOKUP if len(t) >= k or not use_draft else DRAFT for t, k in zip(lookups, ks)], ks
 
     def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:
         """Token trees as proposed for node budgets ks -> the trees to verify (a policy that weighs nodes drops

@@ -12,8 +12,8 @@ from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.arrivals import ArrivalGaps
 from smartspec.policy.base import Policy
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.policy.proposer_choice import DRAFT, LOOKUP, lookup_gains, select_proposers
 from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plan_value, plans_by_depth, select_from_gains
+from smartspec.policy.proposer_choice import DRAFT, LOOKUP, lookup_gains, select_proposers
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 
 

@@ -48,7 +48,7 @@ def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, c
     draft_per_token = float(cost(base_tokens, base_context, 1, 2) - cost(base_tokens, base_context, 1, 1))
     lookup = np.where(allowed, lookup_gains, 0.0)
     lookup_net = _best_prefix_sum(lookup - rate * verify_per_token)
-    depths = range(0, k_top + 1) if draft_gains is not None else range(0, 1)
+    depths = range(k_top + 1) if draft_gains is not None else range(1)
     for depth in depths:
         use_draft = np.zeros(b, dtype=bool)
         rows = lookup

@@ -16,6 +16,7 @@ from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
 from smartspec.policy.proposer_choice import DRAFT, LOOKUP
 from smartspec.spec_decode.metrics import SpecDecodeMetrics
+from smartspec.spec_decode.mixed import MixedProposer
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.spec_decode.rejection_sampler import accept, accept_tree
 from smartspec.spec_decode.tree import TokenTree
@@ -52,16 +53,16 @@ class Speculator:
         self.methods = None
         if self.proposer is None or not decoding or not self.proposer.available:
             return [0] * len(decoding)
-        step = dict(base_tokens=sum(s.num_tokens for s in prefill),
-                    base_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
-                    prefilling=[s.request for s in prefill], now=now)
+        step = {"base_tokens": sum(s.num_tokens for s in prefill),
+                "base_context": sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
+                "prefilling": [s.request for s in prefill], "now": now}
         try:
             if hasattr(self.proposer, "candidates"):  # model-free lookups: the policy sees them before choosing
                 lookups = self.proposer.candidates(decoding, self.k_max)
                 use_draft = getattr(self.proposer, "draft_available", False)
                 methods, ks = self.policy.choose_proposers(decoding, self.k_max, lookups, use_draft, **step)
-                if len(methods) != len(decoding) or any(m not in (LOOKUP, DRAFT if use_draft else LOOKUP)
-                                                        for m in methods):
+                allowed = {LOOKUP, DRAFT} if use_draft else {LOOKUP}
+                if len(methods) != len(decoding) or not set(methods) <= allowed:
                     raise ValueError(f"invalid proposers {methods!r} for {len(decoding)} requests")
             else:
                 methods, ks = None, self.policy.choose(decoding, self.k_max, **step)
@@ -91,7 +92,7 @@ class Speculator:
             return {}
         t0 = time.perf_counter()
         try:
-            if self.methods is not None and hasattr(self.proposer, "draft"):
+            if self.methods is not None and isinstance(self.proposer, MixedProposer):
                 proposal: Proposal = self.proposer.propose(decoding, ks, self.methods)
             else:
                 proposal = self.proposer.propose(decoding, ks)

@@ -97,9 +97,7 @@ def continuation_tree(occurrences: list[Occurrence], depth: int, branching: int,
     tokens, parents, counts = count_trie(o.seq[o.start:o.start + depth] for o in occurrences)
     discount = match / (match + 1.0)
     conf = [discount * counts[i] / (counts[p] if p >= 0 else len(occurrences)) for i, p in enumerate(parents)]
-    scores: list[float] = []
-    for i, p in enumerate(parents):
-        scores.append(conf[i] * (scores[p] if p >= 0 else 1.0))
+    scores = path_products(conf, parents)
     # at most `branching` children a node: the most frequent (a dropped child's subtree goes with it)
     allowed = [True] * len(tokens)
     by_parent: dict[int, list[int]] = defaultdict(list)
@@ -129,11 +127,16 @@ def best_continuation(occurrences: list[Occurrence], depth: int, branching: int,
     return best
 
 
-def path_probabilities(tree: TokenTree) -> list[float]:
+def path_products(confidences: list[float], parents: list[int]) -> list[float]:
+    """Per node, the product of the confidences along its path from the root."""
     out: list[float] = []
-    for c, p in zip(tree.confidences, tree.parents):
+    for c, p in zip(confidences, parents):
         out.append(c * (out[p] if p >= 0 else 1.0))
     return out
+
+
+def path_probabilities(tree: TokenTree) -> list[float]:
+    return path_products(tree.confidences, tree.parents)
 
 
 def crop(tree: TokenTree, k: int) -> TokenTree:
