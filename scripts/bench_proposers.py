@@ -32,6 +32,7 @@ from bench_policies import run_rate, summarize
 from smartspec import EngineConfig
 from smartspec.bench.workloads import PROPOSER_WORKLOADS, proposer_prompts
 from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
 from smartspec.spec_decode.mixed import MixedProposer
 from smartspec.spec_decode.ngram import NgramProposer
@@ -70,6 +71,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="results/proposers")
+    ap.add_argument("--trace-dir", default=None,
+                    help="write each run's step trace here (Parquet; the proposer per request in its methods column)")
     args = ap.parse_args()
     if args.repeats < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.rates) <= 0:
         ap.error("--repeats, --requests and --max-tokens must be at least 1, and every rate above 0")
@@ -104,9 +107,16 @@ def main() -> int:
                     # every run reads its prompts afresh: a prefix cached by the run before would favour the later
                     engine.blocks.reset_prefix_cache()
                     draft.blocks.reset_prefix_cache()
+                    trace_path = None
+                    if args.trace_dir:
+                        trace_path = Path(args.trace_dir) / f"{workload}_{method}@{rate}_r{repeat}.parquet"
+                        engine.trace = StepTraceWriter(trace_path, method)
                     steps, t0 = engine.stats.steps, time.monotonic()
                     rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed + repeat)
                     wall = time.monotonic() - t0
+                    if engine.trace is not None:
+                        engine.trace.close()
+                        engine.trace = None
                     m = engine.speculator.metrics
                     for r in rows:
                         requests.append(dict(workload=workload, method=method, rate=rate, repeat=repeat, **r))
@@ -114,6 +124,7 @@ def main() -> int:
                                         steps=engine.stats.steps - steps, draft_tokens=m.num_draft_tokens,
                                         accepted_tokens=m.num_accepted_tokens,
                                         throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
+                                        trace_path=str(trace_path) if trace_path else None,
                                         **summarize(rows)))
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -162,7 +162,9 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
     assert table.num_rows == steps and table["step"].to_pylist() == sorted(table["step"].to_pylist())
     assert table.schema.equals(trace_schema())
     fields = {f.name for f in dataclasses.fields(StepRecord)} - {"extra"}
-    assert set(trace_schema().names) == fields | {"time", "policy"}  # a new StepRecord field needs a column
+    # a new StepRecord field needs a column; "methods" comes from extra
+    assert set(trace_schema().names) == fields | {"time", "policy", "methods"}
+    assert table["methods"].to_pylist() == [[]] * steps  # one proposer served every request
     assert SimProfile.from_traces([folder]).cost.ready  # the simulator reads a folder like a file
 
 

@@ -61,15 +61,21 @@ def plain_outputs(tiny_qwen):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix", ["draft_model", "suffix"]])
-def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tiny_qwen_draft, plain_outputs):
+def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tiny_qwen_draft, plain_outputs,
+                                                          tmp_path):
     spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
     if "draft_model" in method:
         spec["model"] = tiny_qwen_draft
-    llm = make(tiny_qwen, spec)
-    drew = []  # (proposer, tokens proposed) per request and step
-    llm.engine.speculator.policy.observe = lambda rec: drew.extend(
-        (rec.extra.get("methods", {}).get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed))
+    llm = make(tiny_qwen, spec, trace_path=str(tmp_path / "steps.parquet"))
+    drew, chosen = [], []  # (proposer, tokens proposed) per request and step; the proposers of each step
+    llm.engine.speculator.policy.observe = lambda rec: (chosen.append(
+        [rec.extra["methods"][rid] for rid in rec.request_ids] if "methods" in rec.extra else []), drew.extend(
+        (rec.extra.get("methods", {}).get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed)))
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
+    llm.engine.trace.close()
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "steps.parquet")["methods"].to_pylist() == chosen  # the trace names them
     m = llm.engine.speculator.metrics
     # the test must exercise both outcomes: accepted drafts and rejected ones
     assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens, m

@@ -24,7 +24,8 @@ def trace_schema():
                       ("accepted", ints), ("request_ids", pa.list_(pa.string())), ("num_batched_tokens", pa.int64()),
                       ("num_prefill_tokens", pa.int64()), ("num_context_tokens", pa.int64()), ("draft_s", pa.float64()),
                       ("verify_s", pa.float64()), ("total_s", pa.float64()), ("predicted_s", pa.float64()),
-                      ("draft_catchup_tokens", pa.int64()), ("time", pa.float64()), ("policy", pa.string())])
+                      ("draft_catchup_tokens", pa.int64()), ("methods", pa.list_(pa.string())), ("time", pa.float64()),
+                      ("policy", pa.string())])
 
 
 class StepTraceWriter:
@@ -44,7 +45,10 @@ class StepTraceWriter:
 
     def add(self, record: StepRecord) -> None:
         row = dataclasses.asdict(record)
-        row.pop("extra")
+        extra = row.pop("extra")
+        # the proposer per request where the policy chose them (empty where one proposer serves every request)
+        methods = extra.get("methods", {})
+        row["methods"] = [methods[rid] for rid in record.request_ids if rid in methods] if methods else []
         row["time"] = time.time()
         row["policy"] = self.policy_name
         self.rows.append(row)
