@@ -175,6 +175,24 @@ def test_the_policy_sends_a_copying_request_to_the_lookup_and_another_to_the_dra
     assert methods == [LOOKUP, DRAFT] and ks[0] == 5 and ks[1] > 0
 
 
+def test_a_learning_probe_pays_no_catch_up_a_decoding_step_would_not_pay():
+    """While the draft's acceptance is unlearned, a request the lookups do not serve probes the draft only where its
+    catch-up costs a small share of the decoding steps it is spread over: beside a prefill chunk as without one (the
+    long prefill step does not make a whole prompt's catch-up cheap)."""
+    empty = TokenTree([], [], [])
+    for seen, probes in ((0, False), (37, True)):  # a fresh request catches up 39 tokens; a known one 2
+        for prefill in (0, 200):
+            policy = GoodputPolicy(key="mixed")
+            policy.cost.v = [0.040, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.0]
+            policy.cost.d = [0.030, 0.002, 0.002]  # a catch-up token costs 2 ms: 78 ms for the fresh request
+            reqs = requests(1)
+            policy._draft_seen = {reqs[0].request_id: seen}
+            prefilling = [Request("p", list(range(prefill)), SamplingParams(max_tokens=8))] if prefill else []
+            methods, ks = policy.choose_proposers(reqs, 4, [empty], use_draft=True, base_tokens=prefill,
+                                                  base_context=prefill, prefilling=prefilling)
+            assert (methods, ks) == (([DRAFT], [1]) if probes else ([LOOKUP], [0])), (seen, prefill)
+
+
 # ---- sampled output follows the target -----------------------------------------------------------------------------
 def sample_prefixes(path, spec, n=1500):
     llm = LLM(path, num_kv_blocks=256, block_size=4, max_model_len=128, max_num_seqs=32, speculative_config=spec)
@@ -239,3 +257,8 @@ def test_the_warm_up_profile_measures_the_draft_beside_the_lookups(tiny_qwen, ti
     policy = llm.engine.speculator.policy
     assert policy.cost.ready and policy.cost.d[0] + policy.cost.d[1] > 0
     assert llm.engine.speculator.proposer.lookup.finished.num_tokens == 0  # profile outputs are not kept
+    # a profile run again (the draft's prefix cache now holds the first one's prompts) still measures catch-ups:
+    # each drafting shape's requests read their prompts afresh, so the fit learns what a catch-up costs
+    records = llm.engine.profile_steps()
+    caught_up = {max(r.ks) for r in records if r.draft_catchup_tokens}
+    assert caught_up == {1, 2, 3}, [(r.batch_size, r.ks, r.draft_catchup_tokens) for r in records]

@@ -34,12 +34,16 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
     spec, policy = engine.speculator, engine.speculator.policy
-    prompt = [(17 + 13 * i) % engine.vocab_size for i in range(context)]  # any valid tokens: only cost counts
     records, trace, engine.trace = [], engine.trace, None
+    n = 0
     for batch in batches:
         for k in sorted({0, 1, 2, spec.k_max}):
             engine.speculator = Speculator(_PaddedProposer(spec.proposer), FixedPolicy(k), max(spec.k_max, 1))
             for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
+                # any valid tokens (only cost counts), but a prompt of its own: a prefix cached by an earlier profile
+                # request would spare the draft model its catch-up, and the fit would price catch-ups at nothing
+                n += 1
+                prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
                 engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
                                    request_id=f"__profile-{batch}-{k}-{i}")
             while engine.has_unfinished():

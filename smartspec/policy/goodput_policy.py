@@ -183,12 +183,14 @@ class GoodputPolicy(Policy):
         self._probing = set()
         if use_draft and self.acceptance.evidence < self.min_prior_evidence:
             # a probe costs a draft catch-up (a whole prompt, the first time), and free drafts are there to lose:
-            # only for a request the lookups do not serve, and whose catch-up costs a small share of the steps it
-            # would be spread over (longer prompts are drafted for once the prior says it pays)
+            # only for a request the lookups do not serve, and whose catch-up costs a small share of the decoding
+            # steps it would be spread over (longer prompts are drafted for once the prior says it pays). Decoding
+            # steps alone: beside a prefill chunk the step is long, but the catch-up delays the batch all the same.
+            decode_s = float(self.cost.predict(b, context - base_context))
             due = [i for i, r in enumerate(requests)
                    if ks[i] == 0 and caps[i] > 0 and lookup[i, 0] < 0.5
                    and self.step >= self._probe_due.get(r.request_id, 0)
-                   and start_s[i] <= self.explore_fraction * self.catchup_horizon * plan.seconds]
+                   and start_s[i] <= self.explore_fraction * self.catchup_horizon * decode_s]
             if due:
                 i = min(due, key=lambda i: start_s[i])
                 methods[i], ks[i] = DRAFT, 1
