@@ -7,7 +7,8 @@ tokens M_d and the draft depth D. For each depth bound D, each request takes the
 tokens net of their price (at the batch's rate without speculation, each token's verify cost, and the draft
 forward's per-token cost for a draft model); the drafts of all requests are then taken best first, with the exact
 step cost of each prefix, as in `goodput.plans_by_depth`. D = 0 is the lookups alone; the plan without speculation
-is always a candidate, so a step is never planned slower than plain decoding."""
+is always a candidate, so a step is never planned slower than plain decoding. Deeper bounds are tried in order until
+a step drafting that deep could not beat the best plan even if it gained every positive gain."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,11 +49,20 @@ def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, c
     draft_per_token = float(cost(base_tokens, base_context, 1, 2) - cost(base_tokens, base_context, 1, 1))
     lookup = np.where(allowed, lookup_gains, 0.0)
     lookup_net = _best_prefix_sum(lookup - rate * verify_per_token)
-    depths = range(k_top + 1) if draft_gains is not None else range(1)
+    depths = range(int(caps_arr.max()) + 1) if draft_gains is not None else range(1)
+    # the most tokens any plan adds: every positive gain of either proposer
+    most = b + lookup.clip(min=0.0).sum()
+    if draft_gains is not None:
+        most += np.where(allowed, draft_gains[:, :k_top], 0.0).clip(min=0.0).sum()
     for depth in depths:
         use_draft = np.zeros(b, dtype=bool)
         rows = lookup
         if depth:
+            # drafting D deep costs at least D draft tokens in D forwards: once even every positive gain in such a
+            # step would not beat the best plan, no deeper bound is tried (each costs a scan, ~0.1 ms of Python)
+            if plan_value(most, float(cost(base_tokens + depth, base_context + depth, depth, depth)),
+                          price) <= best.value:
+                break
             draft = np.where(allowed & (rank[None, :] <= depth), draft_gains[:, :k_top], 0.0)
             draft_net = _best_prefix_sum(draft - rate * (verify_per_token + draft_per_token))
             use_draft = draft_net > lookup_net
