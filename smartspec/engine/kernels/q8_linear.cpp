@@ -146,9 +146,10 @@ void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float*
           __m512i lo[NP], hi[NP];
 #pragma GCC unroll 8
           for (int p = 0; p < NP; ++p) {
-            // one sequential stream per panel; fetching ~1 KiB ahead keeps memory busy
-            _mm_prefetch(reinterpret_cast<const char*>(super[p] + (t * 32 + S * 8) * (F::kBytes ? 16 : 8) + 1024),
-                         _MM_HINT_T0);
+            // one sequential stream per panel, fetched 4 KiB ahead into L2: a core's L1 tracks too few misses to
+            // keep memory busy (prefetching into L1, at any distance, did no better than none at all)
+            _mm_prefetch(reinterpret_cast<const char*>(super[p] + (t * 32 + S * 8) * (F::kBytes ? 16 : 8) + 4096),
+                         _MM_HINT_T1);
             codes8<F, S>(super[p], t, lo[p], hi[p]);
           }
           const int32_t* xa_row = x.q + ((s0 + t * 32 + S * 8) / 4) * x.m + r0;
