@@ -251,7 +251,8 @@ def test_a_mixed_config_reads_as_written():
 
 def test_the_warm_up_profile_measures_the_draft_beside_the_lookups(tiny_qwen, tiny_qwen_draft):
     """Lookups cost no forward; the profile drafts with the draft model, so its cost is known before it is chosen."""
-    llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256,
+    # caches that hold every profile prompt: a catch-up must not be measured only because a prefix was evicted
+    llm = LLM(tiny_qwen, num_kv_blocks=2048, block_size=4, max_model_len=256,
               speculative_config={"method": ["draft_model", "suffix"], "model": tiny_qwen_draft,
                                   "num_speculative_tokens": 3})
     policy = llm.engine.speculator.policy

@@ -1,12 +1,17 @@
 """The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs."""
 from __future__ import annotations
 
+import itertools
+
 from smartspec.engine.step_record import StepRecord
 from smartspec.engine.step_stats import StepStats
 from smartspec.policy.baselines import FixedPolicy
 from smartspec.sampling_params import SamplingParams
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.spec_decode.speculator import Speculator
+
+
+_prompts = itertools.count(1)  # numbers the profile requests of this process
 
 
 class _PaddedProposer(Proposer):
@@ -35,14 +40,14 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
     only: a learning policy then starts from measured costs, not guesses. Leaves no trace behind."""
     spec, policy = engine.speculator, engine.speculator.policy
     records, trace, engine.trace = [], engine.trace, None
-    n = 0
     for batch in batches:
         for k in sorted({0, 1, 2, spec.k_max}):
             engine.speculator = Speculator(_PaddedProposer(spec.proposer), FixedPolicy(k), max(spec.k_max, 1))
             for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
-                # any valid tokens (only cost counts), but a prompt of its own: a prefix cached by an earlier profile
-                # request would spare the draft model its catch-up, and the fit would price catch-ups at nothing
-                n += 1
+                # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
+                # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
+                # catch-up, and the fit would price catch-ups at nothing
+                n = next(_prompts)
                 prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
                 engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
                                    request_id=f"__profile-{batch}-{k}-{i}")
