@@ -10,7 +10,6 @@ from smartspec.sampling_params import SamplingParams
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.spec_decode.speculator import Speculator
 
-
 _prompts = itertools.count(1)  # numbers the profile requests of this process
 
 
