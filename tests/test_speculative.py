@@ -68,9 +68,13 @@ def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tin
         spec["model"] = tiny_qwen_draft
     llm = make(tiny_qwen, spec, trace_path=str(tmp_path / "steps.parquet"))
     drew, chosen = [], []  # (proposer, tokens proposed) per request and step; the proposers of each step
-    llm.engine.speculator.policy.observe = lambda rec: (chosen.append(
-        [rec.extra["methods"][rid] for rid in rec.request_ids] if "methods" in rec.extra else []), drew.extend(
-        (rec.extra.get("methods", {}).get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed)))
+
+    def observe(rec):
+        methods = rec.extra.get("methods", {})
+        chosen.append([methods[rid] for rid in rec.request_ids] if methods else [])
+        drew.extend((methods.get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed))
+
+    llm.engine.speculator.policy.observe = observe
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
     llm.engine.trace.close()
     import pyarrow.parquet as pq

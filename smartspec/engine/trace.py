@@ -48,7 +48,7 @@ class StepTraceWriter:
         extra = row.pop("extra")
         # the proposer per request where the policy chose them (empty where one proposer serves every request)
         methods = extra.get("methods", {})
-        row["methods"] = [methods[rid] for rid in record.request_ids if rid in methods] if methods else []
+        row["methods"] = [methods[rid] for rid in record.request_ids] if methods else []
         row["time"] = time.time()
         row["policy"] = self.policy_name
         self.rows.append(row)
