@@ -101,6 +101,25 @@ def test_int8_kernel_adds_a_bias_keeps_leading_dimensions_and_checks_its_input()
         ext.q8_linear(torch.randn(1, 256), "Q3_K", layer.blob, 20, None)
 
 
+@needs_vnni
+def test_linears_of_one_input_in_one_call_are_each_the_single_linear():
+    """q, k and v (or gate and up) in one pass, formats of different block shapes mixed: each output the bits of its
+    own call, bias or none, for every row count."""
+    k = 512
+    shapes = [("Q4_K", 48), ("Q6_K", 16), ("Q8_0", 33), ("Q4_K", 16)]
+    layers = [Q8Linear(unpack(kind, random_tensor(kind, n, k, seed=i), n, k), ext,
+                       bias=torch.randn(n) if i % 2 == 0 else None) for i, (kind, n) in enumerate(shapes)]
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4))
+    for m in (1, 2, 5, 9):
+        ys = ext.q8_linears(x[:m], [la.kind for la in layers], [la.blob for la in layers],
+                            [la.out_features for la in layers],
+                            [torch.empty(0) if la.bias is None else la.bias.data for la in layers])
+        assert [y.shape for y in ys] == [(m, n) for _, n in shapes]
+        assert all(torch.equal(y.view(torch.int32), la(x[:m]).view(torch.int32)) for y, la in zip(ys, layers)), m
+    with pytest.raises(RuntimeError, match="one kind, blob, output size and bias"):
+        ext.q8_linears(x, ["Q4_K"], [layers[0].blob, layers[1].blob], [48], [torch.empty(0)])
+
+
 def test_unpack_refuses_what_it_cannot_keep_quantized():
     with pytest.raises(ValueError, match="Q2_K is not kept quantized"):
         unpack("Q2_K", np.zeros((1, 84), np.uint8), 1, 256)

@@ -156,6 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "batch-invariant fp32 linear on a packed weight");
   m.def("quant_linear", &quant_linear, "batch-invariant linear on quantized panels, exact weight dequantization");
   m.def("q8_linear", &q8_linear, "batch-invariant linear on quantized panels, int8 activations (VNNI)");
+  m.def("q8_linears", &q8_linears, "several int8-activation linears of one input in one pass (bias: empty = none)");
   m.def("q8_linear_available", &q8_linear_available, "whether this build has the int8 (VNNI) kernels");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
   m.def("rms_norm", &rms_norm, "RMSNorm per row, in one fixed order");

@@ -98,10 +98,6 @@ void add_into(torch::Tensor& h, const torch::Tensor& x) {
   for (int64_t i = 0; i < h.numel(); ++i) hp[i] = hp[i] + xp[i];
 }
 
-c10::optional<torch::Tensor> bias_of(const torch::Tensor& b) {
-  return b.numel() ? c10::optional<torch::Tensor>(b) : c10::nullopt;
-}
-
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -123,12 +119,15 @@ void q8_decoder_layer(torch::Tensor h, torch::Tensor attn_norm, torch::Tensor ml
               "q8_decoder_layer: seven linears (q, k, v, o, gate, up, down)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == kv_heads &&
               k_cache.size(3) == head_dim, "q8_decoder_layer: caches [blocks, block_size, kv_heads, head_dim]");
-  auto linear = [&](const torch::Tensor& x, int i) {
-    return q8_linear(x, kinds[i], blobs[i], outs[i], bias_of(biases[i]));
+  // linears [i0, i1) of one input, in one pass over their weights
+  auto linears = [&](const torch::Tensor& x, size_t i0, size_t i1) {
+    return q8_linears(x, {kinds.begin() + i0, kinds.begin() + i1}, {blobs.begin() + i0, blobs.begin() + i1},
+                      {outs.begin() + i0, outs.begin() + i1}, {biases.begin() + i0, biases.begin() + i1});
   };
   const int64_t t = h.size(0), kv_width = kv_heads * head_dim;
   torch::Tensor x = rms_norm(h, attn_norm, eps);
-  torch::Tensor q = linear(x, 0), k = linear(x, 1), v = linear(x, 2);
+  auto qkv = linears(x, 0, 3);
+  torch::Tensor q = qkv[0], k = qkv[1], v = qkv[2];
   rotate(q, heads, head_dim, cos, sin);
   rotate(k, kv_heads, head_dim, cos, sin);
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -140,11 +139,11 @@ void q8_decoder_layer(torch::Tensor h, torch::Tensor attn_norm, torch::Tensor ml
   torch::Tensor attended = paged_attention(q.view({t, heads, head_dim}), k_cache, v_cache, block_tables, seq_of,
                                            kv_len, 1.0 / std::sqrt(static_cast<double>(head_dim)), 0, tree_base,
                                            tree_mask);
-  add_into(h, linear(attended.view({t, heads * head_dim}), 3));
+  add_into(h, linears(attended.view({t, heads * head_dim}), 3, 4)[0]);
   x = rms_norm(h, mlp_norm, eps);
-  torch::Tensor gate = linear(x, 4);
-  silu_mul(gate, linear(x, 5));
-  add_into(h, linear(gate, 6));
+  auto gate_up = linears(x, 4, 6);
+  silu_mul(gate_up[0], gate_up[1]);
+  add_into(h, linears(gate_up[0], 6, 7)[0]);
 }
 
 }  // namespace smartspec

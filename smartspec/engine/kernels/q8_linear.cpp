@@ -18,6 +18,7 @@
 //   high    per 32 k, HIGH vectors of 64 bytes: the bits of k = 32t + 8s + 4h + i at bit (s * 2 + h) * HIGH mod 8
 //           of vector (s * 2 + h) * HIGH / 8
 //   sc, mn  [SB/G, 16] int8       d, off  [16] fp16      zeros up to a multiple of 64 bytes (cache lines)
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -254,42 +255,100 @@ bool q8_linear_available() {
 #endif
 }
 
-torch::Tensor q8_linear(torch::Tensor x, const std::string& kind, torch::Tensor blob, int64_t n,
-                        c10::optional<torch::Tensor> bias) {
+namespace {
+#if defined(__AVX512VNNI__)
+// Calls fn with the Format of a GGUF kind.
+template <typename Fn>
+void with_format(const std::string& kind, Fn&& fn) {
+  if (kind == "Q4_K") return fn(Q4K{});
+  if (kind == "Q6_K") return fn(Q6K{});
+  if (kind == "Q8_0") return fn(Q8_0{});
+  if (kind == "Q5_0") return fn(Q5_0{});
+  if (kind == "Q4_1") return fn(Q4_1{});
+  TORCH_CHECK(false, "q8_linear: no int8 kernel for GGUF type ", kind);
+}
+
+// x quantized for one block shape (superblock SB, group G); formats of equal shape share it.
+struct QuantizedInput {
+  int64_t sb, g;
+  torch::Tensor q, d, sum;
+  Q8Rows rows;
+};
+
+// One linear of a call: its weight, its input's quantized rows, its padded output.
+struct Q8Job {
+  Q8RowsFn run;  // q8_panels_all_rows of its format
+  Q8Weights w;
+  const Q8Rows* x;
+  float* y;
+  int64_t ldy, units, panels;
+};
+#endif
+}  // namespace
+
+std::vector<torch::Tensor> q8_linears(torch::Tensor x, const std::vector<std::string>& kinds,
+                                      const std::vector<torch::Tensor>& blobs, const std::vector<int64_t>& outs,
+                                      const std::vector<torch::Tensor>& biases) {
 #if defined(__AVX512VNNI__)
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "q8_linear: x fp32 [M, K]");
-  TORCH_CHECK(blob.dim() == 2 && blob.is_contiguous() && blob.element_size() == 1, "q8_linear: blob [P, bytes]");
+  TORCH_CHECK(blobs.size() == kinds.size() && outs.size() == kinds.size() && biases.size() == kinds.size(),
+              "q8_linears: one kind, blob, output size and bias (empty: none) per linear");
   x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), panels = blob.size(0), ldy = panels * kPanel;
-  auto run = [&](auto format) -> torch::Tensor {
-    using F = decltype(format);
-    TORCH_CHECK(k % F::kSuper == 0, "q8_linear: K must be a multiple of ", F::kSuper, " for ", kind);
-    TORCH_CHECK(blob.size(1) == k / F::kSuper * F::kBytesPerSuper, "q8_linear: ", kind, " panels of ",
-                k / F::kSuper * F::kBytesPerSuper, " bytes expected for K = ", k, ", got ", blob.size(1));
-    const Q8Weights w{static_cast<const uint8_t*>(blob.data_ptr()), blob.size(1)};
-    torch::Tensor xq = torch::empty({k / 4, m}, x.options().dtype(torch::kInt32));
-    torch::Tensor xd = torch::empty({k / F::kSuper, m}, x.options());
-    torch::Tensor xs = torch::empty({k / F::kGroup, m}, x.options().dtype(torch::kInt32));
-    quantize_rows(x.data_ptr<float>(), m, k, F::kSuper, F::kGroup, xq.data_ptr<int32_t>(), xd.data_ptr<float>(),
-                  xs.data_ptr<int32_t>());
-    const Q8Rows rows{xq.data_ptr<int32_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), m, k};
-    torch::Tensor y = torch::empty({m, ldy}, x.options());
-    float* yp = y.data_ptr<float>();
-    constexpr int64_t chunk = 4;
-    dynamic_for((panels + chunk - 1) / chunk, [&](int64_t u) {
-      q8_panels_all_rows<F>(w, u * chunk, std::min(panels, (u + 1) * chunk), rows, m, yp, ldy);
+  const int64_t m = x.size(0), k = x.size(1);
+  constexpr int64_t chunk = 4;  // panels a unit of work
+  std::vector<QuantizedInput> inputs;
+  inputs.reserve(kinds.size());  // jobs point into it
+  std::vector<Q8Job> jobs;
+  std::vector<torch::Tensor> ys;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const torch::Tensor& blob = blobs[i];
+    TORCH_CHECK(blob.dim() == 2 && blob.is_contiguous() && blob.element_size() == 1, "q8_linear: blob [P, bytes]");
+    with_format(kinds[i], [&](auto format) {
+      using F = decltype(format);
+      const std::string& kind = kinds[i];
+      TORCH_CHECK(k % F::kSuper == 0, "q8_linear: K must be a multiple of ", F::kSuper, " for ", kind);
+      TORCH_CHECK(blob.size(1) == k / F::kSuper * F::kBytesPerSuper, "q8_linear: ", kind, " panels of ",
+                  k / F::kSuper * F::kBytesPerSuper, " bytes expected for K = ", k, ", got ", blob.size(1));
+      QuantizedInput* in = nullptr;
+      for (auto& have : inputs)
+        if (have.sb == F::kSuper && have.g == F::kGroup) in = &have;
+      if (in == nullptr) {
+        inputs.push_back({F::kSuper, F::kGroup, torch::empty({k / 4, m}, x.options().dtype(torch::kInt32)),
+                          torch::empty({k / F::kSuper, m}, x.options()),
+                          torch::empty({k / F::kGroup, m}, x.options().dtype(torch::kInt32)), {}});
+        in = &inputs.back();
+        quantize_rows(x.data_ptr<float>(), m, k, F::kSuper, F::kGroup, in->q.data_ptr<int32_t>(),
+                      in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>());
+        in->rows = {in->q.data_ptr<int32_t>(), in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>(), m, k};
+      }
+      const int64_t panels = blob.size(0);
+      ys.push_back(torch::empty({m, panels * kPanel}, x.options()));
+      jobs.push_back({q8_panels_all_rows<F>, {static_cast<const uint8_t*>(blob.data_ptr()), blob.size(1)},
+                      &in->rows, ys.back().data_ptr<float>(), panels * kPanel, (panels + chunk - 1) / chunk, panels});
     });
-    return finish_linear(y, n, bias);
-  };
-  if (kind == "Q4_K") return run(Q4K{});
-  if (kind == "Q6_K") return run(Q6K{});
-  if (kind == "Q8_0") return run(Q8_0{});
-  if (kind == "Q5_0") return run(Q5_0{});
-  if (kind == "Q4_1") return run(Q4_1{});
-  TORCH_CHECK(false, "q8_linear: no int8 kernel for GGUF type ", kind);
+  }
+  // the units of all the linears in one pool: the threads meet once a call, not once a linear
+  std::vector<int64_t> first(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + jobs[j].units;
+  dynamic_for(first.back(), [&](int64_t u) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1;
+    const Q8Job& job = jobs[j];
+    const int64_t c0 = (u - first[j]) * chunk;
+    job.run(job.w, c0, std::min(job.panels, c0 + chunk), *job.x, m, job.y, job.ldy);
+  });
+  for (size_t i = 0; i < ys.size(); ++i) {
+    const bool has_bias = biases[i].defined() && biases[i].numel();
+    ys[i] = finish_linear(ys[i], outs[i], has_bias ? c10::optional<torch::Tensor>(biases[i]) : c10::nullopt);
+  }
+  return ys;
 #else
   TORCH_CHECK(false, "q8_linear needs AVX-512 VNNI");
 #endif
+}
+
+torch::Tensor q8_linear(torch::Tensor x, const std::string& kind, torch::Tensor blob, int64_t n,
+                        c10::optional<torch::Tensor> bias) {
+  return q8_linears(x, {kind}, {blob}, {n}, {bias.has_value() ? *bias : torch::Tensor()})[0];
 }
 
 }  // namespace smartspec

@@ -15,6 +15,11 @@ bool q8_linear_available();
 torch::Tensor q8_linear(torch::Tensor x, const std::string& kind, torch::Tensor blob, int64_t n,
                         c10::optional<torch::Tensor> bias);
 
+// Several linears of one input in one call (q, k and v; gate and up): each output bitwise q8_linear's.
+std::vector<torch::Tensor> q8_linears(torch::Tensor x, const std::vector<std::string>& kinds,
+                                      const std::vector<torch::Tensor>& blobs, const std::vector<int64_t>& outs,
+                                      const std::vector<torch::Tensor>& biases);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
 std::vector<torch::Tensor> rope_tables(torch::Tensor positions, torch::Tensor inv_freq, double scale);
