@@ -74,6 +74,7 @@ class AcceptanceEstimator:
         self.prior_counts = Counts()  # this engine's own evidence (what it exports)
         self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
         self.requests: dict[str, Counts] = {}
+        self._prior_terms: tuple | None = None  # (prior, the terms of _averaged_over_strengths that depend on it alone)
 
     @property
     def prior(self) -> float:
@@ -133,10 +134,13 @@ class AcceptanceEstimator:
         the request's outcomes under a Beta(prior * s, (1 - prior) * s) acceptance (the binomial coefficient is the
         same for every s and drops out). a, r: [B]."""
         prior = min(max(prior, 1e-3), 1 - 1e-3)
-        s = np.array(self.cold_strengths)[None, :]
-        a0, r0, a, r = prior * s, (1 - prior) * s, a[:, None], r[:, None]
-        logs = log_gamma(a + a0) + log_gamma(r + r0) - log_gamma(a + r + s) - log_gamma(a0) - log_gamma(r0) \
-            + log_gamma(s)
+        if self._prior_terms is None or self._prior_terms[0] != prior:  # the prior moves only when outcomes arrive
+            s = np.array(self.cold_strengths)[None, :]
+            self._prior_terms = (prior, s, prior * s, (1 - prior) * s, log_gamma(prior * s),
+                                 log_gamma((1 - prior) * s), log_gamma(s))
+        _, s, a0, r0, log_a0, log_r0, log_s = self._prior_terms
+        a, r = a[:, None], r[:, None]
+        logs = log_gamma(a + a0) + log_gamma(r + r0) - log_gamma(a + r + s) - log_a0 - log_r0 + log_s
         weights = np.exp(logs - logs.max(axis=1, keepdims=True))
         return (weights * (a + a0) / (a + r + s)).sum(axis=1) / weights.sum(axis=1)
 
