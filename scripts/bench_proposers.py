@@ -15,6 +15,7 @@ with its standard error over repeats); writes <out>/bench_proposers.parquet (one
 
     python scripts/bench_proposers.py --rates 0.1 0.3 --requests 6 --max-tokens 64 --out results/proposers
     python scripts/bench_proposers.py --workloads edit --methods off suffix mixed --rates 0.2 --requests 3
+    python scripts/bench_proposers.py --report results/run1 results/run2 --out results/pooled
 """
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ def main() -> int:
     ap.add_argument("--out", default="results/proposers")
     ap.add_argument("--trace-dir", default=None,
                     help="write each run's step trace here (Parquet; the proposer per request in its methods column)")
+    ap.add_argument("--report", nargs="+", metavar="DIR", default=None,
+                    help="run nothing: pool the runs saved in these --out folders into one table and plot in --out")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report, Path(args.out))
     if args.repeats < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.rates) <= 0:
         ap.error("--repeats, --requests and --max-tokens must be at least 1, and every rate above 0")
     torch.set_num_threads(args.threads)
@@ -137,10 +142,30 @@ def main() -> int:
         print(f"{s['workload']:8s} {s['method']:12s} {s['rate']:5.2f} {s['repeat'] + 1:3d} {s['mean_latency_s']:7.2f} "
               f"{s['p50_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
               f"{s['accepted_tokens']:>8d}/{s['draft_tokens']:<8d}")
+    write_bar(summary, out)
+    return 0
+
+
+def write_bar(summary: list[dict], out: Path) -> None:
     bar = bar_table(summary)
     print("\n" + bar)
     (out / "bench_proposers_bar.md").write_text(bar + "\n")
     plot(summary, out / "bench_proposers.png")
+
+
+def report(folders: list[str], out: Path) -> int:
+    """The bar over several runs' saved summaries, as if they were the repeats of one run."""
+    import pyarrow.parquet as pq
+
+    summary = []
+    for folder in folders:
+        path = Path(folder) / "bench_proposers_summary.parquet"
+        if not path.exists():
+            print(f"no {path}: not a bench_proposers --out folder", file=sys.stderr)
+            return 2
+        summary += pq.read_table(path).to_pylist()
+    out.mkdir(parents=True, exist_ok=True)
+    write_bar(summary, out)
     return 0
 
 

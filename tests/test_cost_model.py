@@ -1,6 +1,7 @@
 """The step-cost model: online fit, refusal of nonsense, stalls left out, the warm-up profile as prior."""
 import random
 
+import numpy as np
 import pytest
 from costs import runs_verify, seen_verify, true_verify
 
@@ -22,6 +23,19 @@ def test_cost_model_recovers_known_coefficients_from_noisy_timings():
         for c in (200, 1500):
             assert model.predict_verify(n, c) == pytest.approx(true_verify(n, c), rel=0.03)
     assert model.d[:2] == pytest.approx([0.02, 0.003], rel=0.05) and model.d[2] == pytest.approx(0, abs=1e-4)
+
+
+def test_a_step_cost_is_the_same_float_for_a_number_as_for_an_array():
+    """The policy predicts single shapes with Python numbers and candidate plans with arrays: one plan must get one
+    cost either way, or two equal plans could compare unequal."""
+    model = StepCostModel()
+    model.v = [0.04, 0.005, 0.006, 0.0041, 0.0, 0.0033, 0.0021, 1.3e-6]
+    ns = [0, 1, 3, 8, 9, 16, 17, 40, 100, 130, 300, np.int64(5), 7.5]
+    cs = [0, 211, np.int64(350), 1e4]
+    arrays = model.predict_verify(np.array([[n] * len(cs) for n in ns], dtype=np.float64),
+                                  np.array([cs] * len(ns), dtype=np.float64))
+    numbers = [[model.predict_verify(n, c) for c in cs] for n in ns]
+    assert np.array_equal(arrays, np.array(numbers)) and arrays.min() > 0
 
 
 def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():
