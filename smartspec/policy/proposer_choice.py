@@ -8,7 +8,7 @@ tokens net of their price (at the batch's rate without speculation, each token's
 forward's per-token cost for a draft model); the drafts of all requests are then taken best first, with the exact
 step cost of each prefix, as in `goodput.plans_by_depth`. D = 0 is the lookups alone; the plan without speculation
 is always a candidate, so a step is never planned slower than plain decoding. Deeper bounds are tried in order until
-a step drafting that deep could not beat the best plan even if it gained every positive gain."""
+a step drafting that deep could not beat the best plan even with the best gains of as many tokens as it verifies."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,11 +30,13 @@ class MixedPlan:
 
 
 def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, caps: list[int], cost: Callable,
-                     base_tokens: int, base_context: int, price: float | None = None) -> MixedPlan:
+                     base_tokens: int, base_context: int, price: float | None = None, bound: bool = True
+                     ) -> MixedPlan:
     """draft_gains [B, K]: the expected tokens the j-th draft-model token adds (None: no draft model this step);
     lookup_gains [B, K]: the same for the j-th best node of the request's lookup tree (0 past its size); both
     non-increasing along j. cost(n_batched, n_context, depth, draft_tokens) -> seconds, vectorised over numpy
-    arrays. base_tokens / base_context: the step at k = 0. price: as in goodput.select_from_gains."""
+    arrays. base_tokens / base_context: the step at k = 0. price: as in goodput.select_from_gains. bound: stop at
+    the first depth that no plan could beat from (False: scan every depth; the same plan, slower)."""
     b = len(caps)
     t0 = float(cost(base_tokens, base_context, 0, 0))
     best = MixedPlan([LOOKUP] * b, [0] * b, t0, plan_value(b, t0, price) if b else 0.0)
@@ -50,19 +52,24 @@ def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, c
     lookup = np.where(allowed, lookup_gains, 0.0)
     lookup_net = _best_prefix_sum(lookup - rate * verify_per_token)
     depths = range(int(caps_arr.max()) + 1) if draft_gains is not None else range(1)
-    # the most tokens any plan adds: every positive gain of either proposer
-    most = b + lookup.clip(min=0.0).sum()
     if draft_gains is not None:
-        most += np.where(allowed, draft_gains[:, :k_top], 0.0).clip(min=0.0).sum()
+        # reach[m]: the most any m verified tokens can add, the m best gains of either proposer's candidates
+        candidates = np.concatenate([lookup.ravel(), np.where(allowed, draft_gains[:, :k_top], 0.0).ravel()])
+        positive = np.sort(candidates[candidates > 0])[::-1]
+        reach = b + np.concatenate([[0.0], np.cumsum(positive)])
     for depth in depths:
         use_draft = np.zeros(b, dtype=bool)
         rows = lookup
         if depth:
-            # drafting D deep costs at least D draft tokens in D forwards: once even every positive gain in such a
-            # step would not beat the best plan, no deeper bound is tried (each costs a scan, ~0.1 ms of Python)
-            if plan_value(most, float(cost(base_tokens + depth, base_context + depth, depth, depth)),
-                          price) <= best.value:
-                break
+            # a plan at least D deep verifies m >= D tokens, D of them the draft's, in D draft forwards: once no m
+            # could beat the best plan even with the m best gains, no deeper bound is tried either (each costs a
+            # scan, ~0.1 ms of Python)
+            if bound:
+                m = np.arange(depth, max(depth, len(positive)) + 1)
+                most = plan_value(reach[np.minimum(m, len(positive))],
+                                  cost(base_tokens + m, base_context + m, depth, depth), price)
+                if most.max() <= best.value:
+                    break
             draft = np.where(allowed & (rank[None, :] <= depth), draft_gains[:, :k_top], 0.0)
             draft_net = _best_prefix_sum(draft - rate * (verify_per_token + draft_per_token))
             use_draft = draft_net > lookup_net
