@@ -41,6 +41,11 @@ def segment_tokens(n, a: float, b: float):
     return np.minimum(np.maximum(n - a, 0.0), b - a)
 
 
+def _segment_tokens_of_a_number(n, a: float, b: float):
+    """segment_tokens in Python floats: the same values, without numpy's overhead on 0-d values (~20x the work)."""
+    return min(max(n - a, 0.0), b - a)
+
+
 def verify_features(n: np.ndarray, c: np.ndarray) -> np.ndarray:
     """One row per step: [1, tokens within each segment of SEGMENTS, context tokens]."""
     n = np.asarray(n, dtype=np.float64)
@@ -105,14 +110,10 @@ class StepCostModel:
         """n, c: numbers or numpy arrays."""
         v = self.v
         t = v[0] + v[-1] * c
-        if isinstance(n, _SCALARS):  # the same arithmetic in Python floats: numpy's 0-d overhead is ~20x the work
-            for slope, (a, b) in zip(v[1:-1], SEGMENTS):
-                if slope:
-                    t = t + slope * min(max(n - a, 0.0), b - a)
-            return t
+        segment = _segment_tokens_of_a_number if isinstance(n, _SCALARS) else segment_tokens
         for slope, (a, b) in zip(v[1:-1], SEGMENTS):
             if slope:
-                t = t + slope * segment_tokens(n, a, b)
+                t = t + slope * segment(n, a, b)
         return t
 
     def predict_draft(self, depth, sum_k, catchup=0):

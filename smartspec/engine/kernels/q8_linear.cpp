@@ -281,7 +281,7 @@ struct Q8Job {
   Q8Weights w;
   const Q8Rows* x;
   float* y;
-  int64_t ldy, units, panels;
+  int64_t ldy, panels;
 };
 #endif
 }  // namespace
@@ -324,12 +324,12 @@ std::vector<torch::Tensor> q8_linears(torch::Tensor x, const std::vector<std::st
       const int64_t panels = blob.size(0);
       ys.push_back(torch::empty({m, panels * kPanel}, x.options()));
       jobs.push_back({q8_panels_all_rows<F>, {static_cast<const uint8_t*>(blob.data_ptr()), blob.size(1)},
-                      &in->rows, ys.back().data_ptr<float>(), panels * kPanel, (panels + chunk - 1) / chunk, panels});
+                      &in->rows, ys.back().data_ptr<float>(), panels * kPanel, panels});
     });
   }
   // the units of all the linears in one pool: the threads meet once a call, not once a linear
   std::vector<int64_t> first(jobs.size() + 1, 0);
-  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + jobs[j].units;
+  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].panels + chunk - 1) / chunk;
   dynamic_for(first.back(), [&](int64_t u) {
     const size_t j = std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1;
     const Q8Job& job = jobs[j];
