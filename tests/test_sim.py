@@ -4,6 +4,7 @@ import pytest
 
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.sim import SimProfile, simulate
+from smartspec.sim.profile import trace_rows
 from smartspec.sim.simulator import SimReplica
 
 
@@ -165,7 +166,8 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
     # a new StepRecord field needs a column; "methods" comes from extra
     assert set(trace_schema().names) == fields | {"time", "policy", "methods"}
     assert table["methods"].to_pylist() == [[]] * steps  # one proposer served every request
-    assert SimProfile.from_traces([folder]).cost.ready  # the simulator reads a folder like a file
+    # the simulator reads a folder like a file (what it fits on those steps hangs on their measured times)
+    assert [r["step"] for r in trace_rows([folder])] == table["step"].to_pylist()
 
 
 def test_step_work_of_a_trace_counts_what_the_engine_did(tmp_path, tiny_qwen):

@@ -11,6 +11,14 @@ import numpy as np
 from smartspec.policy.cost_model import StepCostModel
 
 
+def trace_rows(paths: list[str | Path]) -> list[dict]:
+    """The steps of the traces (files, or a server replica's folder of part files), each tagged with the index of
+    its trace under "run": request ids repeat across runs."""
+    import pyarrow.parquet as pq
+
+    return [{**r, "run": i} for i, p in enumerate(paths) for r in pq.read_table(p).to_pylist()]
+
+
 @dataclass
 class SimProfile:
     cost: StepCostModel
@@ -19,11 +27,7 @@ class SimProfile:
 
     @classmethod
     def from_traces(cls, paths: list[str | Path], min_proposals: int = 3) -> SimProfile:
-        import pyarrow.parquet as pq
-
-        rows = []
-        for i, p in enumerate(paths):  # request ids repeat across runs: key them by trace
-            rows += [{**r, "run": i} for r in pq.read_table(p).to_pylist()]
+        rows = trace_rows(paths)
         if not rows:
             raise ValueError(f"no steps in {paths}")
         cost = StepCostModel(window=len(rows), forget=1.0)  # every measured step counts the same
