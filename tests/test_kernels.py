@@ -73,6 +73,41 @@ def test_paged_attention_matches_reference(window):
         assert torch.equal(alone, out[t:t + 1])
 
 
+# head shapes: a group of 6 heads per KV head (the 1.5B), 16 (more than one unit's 8), head dims with tails
+@pytest.mark.parametrize("h,kvh,d", [(12, 2, 128), (4, 2, 16), (9, 3, 64), (16, 1, 80), (2, 1, 20)])
+def test_a_tree_node_sees_the_bits_a_plain_token_sees(h, kvh, d):
+    """A node that skips its siblings gets the bits of the same query over its visible keys laid out in a row:
+    work runs over the list of keys a query sees, so a hidden position in between shifts no lane."""
+    torch.manual_seed(0)
+    bs, prefix = 4, 37
+    kc, vc = torch.randn(16, bs, kvh, d), torch.randn(16, bs, kvh, d)
+    table = torch.randperm(16).to(torch.int32)[None]
+    nodes = [0, 2, 5, 7]  # of 8 tree nodes at positions 37..44, the query (node 7) sees nodes 0, 2, 5 and itself
+    mask = torch.tensor([sum(1 << i for i in nodes)])
+    q = torch.randn(1, h, d)
+    seq0 = torch.tensor([0], dtype=torch.int32)
+    node = ext.paged_attention(q, kc, vc, table, seq0, torch.tensor([prefix + 8], dtype=torch.int32), 0.3, 0,
+                               torch.tensor([prefix], dtype=torch.int32), mask)
+    seen = list(range(prefix)) + [prefix + i for i in nodes]
+    blocks, rows = table[0, torch.tensor(seen) // bs].long(), torch.tensor(seen) % bs
+    row_k, row_v = torch.zeros(16, bs, kvh, d), torch.zeros(16, bs, kvh, d)
+    row_k.view(-1, kvh, d)[:len(seen)], row_v.view(-1, kvh, d)[:len(seen)] = kc[blocks, rows], vc[blocks, rows]
+    plain = ext.paged_attention(q, row_k, row_v, torch.arange(16, dtype=torch.int32)[None], seq0,
+                                torch.tensor([len(seen)], dtype=torch.int32), 0.3, 0, None, None)
+    assert torch.equal(node, plain)
+    ref = _reference_attention(q, row_k, row_v, list(range(16)), [len(seen)], 0.3)
+    torch.testing.assert_close(plain, ref, rtol=1e-5, atol=1e-5)
+    # heads are shared out among threads in groups of a size that hangs on the thread count: no bit moves
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ext.paged_attention(q, row_k, row_v, torch.arange(16, dtype=torch.int32)[None], seq0,
+                                               torch.tensor([len(seen)], dtype=torch.int32), 0.3, 0, None, None),
+                           plain)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_tree_mask_hides_siblings():
     torch.manual_seed(0)
     kc, vc = torch.randn(4, 4, 1, 8), torch.randn(4, 4, 1, 8)

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+SOURCES = ("batch_invariant.cpp", "quant_linear.cpp", "q8_linear.cpp", "attention.cpp", "decoder_layer.cpp")
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -33,8 +34,7 @@ def load():
             print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
             _module = cpp_extension.load(
                 name="smartspec_kernels",
-                sources=[str(here / "batch_invariant.cpp"), str(here / "quant_linear.cpp"),
-                         str(here / "q8_linear.cpp"), str(here / "decoder_layer.cpp")],
+                sources=[str(here / name) for name in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

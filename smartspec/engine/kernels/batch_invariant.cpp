@@ -6,43 +6,10 @@
 // bitwise the same alone, batched, or verified inside a speculative step. They also keep small-M linears on a
 // weight-streaming path: the weight is read once per call for all rows, which is what makes verifying k
 // tokens cost about what decoding one costs.
-#include <limits>
-#include <vector>
-
 #include "panel_gemm.h"
 #include "quant_linear.h"
 
 namespace smartspec {
-namespace {
-
-#ifdef SMARTSPEC_AVX2
-inline float hsum(__m256 v) {
-  // Fixed pairwise order: (0+4,1+5,2+6,3+7) then (a+c, b+d) then (x+y).
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehl_ps(s, s);
-  s = _mm_add_ps(s, sh);
-  sh = _mm_shuffle_ps(s, s, 0x55);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-// Dot product of two length-k vectors in the one order every caller shares.
-inline float dot(const float* a, const float* b, int64_t k) {
-  int64_t i = 0;
-  float out = 0.f;
-#ifdef SMARTSPEC_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= k; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  out = hsum(acc);
-#endif
-  for (; i < k; ++i) out = std::fma(a[i], b[i], out);
-  return out;
-}
-
-}  // namespace
 
 // The weight of a linear layer, repacked once at load as panels [N/16, K, 16]: panel p holds columns
 // 16p..16p+15, row k of the panel holds w[16p + c, k] for c in 0..15. Output element (m, n) is then one scalar
@@ -80,72 +47,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
       panel_gemm(xp + k0, m, k, std::min(kblock, k - k0), wp + k0 * kPanel, ps, yp, ldy, c0, c1, k0 > 0);
   });
   return finish_linear(y, n, bias);
-}
-
-// Attention for a packed, ragged batch of query tokens through a paged KV cache.
-// q [T, H, D]; caches [num_blocks, block_size, KVH, D]; token t belongs to sequence seq_of[t], sees the keys at
-// logical positions [start, kv_len[t]) of that sequence (start > 0 only under a sliding window), plus, when
-// tree_mask is given, it sees position p >= tree_base[t] only if bit (p - tree_base[t]) of tree_mask[t] is set
-// (a token-tree node sees its ancestors, not its siblings).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_of, torch::Tensor kv_len,
-                              double scale, int64_t window, c10::optional<torch::Tensor> tree_base,
-                              c10::optional<torch::Tensor> tree_mask) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "paged_attention is fp32 only");
-  q = q.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
-  const int64_t group = H / KVH;
-  auto out = torch::empty_like(q);
-  auto bt = block_tables.contiguous(); auto so = seq_of.contiguous(); auto kl = kv_len.contiguous();
-  const int32_t* btp = bt.data_ptr<int32_t>(); const int64_t max_blocks = bt.size(1);
-  const int32_t* sop = so.data_ptr<int32_t>(); const int32_t* klp = kl.data_ptr<int32_t>();
-  const int32_t* tbp = nullptr; const int64_t* tmp = nullptr;
-  torch::Tensor tb, tm;
-  if (tree_base.has_value() && tree_base->defined()) {
-    tb = tree_base->contiguous(); tm = tree_mask->contiguous();
-    tbp = tb.data_ptr<int32_t>(); tmp = tm.data_ptr<int64_t>();
-  }
-  const float* qp = q.data_ptr<float>(); const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>(); float* op = out.data_ptr<float>();
-  const int64_t row = KVH * D, block_stride = bs * row;
-  // Units of a few (token, head) pairs, handed out as threads free up (see dynamic_for).
-  constexpr int64_t kPairs = 4;
-  dynamic_for((T * H + kPairs - 1) / kPairs, [&](int64_t u) {
-    std::vector<float> scores;
-    std::vector<float> acc(D);
-    for (int64_t i = u * kPairs; i < std::min(T * H, (u + 1) * kPairs); ++i) {
-      const int64_t t = i / H, h = i % H, kvh = h / group;
-      const int32_t* table = btp + sop[t] * max_blocks;
-      const int64_t len = klp[t];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const float* qv = qp + (t * H + h) * D;
-      scores.assign(len - start, 0.f);
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = start; p < len; ++p) {
-        if (tbp && p >= tbp[t] && !((tmp[t] >> (p - tbp[t])) & 1)) { scores[p - start] = NAN; continue; }
-        const float* kv = kp + table[p / bs] * block_stride + (p % bs) * row + kvh * D;
-        const float s = dot(qv, kv, D) * static_cast<float>(scale);
-        scores[p - start] = s;
-        mx = std::max(mx, s);
-      }
-      float denom = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = start; p < len; ++p) {
-        const float s = scores[p - start];
-        if (std::isnan(s)) continue;
-        const float e = std::exp(s - mx);
-        denom += e;
-        const float* vv = vp + table[p / bs] * block_stride + (p % bs) * row + kvh * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(e, vv[d], acc[d]);
-      }
-      float* o = op + (t * H + h) * D;
-      const float inv = 1.f / denom;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-    }
-  });
-  return out;
 }
 
 }  // namespace smartspec

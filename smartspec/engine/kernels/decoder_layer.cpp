@@ -100,11 +100,6 @@ void add_into(torch::Tensor& h, const torch::Tensor& x) {
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_of, torch::Tensor kv_len,
-                              double scale, int64_t window, c10::optional<torch::Tensor> tree_base,
-                              c10::optional<torch::Tensor> tree_mask);
-
 // h [T, D] (updated in place) through one layer. Linears in the order q, k, v, o, gate, up, down, each a q8 blob
 // with its GGUF kind, output size and bias (an empty tensor: none). The step's k/v go to the cache at `slots`;
 // attention sees what paged_attention's arguments say.

@@ -1,6 +1,6 @@
 // Linears on quantized weights (GGUF block formats), declared for the module definition in batch_invariant.cpp:
-// quant_linear (fp32 activations, exact) and q8_linear (int8 activations); and a whole decoder layer on the
-// latter (decoder_layer.cpp).
+// quant_linear (fp32 activations, exact) and q8_linear (int8 activations); paged attention (attention.cpp); and a
+// whole decoder layer on the latter (decoder_layer.cpp).
 #pragma once
 #include <torch/extension.h>
 
@@ -19,6 +19,11 @@ torch::Tensor q8_linear(torch::Tensor x, const std::string& kind, torch::Tensor 
 std::vector<torch::Tensor> q8_linears(torch::Tensor x, const std::vector<std::string>& kinds,
                                       const std::vector<torch::Tensor>& blobs, const std::vector<int64_t>& outs,
                                       const std::vector<torch::Tensor>& biases);
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_of, torch::Tensor kv_len,
+                              double scale, int64_t window, c10::optional<torch::Tensor> tree_base,
+                              c10::optional<torch::Tensor> tree_mask);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 
