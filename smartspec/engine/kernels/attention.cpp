@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "panel_gemm.h"
+#include "vec_math.h"
 
 namespace smartspec {
 namespace {
@@ -16,33 +17,6 @@ namespace {
 constexpr int64_t kAhead = 4;  // rows prefetched this many keys ahead (the lists carry kAhead spare entries)
 
 #ifdef SMARTSPEC_AVX2
-inline float hsum(__m256 v) {
-  // Fixed pairwise order: (0+4,1+5,2+6,3+7) then (a+c, b+d) then (x+y).
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
-
-// e^x on 8 lanes (Cephes' range reduction and polynomial, about 1 ulp), for x <= 0 as softmax needs; a value's
-// result does not depend on its lane.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 // scores[h][j] = (q_h . key_j) * scale for NH heads and keys [j0, j0 + NK): each dot one FMA chain over 8-lane
 // slices in increasing order, then hsum, then the scalar tail, as for any other NK or NH.
 template <int NH, int NK>

@@ -10,6 +10,7 @@
 
 #include "panel_gemm.h"
 #include "quant_linear.h"
+#include "vec_math.h"
 
 namespace smartspec {
 namespace {
@@ -84,12 +85,19 @@ void rotate(torch::Tensor& x, int64_t heads, int64_t dim, const torch::Tensor& c
   });
 }
 
-// gate <- silu(gate) * up, elementwise.
+// gate <- silu(gate) * up, elementwise. The width is the down projection's input, a whole number of GGUF blocks
+// (32 or 256 values), so 8-lane steps cover it.
 void silu_mul(torch::Tensor& gate, const torch::Tensor& up) {
   const int64_t t = gate.size(0), n = gate.size(1);
+  TORCH_CHECK(n % 8 == 0, "silu_mul: width a multiple of 8");
   float* gp = gate.data_ptr<float>(); const float* up_ = up.data_ptr<float>();
   for_rows(t, n, [&](int64_t r) {
-    for (int64_t i = r * n; i < (r + 1) * n; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * up_[i];
+    float* g = gp + r * n; const float* u = up_ + r * n;
+#ifdef SMARTSPEC_AVX2
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(g + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#else
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
   });
 }
 
