@@ -34,9 +34,9 @@ class LLMServer:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else uuid.uuid4().hex[:8]
         self.draft_actor_name = None
-        engine = LLMEngine(self.cfg.engine_config(self.replica_id), runner_factory=self._runner_factory(),
-                           proposer_factory=self._proposer_factory())
-        self.engine = AsyncEngine(engine=engine)
+        self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
+                                                          runner_factory=self._runner_factory(),
+                                                          proposer_factory=self._proposer_factory()))
         self.controller = controller
         self.controller_errors = 0
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None

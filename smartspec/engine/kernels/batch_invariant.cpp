@@ -53,14 +53,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace smartspec;
-  m.def("pack_weight", &pack_weight, "repack [N, K] into panels");
-  m.def("linear", &linear, "batch-invariant fp32 linear on a packed weight");
-  m.def("quant_linear", &quant_linear, "batch-invariant linear on quantized panels, exact weight dequantization");
-  m.def("q8_linear", &q8_linear, "batch-invariant linear on quantized panels, int8 activations (VNNI)");
-  m.def("q8_linears", &q8_linears, "several int8-activation linears of one input in one pass (bias: empty = none)");
-  m.def("q8_linear_available", &q8_linear_available, "whether this build has the int8 (VNNI) kernels");
-  m.def("paged_attention", &paged_attention, "batch-invariant paged attention");
-  m.def("rms_norm", &rms_norm, "RMSNorm per row, in one fixed order");
-  m.def("rope_tables", &rope_tables, "cos and sin of rotary angles per position");
-  m.def("q8_decoder_layer", &q8_decoder_layer, "one Llama-family decoder layer on int8-activation GGUF linears");
+  // The kernels touch no Python object: other Python threads (a server's event loop streaming the last step's
+  // tokens) run while they compute, instead of stalling the step between two kernel calls.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("pack_weight", &pack_weight, "repack [N, K] into panels", nogil);
+  m.def("linear", &linear, "batch-invariant fp32 linear on a packed weight", nogil);
+  m.def("quant_linear", &quant_linear, "batch-invariant linear on quantized panels, exact weight dequantization", nogil);
+  m.def("q8_linear", &q8_linear, "batch-invariant linear on quantized panels, int8 activations (VNNI)", nogil);
+  m.def("q8_linears", &q8_linears, "several int8-activation linears of one input in one pass (bias: empty = none)", nogil);
+  m.def("q8_linear_available", &q8_linear_available, "whether this build has the int8 (VNNI) kernels", nogil);
+  m.def("paged_attention", &paged_attention, "batch-invariant paged attention", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm per row, in one fixed order", nogil);
+  m.def("rope_tables", &rope_tables, "cos and sin of rotary angles per position", nogil);
+  m.def("q8_decoder_layer", &q8_decoder_layer, "one Llama-family decoder layer on int8-activation GGUF linears", nogil);
 }
