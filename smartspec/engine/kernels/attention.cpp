@@ -149,6 +149,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       keys.push_back(kp + offset); vals.push_back(vp + offset);
     }
     const int64_t n = keys.size();
+    if (n == 0) {  // nothing visible (a mask that hides the token itself): no keys, no output
+      std::fill(op + (t * H + h0) * D, op + (t * H + h0 + nh) * D, 0.f);
+      return;
+    }
     for (int64_t i = 0; i < kAhead; ++i) { keys.push_back(keys.back()); vals.push_back(vals.back()); }
 #ifdef SMARTSPEC_AVX2
     const int64_t padded = (n + 7) / 8 * 8;
