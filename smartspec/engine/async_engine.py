@@ -28,8 +28,8 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartspec-step",
                                             initializer=torch.set_num_threads, initargs=(threads,))
         # libgomp keeps a team of worker threads per thread that opens parallel regions, and once a process holds
-        # more of them than cores its workers stop spinning at barriers: a decode step of the 1.5B took 45-47 ms
-        # against 38-40 with the model loaded on another thread. So the step thread loads the model as well.
+        # more of them than cores its workers sleep at barriers, so every kernel call waits on woken threads (a
+        # decode step about a fifth slower). So the step thread loads the model as well, and stays the only one.
         self.engine = engine or self._executor.submit(build or (lambda: LLMEngine(config or EngineConfig()))).result()
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[tuple[str, object]] = []  # ("add", args) / ("abort", request_id)
