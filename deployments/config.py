@@ -84,9 +84,6 @@ class AppConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
-        if self.quantization not in (None, "auto") and self.tensor_parallel_size > 1:
-            raise ValueError(f"quantization {self.quantization!r} does not shard over tensor-parallel workers yet: use "
-                             "tensor_parallel_size 1, or quantization null")
         self.engine_config()  # the engine's own checks, now, with a clear message
         return self
 

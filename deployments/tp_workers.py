@@ -1,7 +1,8 @@
-"""Tensor parallelism for the target: N rank actors hold one shard each (transformers' tensor parallelism over
-torch.distributed: gloo on CPU, nccl on GPU) and a KV cache for their share of the heads. The replica keeps the
-scheduler and block tables and drives every rank each step with the same packed inputs; rank 0 returns the
-logits (each rank computes the full logits: the last layer gathers them)."""
+"""Tensor parallelism for the target: N rank actors hold one shard each and a KV cache for their share of the
+heads, over torch.distributed (gloo on CPU, nccl on GPU). GGUF weights stay quantized, each rank loading its part
+(smartspec/models/gguf_shard.py) and computing on the kernels; other weights shard by transformers' tensor
+parallelism. The replica keeps the scheduler and block tables and drives every rank each step with the same
+packed inputs; rank 0 returns the logits (every rank computes the full logits)."""
 from __future__ import annotations
 
 import logging
@@ -44,15 +45,23 @@ class TPWorker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, model: str, dtype: str, device: str, num_blocks: int, block_size: int, address: str,
-              port: int) -> int:
+              port: int, quantization: str | None = None) -> int:
         from smartspec.engine.model_runner import ModelRunner
         from smartspec.models import load_model
+        from smartspec.models.gguf_shard import Shard
+        from smartspec.models.loader import auto_quantization
 
         _init_process_group("nccl" if device.startswith("cuda") else "gloo", address, port, self.rank, self.world)
-        loaded = load_model(model, dtype, device, tp_plan="auto")
-        # transformers' sharded linears, not the packed kernels (those would drop its all-reduce hooks)
-        self.runner = ModelRunner(loaded.model, BlockManager(num_blocks, block_size), use_kernels=False,
-                                  device=device, tp_size=self.world)
+        if quantization == "auto":
+            quantization = auto_quantization(model, device, dtype)
+        if quantization in ("gguf", "gguf_exact"):
+            loaded = load_model(model, dtype, device, quantization=quantization, shard=Shard(self.rank, self.world))
+        else:
+            loaded = load_model(model, dtype, device, tp_plan="auto")
+        # GGUF shards compute on the kernels; transformers' sharded linears must not be packed (that would drop
+        # their all-reduce hooks)
+        self.runner = ModelRunner(loaded.model, BlockManager(num_blocks, block_size),
+                                  use_kernels=quantization is not None, device=device, tp_size=self.world)
         return self.runner.num_kv_heads
 
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -67,7 +76,8 @@ class TPModelRunner:
     """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
 
     def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,
-                 num_cpus: float, num_threads: int | None, num_gpus: float = 0) -> None:
+                 num_cpus: float, num_threads: int | None, num_gpus: float = 0,
+                 quantization: str | None = None) -> None:
         self.blocks = blocks
         try:  # refuse here, before any worker starts
             kv_heads_per_rank(loaded.config, tp_size)
@@ -76,8 +86,8 @@ class TPModelRunner:
         actor = ray.remote(TPWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
         self.workers = [actor.remote(rank, tp_size, num_threads) for rank in range(tp_size)]
         address, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(loaded.path, dtype, device, blocks.num_blocks, blocks.block_size, address, port)
-                 for w in self.workers])
+        ray.get([w.setup.remote(loaded.path, dtype, device, blocks.num_blocks, blocks.block_size, address, port,
+                                quantization) for w in self.workers])
         logger.info("tensor parallel target ready on %d ranks (%s:%d)", tp_size, address, port)
 
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:

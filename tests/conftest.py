@@ -101,3 +101,11 @@ def ray_serve():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny Qwen2 whose weights are one GGUF file of random blocks in every kept format (tests/tiny_gguf.py)."""
+    from tiny_gguf import build_tiny_gguf
+
+    return build_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf"), _byte_tokenizer())

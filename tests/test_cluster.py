@@ -75,7 +75,6 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
     ({"kv_cache": 1}, "Extra inputs are not permitted"),
     ({"speculation": {"method": "ngram", "tree": {"max_nodes": 99}}}, "tree.max_nodes must be at most 63"),
     ({"step_trace_dir": "traces"}, "step_trace_dir must be an absolute path"),
-    ({"quantization": "gguf", "tensor_parallel_size": 2}, "does not shard over tensor-parallel workers"),
     ({"quantization": "awq"}, "quantization"),
 ])
 def test_bad_app_config_is_refused_with_the_reason(args, message):

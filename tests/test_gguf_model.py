@@ -149,3 +149,30 @@ def test_a_fetched_model_gets_fp32_weights_only_when_they_are_loaded(smollm, tmp
     dense = LLM(str(folder), quantization=None, **OPTIONS).generate(PROMPTS[:2], params)
     assert not needs_dense(str(folder)) and (folder / "model.safetensors").stat().st_size > 4 * 10**8
     assert [o.token_ids for o in dense] == [o.token_ids for o in quantized]
+
+
+def test_a_shard_plan_splits_on_whole_blocks_or_refuses():
+    from types import SimpleNamespace
+
+    from smartspec.models.gguf_shard import Shard, ShardPlan, split
+
+    assert split(8960, 2, 256) == [0, 4352, 8960]  # 35 superblocks: 17 and 18
+    assert split(4864, 2, 32) == [0, 2432, 4864]
+    with pytest.raises(ValueError, match="do not split into 2 slices of whole 256-weight blocks"):
+        split(8000, 2, 256)
+    qwen15 = SimpleNamespace(num_attention_heads=12, num_key_value_heads=2, hidden_size=1536, intermediate_size=8960,
+                             num_hidden_layers=2)
+    plan = ShardPlan(qwen15, Shard(1, 2), lambda module: 256)
+    assert plan.rows("model.layers.1.self_attn.q_proj") == slice(768, 1536)
+    assert plan.rows("model.layers.1.self_attn.k_proj") == slice(128, 256)
+    assert plan.rows("model.layers.0.mlp.up_proj") == plan.columns("model.layers.0.mlp.down_proj") == slice(4352, 8960)
+    assert plan.columns("model.layers.0.self_attn.o_proj") == slice(768, 1536)
+    assert plan.rows("lm_head") is None and plan.columns("model.layers.0.mlp.down_proj.linear") is None
+    bias = torch.arange(1536.0)
+    assert plan.bias("model.layers.0.self_attn.o_proj", bias) is None  # added once, by rank 0
+    assert torch.equal(plan.bias("model.layers.0.self_attn.q_proj", bias), bias[768:])
+    with pytest.raises(ValueError, match="2 KV heads cannot be split over tensor_parallel_size=3"):
+        ShardPlan(qwen15, Shard(0, 3), lambda module: 256)
+    wide = SimpleNamespace(**{**qwen15.__dict__, "num_key_value_heads": 4})
+    with pytest.raises(ValueError, match="o_proj: a rank's 3 heads .384 inputs. are not whole 256-weight blocks"):
+        ShardPlan(wide, Shard(0, 4), lambda module: 256)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from q8_reference import q8_linear
+from tiny_gguf import random_tensor
 
 from smartspec.engine import kernels
 from smartspec.engine.quant_linear import Q8Linear, QuantLinear
@@ -14,20 +15,6 @@ from smartspec.models.gguf_blocks import FORMATS, unpack
 ext = kernels.load()
 needs_kernels = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 needs_vnni = pytest.mark.skipif(ext is None or not ext.q8_linear_available(), reason="no AVX-512 VNNI kernels here")
-
-F16_FIELDS = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
-
-
-def random_tensor(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF bytes of one type, its f16 scales drawn finite (random bits could make them NaN or Inf)."""
-    size, per_block, _, _ = FORMATS[kind]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // per_block * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-    for at in F16_FIELDS[kind]:
-        scale = rng.uniform(0.002, 0.03, size=len(blocks)) * rng.choice([-1, 1], size=len(blocks))
-        blocks[:, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw
 
 
 def gguf_py_dequantized(kind: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -40,6 +40,17 @@ class QuantizedRows:
         return QuantizedRows(self.kind, self.q[rows], self.d[rows], pick(self.sc), pick(self.off), pick(self.mn),
                              self.group, self.superblock, self.nibble)
 
+    def columns(self, cols: slice) -> QuantizedRows:
+        """The weights of input columns [start, stop) of every row: whole superblocks only."""
+        start, stop, sb = cols.start, cols.stop, self.superblock
+        if start % sb or stop % sb:
+            raise ValueError(f"columns {start}:{stop} of {self.kind} are not whole {sb}-weight superblocks")
+
+        def part(a, per):
+            return None if a is None else np.ascontiguousarray(a[:, start // per:stop // per])
+        return QuantizedRows(self.kind, part(self.q, 1), part(self.d, sb), part(self.sc, self.group),
+                             part(self.off, sb), part(self.mn, self.group), self.group, sb, self.nibble)
+
     def dequantize(self) -> np.ndarray:
         """The fp32 weight, by the formula above (the tests hold it to gguf-py's bits)."""
         n, k = self.q.shape

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from smartspec.models.gguf_blocks import FORMATS, QuantizedRows, unpack
+from smartspec.models.gguf_shard import Shard, ShardPlan, wrap_row_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
-           biases: dict[str, torch.Tensor]) -> QuantizedRows | None:
-    """Put one GGUF tensor in the model; returns the token embedding's blocks when this is it."""
+           biases: dict[str, torch.Tensor], plan: ShardPlan | None) -> QuantizedRows | None:
+    """Put one GGUF tensor in the model (this rank's part of it, under a shard plan); returns the token
+    embedding's blocks when this is it."""
     from accelerate.utils import set_module_tensor_to_device
 
     from smartspec.engine.quant_linear import QuantEmbedding
@@ -97,27 +99,38 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
     (n, k), vector = _shape(tensor), len(tensor.shape) == 1
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
+    parent, _, child = module_name.rpartition(".")
+    rows = plan.rows(module_name) if plan and attr == "weight" else None
+    cols = plan.columns(module_name) if plan and attr == "weight" else None
     if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding)) and kind in FORMATS:
-        rows = _unpack(f, tensor, kind, n, k)
-        rows = rows if order is None else rows.take(order)
+        blocks = _unpack(f, tensor, kind, n, k)
+        blocks = blocks if order is None else blocks.take(order)
         if isinstance(module, nn.Embedding):
-            model.set_input_embeddings(QuantEmbedding(rows))
-            return rows
-        parent, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, linear(rows, ext))
+            model.set_input_embeddings(QuantEmbedding(blocks))
+            return blocks
+        blocks = blocks if rows is None else blocks.take(np.arange(n)[rows])
+        blocks = blocks if cols is None else blocks.columns(cols)
+        setattr(model.get_submodule(parent) if parent else model, child, linear(blocks, ext))
         return None
     value = _dense(kind, _read(f, tensor, 0, n), (n * k,) if vector else (n, k))
     if order is not None:
         value = value[torch.from_numpy(order)]
     if attr == "bias":
         biases[module_name] = value
+    elif rows is not None or cols is not None:  # a dense linear, sharded: a linear of this rank's shape
+        value = value[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
+        part = nn.Linear(value.shape[1], value.shape[0], bias=False)
+        part.weight = nn.Parameter(value.contiguous(), requires_grad=False)
+        setattr(model.get_submodule(parent), child, part)
     else:
         set_module_tensor_to_device(model, name, "cpu", value=value)
     return None
 
 
-def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True) -> nn.Module:
-    """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels."""
+def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True,
+                    shard: Shard | None = None) -> nn.Module:
+    """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels. With a shard:
+    that tensor-parallel rank's part of it (smartspec/models/gguf_shard.py)."""
     from accelerate import init_empty_weights
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -134,15 +147,21 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
              "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     embedding_rows: QuantizedRows | None = None
     biases: dict[str, torch.Tensor] = {}
+    tensors = GGUFReader(gguf_file).tensors
+    plan = None
+    if shard is not None and shard.world > 1:
+        kinds = {hf_name(t.name).rpartition(".")[0]: t.tensor_type.name for t in tensors if t.name.endswith("weight")}
+        plan = ShardPlan(config, shard, lambda module: FORMATS[kinds[module]][1] if kinds.get(module) in FORMATS else 1)
     with open(gguf_file, "rb") as f:
-        for tensor in GGUFReader(gguf_file).tensors:
+        for tensor in tensors:
             part = tensor.name.split(".")[-2]
             permuted = config.model_type == "llama" and part in heads
             order = _rotary_order(_shape(tensor)[0] if len(tensor.shape) > 1 else int(tensor.shape[0]),
                                   heads[part]) if permuted else None
-            embedding_rows = _place(model, f, tensor, order, linear, ext, biases) or embedding_rows
+            embedding_rows = _place(model, f, tensor, order, linear, ext, biases, plan) or embedding_rows
     for module_name, bias in biases.items():
-        model.get_submodule(module_name).bias = nn.Parameter(bias, requires_grad=False)
+        bias = bias if plan is None else plan.bias(module_name, bias)
+        model.get_submodule(module_name).bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
         if embedding_rows is None:
             raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
@@ -150,4 +169,6 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if plan is not None:
+        wrap_row_parallel(model, plan)
     return model.eval().requires_grad_(False)

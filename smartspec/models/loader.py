@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from smartspec.models.gguf_shard import Shard
 from smartspec.models.registry import ensure_dense, resolve
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ def auto_quantization(path: str, device: str = "cpu", dtype: str = "float32") ->
 
 
 def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights: bool = True,
-               quantization: str | None = None, **from_pretrained) -> LoadedModel:
+               quantization: str | None = None, shard: Shard | None = None, **from_pretrained) -> LoadedModel:
     """`weights=False` reads the tokenizer and config only; extra keywords go to from_pretrained (tp_plan).
+    shard: one tensor-parallel rank's part of a GGUF model's quantized weights.
     quantization "gguf": the weights stay in the folder's GGUF block formats, linears computed from them with int8
     activations (llama.cpp's numerics); "gguf_exact": the same weights with fp32 activations, outputs bitwise those
     of None, the dequantized fp32 model; "auto": "gguf" where the folder has a GGUF file, else None."""
@@ -88,9 +90,12 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
         int8 = quantization == "gguf" and ext.q8_linear_available()
         if quantization == "gguf" and not int8:
             logger.warning("this CPU lacks AVX-512 VNNI: quantization 'gguf' computes with fp32 activations")
-        lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8)
+        lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8, shard=shard)
         config, generation = lm.config, _generation_config(path)
     elif weights:
+        if shard is not None:
+            raise ValueError(f"{model}: shard needs the GGUF weights (quantization 'gguf' or 'gguf_exact'), got "
+                             f"{quantization!r}")
         ensure_dense(path)  # a bundled model is fetched as its GGUF file: its fp32 weights are made on first use
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **from_pretrained)
         lm = lm.eval() if from_pretrained.get("tp_plan") else lm.to(device).eval()
