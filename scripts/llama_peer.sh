@@ -17,10 +17,18 @@ THREADS=${THREADS:-$(nproc)}
 SLOTS=${SLOTS:-4}  # requests served at once (-np)
 K=${K:-8}          # the most draft tokens per step
 
+smartspec_cli() {  # the smartspec command: on PATH, or this checkout's .venv
+  if command -v smartspec >/dev/null; then smartspec "$@"
+  elif [ -x .venv/bin/smartspec ]; then .venv/bin/smartspec "$@"
+  else echo "no smartspec command: install SmartSpec (see the README) or activate its environment" >&2; return 1
+  fi
+}
+
 gguf() {  # the model's GGUF file, fetched if need be (the last word smartspec prints is the model's folder)
-  local dir
-  dir=$(smartspec models fetch "$1" | tail -n 1 | awk '{print $NF}')
-  [ -f "$dir/$1.gguf" ] || { echo "no $dir/$1.gguf: the model store did not keep the GGUF" >&2; exit 1; }
+  local dir out
+  out=$(smartspec_cli models fetch "$1") || return 1
+  dir=$(echo "$out" | tail -n 1 | awk '{print $NF}')
+  [ -f "$dir/$1.gguf" ] || { echo "no $dir/$1.gguf: the model store did not keep the GGUF" >&2; return 1; }
   echo "$dir/$1.gguf"
 }
 
@@ -39,13 +47,16 @@ case "${1:-}" in
     ;;
   serve)
     [ -x "$DIR/bin/llama-server" ] || { echo "no $DIR/bin/llama-server: run $0 install" >&2; exit 1; }
+    # resolved before the server starts: a model that cannot be found stops the script (llama-server without one
+    # would start anyway, in its router mode, and answer every request 400)
     case "${2:-none}" in
       none) SPEC=() ;;
-      draft) SPEC=(-md "$(gguf "$DRAFT")" --spec-type draft-simple --spec-draft-n-max "$K") ;;
+      draft) draft=$(gguf "$DRAFT"); SPEC=(-md "$draft" --spec-type draft-simple --spec-draft-n-max "$K") ;;
       ngram) SPEC=(--spec-type ngram-simple --spec-draft-n-max "$K") ;;
       *) echo "usage: $0 serve none|draft|ngram" >&2; exit 2 ;;
     esac
-    exec "$DIR/bin/llama-server" -m "$(gguf "$TARGET")" --alias "$TARGET" --host 127.0.0.1 --port "$PORT" \
+    target=$(gguf "$TARGET")
+    exec "$DIR/bin/llama-server" -m "$target" --alias "$TARGET" --host 127.0.0.1 --port "$PORT" \
       -t "$THREADS" -np "$SLOTS" -c $((4096 * SLOTS)) "${SPEC[@]}"
     ;;
   *) echo "usage: $0 install | serve none|draft|ngram" >&2; exit 2 ;;

@@ -31,7 +31,10 @@ traces, and the end of the run prints (and writes to <out>/steps.md) the work ea
 went, to tell a gap in what the servers did from a gap in how fast the box ran them:
 
     python scripts/sweep_serving.py --configs smartspec fixed:5 vllm-ngram --proposers ngram --rates 0 0.1 \\
-        --num-requests 5 --max-tokens 64 --cycles 2 --out results/sweep-v5"""
+        --num-requests 5 --max-tokens 64 --cycles 2 --out results/sweep-v5
+
+--rates 0 --concurrency 4 keeps four requests in flight (each sent when one finishes): aggregate throughput under
+a steady load, the tok/s column of comparison.md."""
 from __future__ import annotations
 
 import argparse
@@ -163,7 +166,7 @@ def bench(url: str, label: str, max_k: int | None, args, out: Path) -> int:
     cmd = [sys.executable, "-m", "smartspec.cli", "bench", "serve", "--url", url, "--model", args.model,
            "--label", label.replace(":", ""), "--workload", args.workload, "--rates", *map(str, args.rates),
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens), "--ignore-eos",
-           "--seed", str(args.seed), "--out", str(out)]
+           "--seed", str(args.seed), "--concurrency", str(args.concurrency), "--out", str(out)]
     if max_k is not None:
         cmd += ["--max-k", str(max_k)]
     return subprocess.run(cmd, cwd=ROOT).returncode
@@ -263,6 +266,8 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=ALL, choices=[*ALL, "fixed:7"])
     ap.add_argument("--rates", nargs="+", type=float, default=[0.05, 0.1, 0.2])
     ap.add_argument("--num-requests", type=int, default=6)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight at rate 0 (a closed loop; tok/s in comparison.md is the aggregate)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--workload", default="humaneval-chat")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")

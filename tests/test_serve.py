@@ -285,6 +285,15 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     counters = summary[["spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"]]
     assert counters.notna().all().all() and (counters >= 0).all().all()
     assert (tmp_path / "latency_vs_rate.png").stat().st_size > 0
+    # a closed loop of 2 in flight: the first two start together, and no request starts while two are running
+    assert main(["bench", "serve", "--url", app, "--model", "tiny", "--label", "tiny-c2", "--workload", "humaneval",
+                 "--rates", "0", "--concurrency", "2", "--num-requests", "4", "--max-tokens", "4", "--ignore-eos",
+                 "--out", str(tmp_path)]) == 0
+    rows = pd.read_parquet(tmp_path / "tiny-c2.parquet").sort_values("start")
+    spans = list(zip(rows.start, rows.start + rows.latency_s))
+    assert spans[1][0] < spans[0][1] and len(spans) == 4 and (rows.concurrency == 2).all()
+    assert all(sum(s0 <= start < s1 for s0, s1 in spans[:i]) <= 1 for i, (start, _) in enumerate(spans))
+    assert pd.read_parquet(tmp_path / "tiny-c2_summary.parquet").concurrency.tolist() == [2]
     assert main(argv[:3] + ["http://127.0.0.1:9"] + argv[4:]) == 1  # no server there: said, not a traceback
 
 

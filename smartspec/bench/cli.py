@@ -13,7 +13,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--label", required=True, help="name of this configuration in tables and plots")
     ap.add_argument("--workload", default="humaneval-chat", choices=SERVING_WORKLOADS)
     ap.add_argument("--rates", nargs="+", type=float, default=[0.1],
-                    help="request rates (req/s); 0: one request at a time, each after the last finished")
+                    help="request rates (req/s); 0: a closed loop of --concurrency requests in flight, each sent when "
+                         "one has finished")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at rate 0 (default 1)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-TABLE_COLUMNS = ["label", "rate", "requests", "errors", "latency_s_mean", "latency_s_p50", "latency_s_p99",
+TABLE_COLUMNS = ["label", "rate", "concurrency", "requests", "errors", "latency_s_mean", "latency_s_p50", "latency_s_p99",
                  "ttft_s_mean", "tpot_s_mean", "throughput_tok_s", "acceptance_rate"]
 
 

@@ -87,9 +87,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, endpoint:
 
 
 async def run_rate(url: str, model: str, requests: list[dict], rate: float, args) -> list[dict]:
-    # rate 0: one request at a time, each sent when the last has finished (the no-load limit)
+    # rate 0: a closed loop of args.concurrency requests in flight (1: the no-load limit), each sent when one has
+    # finished
     times = arrival_times(rate, len(requests), args.burstiness, args.seed) if rate > 0 else None
-    one_at_a_time = asyncio.Lock()  # FIFO: the tasks below queue on it in request order
+    in_flight = asyncio.Semaphore(args.concurrency)  # FIFO: the tasks below queue on it in request order
     # a fresh connection per request: a server that closes idle keep-alive connections (llama-server) would
     # otherwise fail a request sent on one it had just closed
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
@@ -98,7 +99,7 @@ async def run_rate(url: str, model: str, requests: list[dict], rate: float, args
 
         async def fire(i: int, req: dict):
             if times is None:
-                async with one_at_a_time:
+                async with in_flight:
                     return await send(i, req, time.perf_counter() - t0)
             await asyncio.sleep(max(0.0, t0 + times[i] - time.perf_counter()))
             return await send(i, req, float(times[i]))
@@ -138,9 +139,10 @@ def spec_summary(counters: dict) -> dict:
 def run(args) -> int:
     import pandas as pd
 
-    if any(r < 0 for r in args.rates) or args.num_requests < 1 or args.burstiness <= 0 or args.max_tokens < 1:
-        print("smartspec bench serve: --rates must be >= 0 (0: one request at a time); --num-requests, "
-              "--max-tokens and --burstiness positive", file=sys.stderr)
+    if any(r < 0 for r in args.rates) or min(args.num_requests, args.max_tokens, args.concurrency) < 1 \
+            or args.burstiness <= 0:
+        print("smartspec bench serve: --rates must be >= 0 (0: --concurrency requests at a time); --num-requests, "
+              "--max-tokens, --concurrency and --burstiness positive", file=sys.stderr)
         return 2
     rates = args.rates
     out = Path(args.out)
@@ -160,9 +162,11 @@ def run(args) -> int:
             rate_rows = asyncio.run(run_rate(args.url, args.model, requests, rate, args))
             after = scrape(client, args.url)
             counters = {k: after[k] - before.get(k, 0.0) for k in after}
-            rows.append(pd.DataFrame(rate_rows).assign(label=args.label, rate=rate, workload=args.workload))
+            rows.append(pd.DataFrame(rate_rows).assign(label=args.label, rate=rate, workload=args.workload,
+                                                       concurrency=args.concurrency if rate == 0 else None))
             summaries.append(summarise(rate_rows, args.label, rate, rate_rows[0]["run_wall_s"],
-                                       spec_summary(counters)))
+                                       {**spec_summary(counters),
+                                        **({"concurrency": args.concurrency} if rate == 0 else {})}))
     pd.concat(rows).to_parquet(out / f"{args.label}.parquet")
     summary = pd.DataFrame(summaries)
     summary.to_parquet(out / f"{args.label}_summary.parquet")
