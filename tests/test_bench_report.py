@@ -46,3 +46,16 @@ def test_speed_adjusted_reads_the_ratio_where_both_runs_ran_equally_fast():
     noisy = [r * (1.03 if i % 2 else 0.97) for i, r in enumerate(ratios)]
     assert speed_adjusted(noisy, speeds)[1] > 0.005  # scatter off the line is the estimate's error
     assert speed_adjusted(ratios[:2], speeds[:2]) is None  # two repeats cannot fit a line and its error
+
+
+def test_the_latency_plot_leaves_out_configurations_whose_requests_all_failed(tmp_path):
+    from smartspec.bench.report import plot_latency_vs_rate, summarise
+
+    ok = summarise([{"output_tokens": 4, "latency_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.3}], "ours", 0.0, 1.0)
+    failed = summarise([{"error": "400: no model"}], "peer", 0.0, 1.0)
+    assert failed["latency_s_mean"] is None
+    # pooled summaries (sweep_serving.py --pool) hold NaN there, or lack the column when no run of it succeeded
+    pooled = [{**ok, "label": "pooled", "latency_s_mean": float("nan")},
+              {k: v for k, v in failed.items() if k != "latency_s_mean"}]
+    plot_latency_vs_rate([ok, failed, *pooled], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0

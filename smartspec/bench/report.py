@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-TABLE_COLUMNS = ["label", "rate", "concurrency", "requests", "errors", "latency_s_mean", "latency_s_p50", "latency_s_p99",
-                 "ttft_s_mean", "tpot_s_mean", "throughput_tok_s", "acceptance_rate"]
+TABLE_COLUMNS = ["label", "rate", "concurrency", "requests", "errors", "latency_s_mean", "latency_s_p50",
+                 "latency_s_p99", "ttft_s_mean", "tpot_s_mean", "throughput_tok_s", "acceptance_rate"]
 
 
 def summarise(rows: list[dict], label: str, rate: float, wall_s: float, extra: dict | None = None) -> dict:
@@ -38,6 +38,12 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def _latency(summary: dict) -> float | None:
+    """Mean latency; None where every request failed (None, or NaN once pooled, or no column at all)."""
+    v = summary.get("latency_s_mean")
+    return None if v is None or np.isnan(v) else v
+
+
 def plot_latency_vs_rate(summaries: list[dict], path: str | Path, title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -45,8 +51,7 @@ def plot_latency_vs_rate(summaries: list[dict], path: str | Path, title: str = "
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(s["label"] for s in summaries):
-        pts = sorted((s["rate"], s["latency_s_mean"]) for s in summaries
-                     if s["label"] == label and s["latency_s_mean"] is not None)
+        pts = sorted((s["rate"], _latency(s)) for s in summaries if s["label"] == label and _latency(s) is not None)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("mean request latency (s)")
