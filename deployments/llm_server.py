@@ -51,7 +51,7 @@ class LLMServer:
         from deployments.tp_workers import TPModelRunner
 
         gpus = 1 if cfg.device == "cuda" else 0
-        quantization = cfg.quantization if cfg.use_kernels else None
+        quantization = cfg.engine_config().quantization  # as the engine reads it ("auto" without kernels: None)
         return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, "float32", cfg.device,
                                                     cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
                                                     quantization=quantization)
