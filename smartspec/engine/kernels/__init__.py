@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -12,6 +13,7 @@ SOURCES = ("batch_invariant.cpp", "quant_linear.cpp", "q8_linear.cpp", "attentio
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a process killed mid-build
 
 
 def load():
@@ -31,6 +33,7 @@ def load():
             here = Path(__file__).parent
             build_dir = Path(os.environ.get("SMARTSPEC_CACHE", Path.home() / ".cache" / "smartspec")) / "kernels"
             build_dir.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(build_dir / "lock")
             print("smartspec: loading CPU kernels (compiled once per machine, ~1 min)...", file=sys.stderr, flush=True)
             _module = cpp_extension.load(
                 name="smartspec_kernels",
@@ -44,6 +47,17 @@ def load():
             _failed = f"{type(exc).__name__}: {exc}"
             logger.warning("smartspec CPU kernels unavailable, using the torch path: %s", _failed)
         return _module
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch waits for a build's lock file forever; one left by a killed build would hang every later start."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a kernel build lock %.0f s old (%s): its build was interrupted", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def unavailable_reason() -> str | None:
