@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from smartspec.engine import attention, kernels
 from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.fast_linear import pack_linears
 from smartspec.engine.fused_decoder import FusedDecoder
+from smartspec.engine.page_arena import PageArena
 from smartspec.engine.request import Request
 from smartspec.sampling_params import SamplingParams
 
@@ -112,8 +114,14 @@ class ModelRunner:
         self.fused = FusedDecoder.build(model, ext) if self.use_kernels and tp_size == 1 else None
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         shape = (blocks.num_blocks, blocks.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+        if self.device.type == "cpu":  # in 2 MiB pages, taken as blocks are first written
+            arena = PageArena(2 * self.num_layers * math.prod(shape) * self.dtype.itemsize)
+            self.kv_caches = [(arena.zeros(shape, self.dtype), arena.zeros(shape, self.dtype))
+                              for _ in range(self.num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device))
+                              for _ in range(self.num_layers)]
 
     @staticmethod
     def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from smartspec.engine.page_arena import PageArena
 from smartspec.models.gguf_blocks import QuantizedRows
 
 PANEL = 16  # output rows per panel, as the kernel's fp32 weights
@@ -39,16 +40,16 @@ def _nibble_panels(q: np.ndarray) -> torch.Tensor:
 Q8_CODES = {"Q4_K": (0, 0), "Q6_K": (32, 2), "Q8_0": (128, None), "Q5_0": (16, 1), "Q4_1": (0, 0)}
 
 
-def q8_blob(rows: QuantizedRows, chunk_rows: int = 8192) -> torch.Tensor:
+def q8_blob(rows: QuantizedRows, chunk_rows: int = 8192, arena: PageArena | None = None) -> torch.Tensor:
     """The int8 kernel's weight [P, bytes]: per panel, superblock by superblock, codes (unsigned: q + bias), high
     bits, group scales, fp16 d and offset, padded to 64 bytes (layout: engine/kernels/q8_linear.cpp). Packed
-    chunk_rows rows at a time, so that an output layer's temporaries stay small."""
+    chunk_rows rows at a time, so that an output layer's temporaries stay small; in the arena when given."""
     n = rows.shape[0]
     blob = None
     for r0 in range(0, n, chunk_rows):
         part = _q8_blob_rows(rows.take(np.arange(r0, min(n, r0 + chunk_rows))))
         if blob is None:
-            blob = torch.empty((-(-n // PANEL), part.shape[1]), dtype=torch.uint8)
+            blob = (arena.zeros if arena else torch.empty)((-(-n // PANEL), part.shape[1]), dtype=torch.uint8)
         blob[r0 // PANEL:r0 // PANEL + part.shape[0]] = part
     return blob
 
@@ -87,11 +88,12 @@ def _q8_blob_rows(rows: QuantizedRows) -> torch.Tensor:
 class Q8Linear(nn.Module):
     """A GGUF weight computed with int8 activations (the kernel's numerics: tests/q8_reference.py)."""
 
-    def __init__(self, rows: QuantizedRows, ext, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, rows: QuantizedRows, ext, bias: torch.Tensor | None = None,
+                 arena: PageArena | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = rows.shape
         self.kind = rows.kind
-        self.register_buffer("blob", q8_blob(rows))
+        self.register_buffer("blob", q8_blob(rows, arena=arena))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._ext = ext
 

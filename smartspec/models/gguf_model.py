@@ -7,7 +7,9 @@ Llama architectures; a Llama GGUF stores its q and k rows permuted for its rotar
 transformers' order, as transformers' own GGUF loader does."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
 
 import numpy as np
@@ -135,9 +137,12 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from smartspec.engine.page_arena import PageArena
     from smartspec.engine.quant_linear import Q8Linear, QuantLinear
 
-    linear = Q8Linear if int8_activations else QuantLinear
+    # the int8 kernels' weights in one mapping of 2 MiB pages; packed, they take about the file's size
+    arena = PageArena(2 * os.path.getsize(gguf_file) + (64 << 20)) if int8_activations else None
+    linear = functools.partial(Q8Linear, arena=arena) if int8_activations else QuantLinear
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"quantized GGUF loading supports {ARCHITECTURES}, not {config.model_type!r}")
@@ -171,4 +176,6 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if plan is not None:
         wrap_row_parallel(model, plan)
+    if arena is not None:
+        logger.info("%.2f GB of packed weights in %s pages", arena.used / 1e9, "2 MiB" if arena.huge_pages else "4 KiB")
     return model.eval().requires_grad_(False)
