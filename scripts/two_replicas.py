@@ -81,7 +81,7 @@ def run(args) -> int:
     print(f"{len(answers)} requests answered in {time.monotonic() - t0:.1f} s", flush=True)
     time.sleep(3)  # replicas report to the controller about once a second
     status = httpx.get(f"{url}/v1/smartspec/status", timeout=60).json()
-    print(f"\n{'replica':12s} {'node':14s} {'steps':>6s} {'tokens':>7s} {'drafted':>8s} {'RSS GB':>7s}")
+    print(f"\n{'replica':12s} {'node':14s} {'steps':>6s} {'tokens':>7s} {'drafted':>8s} {'RSS GiB':>7s}")
     nodes = set()
     for rid, r in status["replicas"].items():
         nodes.add(r["node_id"])
@@ -89,7 +89,7 @@ def run(args) -> int:
         print(f"{rid:12s} {r['node_id'][:12]:14s} {steps.get('steps', 0):6d} {steps.get('generated_tokens', 0):7d} "
               f"{(r.get('spec_decode') or {}).get('num_draft_tokens', 0):8d} {rss_gb(r['pid']):7.2f}")
     drafts = subprocess.run(["pgrep", "-f", "DraftWorker"], capture_output=True, text=True).stdout.split()
-    print(f"draft actors: {len(drafts)}, RSS {', '.join(f'{rss_gb(int(p)):.2f}' for p in drafts)} GB")
+    print(f"draft actors: {len(drafts)}, RSS {', '.join(f'{rss_gb(int(p)):.2f}' for p in drafts)} GiB")
     merged = status.get("merged_policy") or {}
     print(f"controller: merged state of {merged.get('replicas', 0)} replicas, acceptance prior "
           f"{merged.get('prior', {}).get('first')}")
