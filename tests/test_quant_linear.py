@@ -9,8 +9,8 @@ from q8_reference import q8_linear
 from tiny_gguf import random_tensor
 
 from smartspec.engine import kernels
-from smartspec.engine.quant_linear import Q8Linear, QuantLinear
-from smartspec.models.gguf_blocks import FORMATS, unpack
+from smartspec.engine.quant_linear import Q8Linear, QuantEmbedding, QuantLinear
+from smartspec.models.gguf_blocks import FORMATS, PackedRows, unpack
 
 ext = kernels.load()
 needs_kernels = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")
@@ -27,6 +27,23 @@ def test_unpacked_codes_dequantize_to_gguf_py_bits(kind):
     raw = random_tensor(kind, n, k)
     ours, ref = unpack(kind, raw, n, k).dequantize(), gguf_py_dequantized(kind, raw, n, k)
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_rows_kept_as_stored_unpack_and_look_up_as_the_unpacked_weight(kind):
+    n, k = 24, 512
+    raw = random_tensor(kind, n, k, seed=7)
+    packed, unpacked = PackedRows(kind, raw, n, k), unpack(kind, raw, n, k)
+    ids = np.array([5, 0, 23, 5, 11])
+    for name in ("q", "d", "sc", "off", "mn"):
+        a, b = getattr(packed.take(ids), name), getattr(unpacked.take(ids), name)
+        assert (a is None and b is None) or np.array_equal(a, b), name
+    looked_up = QuantEmbedding(packed)(torch.from_numpy(ids).view(1, 5))
+    assert looked_up.shape == (1, 5, k)
+    assert np.array_equal(looked_up[0].numpy().view(np.uint32), unpacked.dequantize()[ids].view(np.uint32))
+    unpacked_bytes = sum(a.nbytes for a in (unpacked.q, unpacked.d, unpacked.sc, unpacked.off, unpacked.mn)
+                         if a is not None)
+    assert packed.shape == (n, k) and packed.raw.nbytes < unpacked_bytes  # the memory it is kept for
 
 
 @needs_kernels

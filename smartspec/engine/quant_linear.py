@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from smartspec.engine.page_arena import PageArena
-from smartspec.models.gguf_blocks import QuantizedRows
+from smartspec.models.gguf_blocks import PackedRows, QuantizedRows
 
 PANEL = 16  # output rows per panel, as the kernel's fp32 weights
 
@@ -40,7 +40,7 @@ def _nibble_panels(q: np.ndarray) -> torch.Tensor:
 Q8_CODES = {"Q4_K": (0, 0), "Q6_K": (32, 2), "Q8_0": (128, None), "Q5_0": (16, 1), "Q4_1": (0, 0)}
 
 
-def q8_blob(rows: QuantizedRows, chunk_rows: int = 8192, arena: PageArena | None = None) -> torch.Tensor:
+def q8_blob(rows: QuantizedRows | PackedRows, chunk_rows: int = 8192, arena: PageArena | None = None) -> torch.Tensor:
     """The int8 kernel's weight [P, bytes]: per panel, superblock by superblock, codes (unsigned: q + bias), high
     bits, group scales, fp16 d and offset, padded to 64 bytes (layout: engine/kernels/q8_linear.cpp). Packed
     chunk_rows rows at a time, so that an output layer's temporaries stay small; in the arena when given."""
@@ -88,7 +88,7 @@ def _q8_blob_rows(rows: QuantizedRows) -> torch.Tensor:
 class Q8Linear(nn.Module):
     """A GGUF weight computed with int8 activations (the kernel's numerics: tests/q8_reference.py)."""
 
-    def __init__(self, rows: QuantizedRows, ext, bias: torch.Tensor | None = None,
+    def __init__(self, rows: QuantizedRows | PackedRows, ext, bias: torch.Tensor | None = None,
                  arena: PageArena | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = rows.shape
@@ -131,7 +131,7 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Token embedding rows read from quantized blocks, dequantized with the same arithmetic as the weights."""
 
-    def __init__(self, rows: QuantizedRows) -> None:
+    def __init__(self, rows: QuantizedRows | PackedRows) -> None:
         super().__init__()
         self.rows = rows
         self.num_embeddings, self.embedding_dim = rows.shape

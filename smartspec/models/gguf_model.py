@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from smartspec.models.gguf_blocks import FORMATS, QuantizedRows, unpack
+from smartspec.models.gguf_blocks import FORMATS, PackedRows, QuantizedRows, unpack
 from smartspec.models.gguf_shard import Shard, ShardPlan, wrap_row_parallel
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
-           biases: dict[str, torch.Tensor], plan: ShardPlan | None) -> QuantizedRows | None:
+           biases: dict[str, torch.Tensor], plan: ShardPlan | None) -> PackedRows | None:
     """Put one GGUF tensor in the model (this rank's part of it, under a shard plan); returns the token
     embedding's blocks when this is it."""
     from accelerate.utils import set_module_tensor_to_device
@@ -104,12 +104,13 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
     parent, _, child = module_name.rpartition(".")
     rows = plan.rows(module_name) if plan and attr == "weight" else None
     cols = plan.columns(module_name) if plan and attr == "weight" else None
-    if attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding)) and kind in FORMATS:
+    if attr == "weight" and isinstance(module, nn.Embedding) and kind in FORMATS:
+        packed = PackedRows(kind, _read(f, tensor, 0, n), n, k)  # a step looks up a few rows: unpack those
+        model.set_input_embeddings(QuantEmbedding(packed))
+        return packed
+    if attr == "weight" and isinstance(module, nn.Linear) and kind in FORMATS:
         blocks = _unpack(f, tensor, kind, n, k)
         blocks = blocks if order is None else blocks.take(order)
-        if isinstance(module, nn.Embedding):
-            model.set_input_embeddings(QuantEmbedding(blocks))
-            return blocks
         blocks = blocks if rows is None else blocks.take(np.arange(n)[rows])
         blocks = blocks if cols is None else blocks.columns(cols)
         setattr(model.get_submodule(parent) if parent else model, child, linear(blocks, ext))
@@ -150,7 +151,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     heads = {"attn_q": config.num_attention_heads,
              "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    embedding_rows: QuantizedRows | None = None
+    embedding_rows: PackedRows | None = None
     biases: dict[str, torch.Tensor] = {}
     tensors = GGUFReader(gguf_file).tensors
     plan = None
@@ -170,7 +171,8 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
         if embedding_rows is None:
             raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
-        model.lm_head = linear(embedding_rows, ext)  # tied: the output layer is the embedding's blocks
+        # tied: the output layer is the embedding's blocks (the int8 kernel packs them a chunk of rows at a time)
+        model.lm_head = linear(embedding_rows if int8_activations else embedding_rows.unpacked(), ext)
     missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
