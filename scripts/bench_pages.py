@@ -4,12 +4,11 @@ decodes the same prompt (the two alternate, so the box's drift falls on both).
 
     python scripts/bench_pages.py --model qwen2.5-coder-1.5b --repeats 8
 
-Prints a table and the pooled ratio (± standard error over the pairs); writes results/bench_pages.parquet and .png.
+Prints a table and the paired ratio (geometric mean over the pairs, ± its standard error); writes results/bench_pages.parquet and .png.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from smartspec import LLM, SamplingParams
+from smartspec.bench.report import paired_ratio
 from smartspec.engine.page_arena import PageArena
 from smartspec.engine.quant_linear import Q8Linear
 
@@ -80,9 +80,8 @@ def main() -> int:
     for pages in wide.columns:
         print(f"{pages:8s} {wide[pages].mean():8.2f} {wide[pages].min():7.2f} {wide[pages].max():7.2f}")
     if {"2 MiB", "4 KiB"} <= set(wide.columns):
-        ratios = list(wide["2 MiB"] / wide["4 KiB"])
-        se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
-        print(f"2 MiB / 4 KiB: {statistics.mean(ratios):.3f} (± {se:.3f})")
+        ratio, se = paired_ratio(list(wide["2 MiB"] / wide["4 KiB"]))
+        print(f"2 MiB / 4 KiB: {ratio:.3f} (± {100 * se:.1f}%, geometric mean over the pairs)")
     fig, ax = plt.subplots(figsize=(6, 4))
     for pages in wide.columns:
         ax.plot(wide.index, wide[pages], marker="o", label=f"{pages} pages")

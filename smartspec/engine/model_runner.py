@@ -115,13 +115,11 @@ class ModelRunner:
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         shape = (blocks.num_blocks, blocks.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":  # in 2 MiB pages, taken as blocks are first written
-            arena = PageArena(2 * self.num_layers * math.prod(shape) * self.dtype.itemsize)
-            self.kv_caches = [(arena.zeros(shape, self.dtype), arena.zeros(shape, self.dtype))
-                              for _ in range(self.num_layers)]
+            zeros = PageArena(2 * self.num_layers * math.prod(shape) * self.dtype.itemsize).zeros
         else:
-            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                               torch.zeros(shape, dtype=self.dtype, device=self.device))
-                              for _ in range(self.num_layers)]
+            def zeros(shape, dtype):
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [(zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)]
 
     @staticmethod
     def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
