@@ -1,12 +1,15 @@
 """The page arena: zeroed, aligned, disjoint tensors out of one mapping, torch.zeros when full; weights packed into
-it compute the same bits, and a model loaded from GGUF holds its packed weights and KV cache there."""
+it compute the same bits, and a model loaded from GGUF holds its packed weights and KV cache there. Freed chunks
+malloc keeps in a thread's heaps go back to the OS when asked."""
+import threading
+
 import numpy as np
 import pytest
 import torch
 from tiny_gguf import random_tensor
 
 from smartspec.engine import kernels
-from smartspec.engine.page_arena import ALIGN, PageArena
+from smartspec.engine.page_arena import ALIGN, PageArena, _malloc_trim, release_freed_memory
 from smartspec.engine.quant_linear import Q8Linear
 from smartspec.models.gguf_blocks import unpack
 
@@ -66,3 +69,29 @@ def test_a_gguf_model_keeps_its_packed_weights_and_kv_cache_in_arenas(tiny_gguf)
     while engine.has_unfinished():
         engine.step()
     assert k0.any()  # the cache the model writes is the arena's
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) << 10
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="not glibc: no malloc_trim")
+def test_freed_chunks_of_a_thread_heap_go_back_to_the_os():
+    survivors = []
+
+    def fragment():  # what loading a model off the main thread does: large temporaries between small survivors
+        scratch = bytearray(8 << 20)
+        del scratch  # freeing a mapped chunk raises glibc's mmap threshold: the 1 MiB chunks below go to a heap
+        chunks = []
+        for _ in range(128):
+            chunks.append(bytearray(1 << 20))
+            survivors.append(bytearray(4096))
+        chunks.clear()
+
+    thread = threading.Thread(target=fragment)
+    thread.start()
+    thread.join()
+    before = _rss()
+    release_freed_memory()
+    assert before - _rss() >= 64 << 20  # of the 128 MiB freed in the middle of the thread's heaps

@@ -14,6 +14,7 @@ from smartspec.engine.block_manager import BlockManager
 from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.logprobs import TokenLogprob, rows_of_new_tokens, token_logprob
 from smartspec.engine.model_runner import ForwardItem, ModelRunner
+from smartspec.engine.page_arena import release_freed_memory
 from smartspec.engine.request import Request, RequestStatus
 from smartspec.engine.scheduler import Scheduler, split_batch
 from smartspec.engine.step_record import StepRecord
@@ -96,6 +97,7 @@ class LLMEngine:
         self.stats = StepStats()
         if config.warmup_profile and self.speculator.policy.wants_profile:
             self.profile_steps()
+        release_freed_memory()  # what loading and warm-up freed, off the main thread too
 
     def set_speculation(self, proposer: Proposer | None = None, policy: Policy | None = None,
                         k_max: int | None = None) -> None:

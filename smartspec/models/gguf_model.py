@@ -138,7 +138,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from smartspec.engine.page_arena import PageArena
+    from smartspec.engine.page_arena import PageArena, release_freed_memory
     from smartspec.engine.quant_linear import Q8Linear, QuantLinear
 
     # the int8 kernels' weights in one mapping of 2 MiB pages; packed, they take about the file's size
@@ -160,6 +160,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
         plan = ShardPlan(config, shard, lambda module: FORMATS[kinds[module]][1] if kinds.get(module) in FORMATS else 1)
     with open(gguf_file, "rb") as f:
         for tensor in tensors:
+            release_freed_memory()  # the last tensor's temporaries, before the next one's
             part = tensor.name.split(".")[-2]
             permuted = config.model_type == "llama" and part in heads
             order = _rotary_order(_shape(tensor)[0] if len(tensor.shape) > 1 else int(tensor.shape[0]),
@@ -178,6 +179,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if plan is not None:
         wrap_row_parallel(model, plan)
+    release_freed_memory()
     if arena is not None:
         logger.info("%.2f GB of packed weights in %s pages", arena.used / 1e9, "2 MiB" if arena.huge_pages else "4 KiB")
     return model.eval().requires_grad_(False)
