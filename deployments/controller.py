@@ -7,7 +7,7 @@ import time
 
 from ray import serve
 
-from smartspec.policy.goodput_policy import merge_states
+from smartspec.policy.replica_state import merge_states
 
 
 class ControllerState:

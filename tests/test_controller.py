@@ -45,3 +45,14 @@ def test_controller_forgets_replicas_that_stop_reporting():
     state = ControllerState(stale_after_s=0.0)
     state.report("a", {"policy": _policy(True, 1.0).export_state()})
     assert state.report("b", {"policy": _policy(False, 1.0).export_state()}) == {}  # "a" is stale: gone
+
+
+def test_the_http_front_and_the_controller_load_no_torch():
+    """Their Serve replicas hold 0.2 GiB instead of 0.5: only the LLMServer process needs the engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys, deployments.ingress, deployments.controller, smartspec, smartspec.policy; "
+            "smartspec.policy.merge_states([]); assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -5,8 +5,10 @@ the values are the same with and without speculation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAX_TOP_LOGPROBS = 20
 
@@ -21,6 +23,8 @@ class TokenLogprob:
 
 def token_logprob(row: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
     """The logprob of token_id under one row of logits [V], with the n most likely alternatives."""
+    import torch  # here, not above: the request types this module gives the HTTP front need no torch
+
     logprobs = torch.log_softmax(row.float().contiguous(), dim=-1)
     value = logprobs[token_id]
     rank = int((logprobs > value).sum()) + 1

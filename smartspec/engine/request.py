@@ -4,12 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from smartspec.engine.logprobs import TokenLogprob
 from smartspec.sampling_params import SamplingParams
 from smartspec.spec_decode.metrics import SpecDecodeMetrics
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
