@@ -27,11 +27,15 @@ def chi2(samples: list[int], p: torch.Tensor) -> float:
     return stat / CHI2_CRIT_BY_DOF[int(keep.sum()) - 1] * CHI2_CRIT  # scaled so one threshold fits every support
 
 
-def run(params: SamplingParams, sampler, seed: int = 0):
+def run(params: SamplingParams, sampler, seed: int = 0, draft_vocab: int | None = None):
+    """draft_vocab < V: the draft's vocabulary is the first draft_vocab tokens, q padded with zeros beyond (as
+    DraftModelProposer pads a draft whose vocabulary is shorter than the target's)."""
+    draft_vocab = V if draft_vocab is None else draft_vocab
     g = torch.Generator().manual_seed(seed)
     target_logits = torch.randn(K + 1, V, generator=g) * 1.5
     draft_logits = torch.randn(K, V, generator=g) * 1.5
-    p, q = target_probs(target_logits, params), target_probs(draft_logits, params)
+    p = target_probs(target_logits, params)
+    q = torch.nn.functional.pad(target_probs(draft_logits[:, :draft_vocab], params), (0, V - draft_vocab))
     by_index = [[] for _ in range(K + 1)]
     for _ in range(N):
         draft = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(K)]
@@ -49,6 +53,13 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k
 def test_sampled_acceptance_follows_target_distribution(params):
     stats, counts = run(params, accept_sampled)
     assert len(stats) >= 3, counts  # positions 0.. K - 1 reached often enough to test
+    assert max(stats) < CHI2_CRIT, (stats, counts)
+
+
+def test_a_draft_with_a_shorter_vocabulary_still_gives_the_target_distribution():
+    # tokens past the draft's vocabulary are never drafted, only reached through rejections
+    stats, counts = run(PARAMS[0], accept_sampled, draft_vocab=V // 2)
+    assert len(stats) >= 2, counts  # fewer drafts accepted: positions 0 and 1 reached often enough
     assert max(stats) < CHI2_CRIT, (stats, counts)
 
 
