@@ -3,14 +3,18 @@
 The engine knows nothing of how k is chosen: it calls `choose` and reports each finished step to `observe`."""
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from smartspec.lazy import lazy_attributes
 
 __all__ = ["Policy", "OffPolicy", "FixedPolicy", "BatchTablePolicy", "GoodputPolicy", "make_policy", "merge_states"]
 
-# Imported when first named, so that merge_states (numpy only) serves the Serve controller without torch
-_HOMES = {"Policy": "base", "OffPolicy": "baselines", "FixedPolicy": "baselines", "BatchTablePolicy": "baselines",
-          "GoodputPolicy": "goodput_policy", "make_policy": "factory", "merge_states": "replica_state"}
+# merge_states (numpy only) serves the Serve controller without torch
+__getattr__ = lazy_attributes(__name__, {
+    "Policy": "smartspec.policy.base", "OffPolicy": "smartspec.policy.baselines",
+    "FixedPolicy": "smartspec.policy.baselines", "BatchTablePolicy": "smartspec.policy.baselines",
+    "GoodputPolicy": "smartspec.policy.goodput_policy", "make_policy": "smartspec.policy.factory",
+    "merge_states": "smartspec.policy.replica_state"})
 
 if TYPE_CHECKING:
     from smartspec.policy.base import Policy
@@ -18,11 +22,3 @@ if TYPE_CHECKING:
     from smartspec.policy.factory import make_policy
     from smartspec.policy.goodput_policy import GoodputPolicy
     from smartspec.policy.replica_state import merge_states
-
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'smartspec.policy' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"smartspec.policy.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
