@@ -90,6 +90,37 @@ def test_int8_kernel_is_its_reference_for_every_row_count(kind, n, k):
     assert np.abs(ref - dense).max() < 0.03 * np.abs(dense).max()
 
 
+CODE_RANGE = {"Q4_K": (0, 15), "Q6_K": (-32, 31), "Q8_0": (-128, 127), "Q5_0": (-16, 15), "Q4_1": (0, 15)}
+SCALE_RANGE = {"Q4_K": (0, 63), "Q6_K": (-128, 127)}
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_int8_kernel_is_exact_at_the_extreme_codes(kind):
+    """Largest codes, scales and minimums against activation codes of +-127: the kernel sums some terms in 16-bit
+    lanes (proven to fit), and these are the sums that come nearest their bounds."""
+    n, k = 32, 512
+    rows = unpack(kind, random_tensor(kind, n, k, seed=3), n, k)
+    low, high = CODE_RANGE[kind]
+    rows.q[:] = np.where(np.arange(n)[:, None] % 2 == 0, high, low)
+    rows.q[n // 2:, ::3], rows.q[n // 2:, 1::3] = low, high  # mixed codes within a group too
+    if rows.sc is not None:
+        lo_sc, hi_sc = SCALE_RANGE[kind]
+        rows.sc[:] = np.where(np.arange(rows.sc.shape[1]) % 3 == 0, lo_sc, hi_sc)
+    if rows.mn is not None:
+        rows.mn[:] = 63
+    layer = Q8Linear(rows, ext)
+    x = torch.ones(6, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3] = torch.where(torch.arange(k) // 16 % 2 == 0, 1.0, -1.0)  # group sums at +-127 * 16 alternating
+    x[4] = torch.randn(k, generator=torch.Generator().manual_seed(2))
+    x[5, :k // 2] = -1.0
+    ref = q8_linear(rows, x.numpy())
+    for m in (1, 6):
+        assert np.array_equal(layer(x[:m]).numpy().view(np.uint32), ref[:m].view(np.uint32)), m
+
+
 @needs_vnni
 def test_int8_kernel_adds_a_bias_keeps_leading_dimensions_and_checks_its_input():
     raw = random_tensor("Q4_K", 20, 256)

@@ -35,11 +35,13 @@ struct Q8Weights {
 };
 
 // Activations quantized per row, stored k-major so that a tile's rows sit side by side (one pointer, constant
-// offsets): codes as int32 [K/4, M] (4 codes each), scales [K/SB, M], code sums [K/G, M].
+// offsets): codes as int32 [K/4, M] (4 codes each), scales [K/SB, M], code sums [K/G, M], and those sums as
+// int16 pairs (groups 2i, 2i + 1) in int32 [K/G/2, M] for formats of several groups a superblock.
 struct Q8Rows {
   const int32_t* q;
   const float* d;
   const int32_t* sum;
+  const int32_t* pairs;
   int64_t m, k;
 };
 
@@ -61,8 +63,10 @@ using Q8_0 = Format<32, 32, 128, 0, true, false, false, false>;
 using Q5_0 = Format<32, 32, 16, 1, false, false, false, false>;
 using Q4_1 = Format<32, 32, 0, 0, false, false, true, false>;
 
-// Row r of x [M, K] as int8 blocks of SB: dx = max|x| / 127, codes round(x / dx) (ties to even), sums per group.
-void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, int32_t* q, float* d, int32_t* sum) {
+// Row r of x [M, K] as int8 blocks of SB: dx = max|x| / 127, codes round(x / dx) (ties to even), sums per group
+// (|sum| <= 127 * G, so a pair of them fits one int32 as two int16).
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, int32_t* q, float* d, int32_t* sum,
+                   int32_t* pairs) {
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     std::vector<int8_t> codes(k);
     for (int64_t r = r0; r < r1; ++r) {
@@ -80,6 +84,9 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, 
         for (int64_t i = 0; i < g; ++i) s += codes[j * g + i];
         sum[j * m + r] = s;
       }
+      for (int64_t j = 0; pairs != nullptr && j < k / g / 2; ++j)
+        pairs[j * m + r] = static_cast<int32_t>(static_cast<uint16_t>(sum[2 * j * m + r]) |
+                                                static_cast<uint32_t>(static_cast<uint16_t>(sum[(2 * j + 1) * m + r])) << 16);
     }
   });
 }
@@ -118,14 +125,31 @@ inline __m512 halves(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
+// (v_g, v_g+1) of each column as an int16 pair in its 32-bit lane, from the 16 int8 values of group g at `at`
+// followed by those of g + 1: vpdpwssd's operand for two groups at once.
+template <bool SIGNED>
+inline __m512i column_pairs(const uint8_t* at) {
+  const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  const __m512i words = SIGNED ? _mm512_cvtepi8_epi16(both) : _mm512_cvtepu8_epi16(both);
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, words);
+}
+
 // Rows r0 .. r0 + MR of x against panels p0 .. p0 + NP, over all of K. The float accumulators live in y (stored
 // and loaded back between superblocks, which changes no bit), leaving the registers to the integer sums.
+// The integer sums are exact, so they may be formed in any order; this one keeps the vector ports on vpdpbusd:
+// - Q4_K's codes (0..15) times 16 activation codes (|x| <= 127) stay within int16, so each 16-k dot is scaled and
+//   added in one vpdpwssd (scale in the low half of the lane, zero above) instead of a multiply and an add;
+// - bias and offset terms are per group, sum_g v_g * xsum_g, summed two groups a vpdpwssd once a superblock
+//   (x.pairs holds each row's group sums as int16 pairs; |xsum| <= 127 * 32, |bias * sc| <= 32 * 128).
 template <typename F, int MR, int NP>
 void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float* y, int64_t ldy) {
-  constexpr int G = F::kGroup, SB = F::kSuper;
+  constexpr int G = F::kGroup, SB = F::kSuper, NG = SB / G;
+  constexpr bool kHalfDots = F::kScales && F::kBias == 0 && F::kHigh == 0;  // 15 * 127 * 16 < 2^15
+  constexpr int D = kHalfDots ? 16 : G;  // k a dot sums before it is scaled
   for (int64_t s0 = 0; s0 < x.k; s0 += SB) {
     const int64_t sb = s0 / SB;
-    const float* dx = x.d + sb * x.m + r0;
     const uint8_t* super[NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) super[p] = w.blob + (p0 + p) * w.panel_stride + sb * F::kBytesPerSuper;
@@ -138,7 +162,7 @@ void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float*
       // the four 8-k steps of a 32-k span, unrolled at compile time (the high bits' shifts depend on the step)
       [&]<int... S>(std::integer_sequence<int, S...>) {
         ([&] {
-          if constexpr (S * 8 % G == 0) {
+          if constexpr (F::kScales && S * 8 % D == 0) {
 #pragma GCC unroll 8
             for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -161,69 +185,100 @@ void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float*
             const __m512i xb = _mm512_set1_epi32(xb_row[r]);
 #pragma GCC unroll 8
             for (int p = 0; p < NP; ++p) {
-              dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], lo[p], xa);
-              dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], hi[p], xb);
+              __m512i& acc = F::kScales ? dot[r][p] : sumi[r][p];  // no group scales: straight into the sum
+              acc = _mm512_dpbusd_epi32(acc, lo[p], xa);
+              acc = _mm512_dpbusd_epi32(acc, hi[p], xb);
             }
           }
-          if constexpr ((S + 1) * 8 % G == 0) {  // a group ends: its sums join the superblock's
+          if constexpr (F::kScales && (S + 1) * 8 % D == 0) {  // a dot ends: scaled into the superblock's sum
             const int64_t g = (t * 32 + S * 8) / G;
             __m512i scale[NP];
-            if constexpr (F::kScales) {
 #pragma GCC unroll 8
-              for (int p = 0; p < NP; ++p) scale[p] = small_ints(super[p] + F::kScAt + g * 16);
-            }
-            const int32_t* sums = x.sum + (s0 / G + g) * x.m + r0;
+            for (int p = 0; p < NP; ++p) scale[p] = small_ints(super[p] + F::kScAt + g * 16);
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; ++r) {
-              const __m512i bias = _mm512_set1_epi32(F::kBias * sums[r]);
+            for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-              for (int p = 0; p < NP; ++p) {
-                __m512i v = F::kBias ? _mm512_sub_epi32(dot[r][p], bias) : dot[r][p];
-                if constexpr (F::kScales) v = _mm512_mullo_epi32(v, scale[p]);
-                sumi[r][p] = _mm512_add_epi32(sumi[r][p], v);
-              }
-            }
+              for (int p = 0; p < NP; ++p)
+                sumi[r][p] = kHalfDots ? _mm512_dpwssd_epi32(sumi[r][p], dot[r][p], scale[p])
+                                       : _mm512_add_epi32(sumi[r][p], _mm512_mullo_epi32(dot[r][p], scale[p]));
           }
         }(), ...);
       }(std::make_integer_sequence<int, 4>{});
     }
+    const int32_t* pairs = NG > 1 ? x.pairs + (s0 / G / 2) * x.m + r0 : nullptr;
+    const int32_t* sums = x.sum + (s0 / G) * x.m + r0;
+    if constexpr (F::kBias && F::kScales) {  // sumi -= sum_g bias * sc_g * xsum_g
+#pragma GCC unroll 8
+      for (int i = 0; i < NG / 2; ++i) {
+        __m512i neg[NP];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          neg[p] = _mm512_mullo_epi16(column_pairs<true>(super[p] + F::kScAt + i * 32), _mm512_set1_epi16(-F::kBias));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xs = _mm512_set1_epi32(pairs[i * x.m + r]);
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p) sumi[r][p] = _mm512_dpwssd_epi32(sumi[r][p], neg[p], xs);
+        }
+      }
+    } else if constexpr (F::kBias) {  // one group a superblock
+      static_assert(NG == 1, "a bias without group scales is subtracted once a superblock");
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512i bias = _mm512_set1_epi32(F::kBias * sums[r]);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) sumi[r][p] = _mm512_sub_epi32(sumi[r][p], bias);
+      }
+    }
+    __m512i (&summ)[MR][NP] = dot;  // the dots are done with: their registers take the offset sums
+    if constexpr (F::kOffScales) {  // summ = sum_g mn_g * xsum_g
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) summ[r][p] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = 0; i < NG / 2; ++i) {
+        __m512i mn[NP];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) mn[p] = column_pairs<false>(super[p] + F::kMnAt + i * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xs = _mm512_set1_epi32(pairs[i * x.m + r]);
+#pragma GCC unroll 8
+          for (int p = 0; p < NP; ++p) summ[r][p] = _mm512_dpwssd_epi32(summ[r][p], mn[p], xs);
+        }
+      }
+    } else if constexpr (F::kOffset) {  // one group a superblock, its offset times the codes' sum
+      static_assert(NG == 1, "an offset without group scales is added once a superblock");
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) summ[r][p] = _mm512_set1_epi32(sums[r]);
+    }
+    // the float steps, the same for every element whatever the tile: acc + sumi * (d * dx), then + summ * (off * dx)
+    const float* dx = x.d + sb * x.m + r0;
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       const __m512 dv = halves(super[p] + F::kDAt);
+      const __m512 ov = F::kOffset ? halves(super[p] + F::kOffAt) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         float* out = y + (r0 + r) * ldy + (p0 + p) * kPanel;
-        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi[r][p]),
-                                          _mm512_mul_ps(dv, _mm512_set1_ps(dx[r])));
-        _mm512_storeu_ps(out, sb == 0 ? _mm512_add_ps(_mm512_setzero_ps(), part)
-                                      : _mm512_add_ps(_mm512_loadu_ps(out), part));
-      }
-    }
-    if constexpr (F::kOffset) {
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        const __m512 ov = halves(super[p] + F::kOffAt);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const int32_t* sums = x.sum + (s0 / G) * x.m + r0 + r;
-          __m512i summ = _mm512_setzero_si512();
-#pragma GCC unroll 16
-          for (int64_t g = 0; g < SB / G; ++g) {
-            const __m512i mn = F::kOffScales ? small_ints(super[p] + F::kMnAt + g * 16) : _mm512_set1_epi32(1);
-            summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(mn, _mm512_set1_epi32(sums[g * x.m])));
-          }
-          float* out = y + (r0 + r) * ldy + (p0 + p) * kPanel;
-          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(summ),
-                                            _mm512_mul_ps(ov, _mm512_set1_ps(dx[r])));
-          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), part));
-        }
+        const __m512 dxr = _mm512_set1_ps(dx[r]);
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi[r][p]), _mm512_mul_ps(dv, dxr));
+        __m512 acc = sb == 0 ? _mm512_add_ps(_mm512_setzero_ps(), part) : _mm512_add_ps(_mm512_loadu_ps(out), part);
+        if constexpr (F::kOffset)
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(summ[r][p]), _mm512_mul_ps(ov, dxr)));
+        _mm512_storeu_ps(out, acc);
       }
     }
   }
 }
 
-constexpr int kQ8MaxRows = 4;
-template <int MR> constexpr int q8_panels() { return MR <= 2 ? 4 : 2; }
+// Up to 8 rows share a pass over the weights (a verify step of k = 7 streams them once); fewer panels a tile as
+// rows grow keep the integer sums in registers.
+constexpr int kQ8MaxRows = 8;
+template <int MR> constexpr int q8_panels() { return MR <= 2 ? 4 : MR <= 4 ? 2 : 1; }
 
 // All rows of x against panels [c0, c1): row tiles outside, so the panels' codes are reused from cache.
 template <typename F, int MR>
@@ -239,8 +294,9 @@ using Q8RowsFn = void (*)(const Q8Weights&, int64_t, int64_t, const Q8Rows&, int
 template <typename F>
 void q8_panels_all_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_t m, float* y,
                         int64_t ldy) {
-  static const Q8RowsFn by_rows[kQ8MaxRows + 1] = {nullptr, q8_rows<F, 1>, q8_rows<F, 2>, q8_rows<F, 3>,
-                                                  q8_rows<F, 4>};
+  static const Q8RowsFn by_rows[kQ8MaxRows + 1] = {nullptr,       q8_rows<F, 1>, q8_rows<F, 2>,
+                                                  q8_rows<F, 3>, q8_rows<F, 4>, q8_rows<F, 5>,
+                                                  q8_rows<F, 6>, q8_rows<F, 7>, q8_rows<F, 8>};
   for (int64_t r = 0; r < m; r += kQ8MaxRows) by_rows[std::min<int64_t>(kQ8MaxRows, m - r)](w, c0, c1, x, r, y, ldy);
 }
 #endif
@@ -271,7 +327,7 @@ void with_format(const std::string& kind, Fn&& fn) {
 // x quantized for one block shape (superblock SB, group G); formats of equal shape share it.
 struct QuantizedInput {
   int64_t sb, g;
-  torch::Tensor q, d, sum;
+  torch::Tensor q, d, sum, pairs;
   Q8Rows rows;
 };
 
@@ -313,13 +369,15 @@ std::vector<torch::Tensor> q8_linears(torch::Tensor x, const std::vector<std::st
       for (auto& have : inputs)
         if (have.sb == F::kSuper && have.g == F::kGroup) in = &have;
       if (in == nullptr) {
-        inputs.push_back({F::kSuper, F::kGroup, torch::empty({k / 4, m}, x.options().dtype(torch::kInt32)),
-                          torch::empty({k / F::kSuper, m}, x.options()),
-                          torch::empty({k / F::kGroup, m}, x.options().dtype(torch::kInt32)), {}});
+        const int64_t pairs = F::kSuper > F::kGroup ? k / F::kGroup / 2 : 0;
+        const auto ints = x.options().dtype(torch::kInt32);
+        inputs.push_back({F::kSuper, F::kGroup, torch::empty({k / 4, m}, ints), torch::empty({k / F::kSuper, m}, x.options()),
+                          torch::empty({k / F::kGroup, m}, ints), torch::empty({pairs, m}, ints), {}});
         in = &inputs.back();
+        int32_t* pair_sums = pairs ? in->pairs.data_ptr<int32_t>() : nullptr;
         quantize_rows(x.data_ptr<float>(), m, k, F::kSuper, F::kGroup, in->q.data_ptr<int32_t>(),
-                      in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>());
-        in->rows = {in->q.data_ptr<int32_t>(), in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>(), m, k};
+                      in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>(), pair_sums);
+        in->rows = {in->q.data_ptr<int32_t>(), in->d.data_ptr<float>(), in->sum.data_ptr<int32_t>(), pair_sums, m, k};
       }
       const int64_t panels = blob.size(0);
       ys.push_back(torch::empty({m, panels * kPanel}, x.options()));
