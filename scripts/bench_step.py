@@ -20,6 +20,7 @@ from smartspec import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.model_runner import ForwardItem
 from smartspec.models import resolve
+from smartspec.models.loader import gguf_file_of
 
 CONTEXT = 200
 SHAPES = [(1, n) for n in (1, 2, 4, 8, 16)] + [(b, 1) for b in (4, 8, 16)]
@@ -33,6 +34,20 @@ def timed(fn, reps: int) -> float:
         fn()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each function, timed round-robin (one warm-up each), so that the box's drift during the
+    run falls on every shape alike rather than on the shapes timed last."""
+    for fn in fns.values():
+        fn()
+    samples = {key: [] for key in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - t)
+    return {key: statistics.median(s) for key, s in samples.items()}
 
 
 def measure_bandwidth() -> float:
@@ -59,17 +74,18 @@ def bench_engine(model: str, reps: int, quantization: str | None) -> tuple[dict,
     reqs = [engine.requests[f"b{i}"] for i in range(16)]
     for r in reqs:
         engine.blocks.allocate(r, CONTEXT + 16)
-    out = {}
-    for b, n in SHAPES:
-        items = [ForwardItem(r, [7] * n, CONTEXT, n) for r in reqs[:b]]
-        out[(b, n)] = timed(lambda: engine.runner.forward(items), reps)
-    return out, weight_bytes
+    steps = {(b, n): [ForwardItem(r, [7] * n, CONTEXT, n) for r in reqs[:b]] for b, n in SHAPES}
+    return interleaved({shape: (lambda items=items: engine.runner.forward(items)) for shape, items in steps.items()},
+                       reps), weight_bytes
 
 
 def bench_transformers(model: str, reps: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve(model), dtype=torch.float32).eval()
+    path = resolve(model)
+    # the model store keeps a bundled model as its GGUF only: transformers dequantizes it to fp32 at load
+    gguf = {} if any(Path(path).glob("*.safetensors")) else {"gguf_file": gguf_file_of(path)}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **gguf).eval()
     gen = torch.Generator().manual_seed(0)
     out = {}
     with torch.inference_mode():
@@ -94,6 +110,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "gguf_exact", "none"],
                     help="the engine's weights (auto: the GGUF blocks of a bundled model)")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="time the engine alone (transformers loads the model as fp32: minutes and GBs)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
@@ -107,10 +125,14 @@ def main() -> int:
     for model in args.models:
         print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
         ours, weight_bytes = bench_engine(model, args.reps, quantization)
-        print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
-        theirs = bench_transformers(model, args.reps)
+        theirs = {}
+        if not args.no_transformers:
+            print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
+            theirs = bench_transformers(model, args.reps)
         for (b, n), t in ours.items():
-            for impl, sec in (("smartspec", t), ("transformers", theirs[(b, n)])):
+            for impl, sec in (("smartspec", t), ("transformers", theirs.get((b, n)))):
+                if sec is None:
+                    continue
                 rows.append(dict(model=model, impl=impl, quantization=args.quantization, batch=b, new_tokens=n, ms=sec * 1e3,
                                  tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
                                  bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads))
@@ -128,8 +150,9 @@ def main() -> int:
         tf = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "transformers"}
         base = mine[(1, 1)]["ms"]
         for key in SHAPES:
-            a, t = mine[key], tf[key]
-            print(f"{model:20s} {key[0]:5d} {key[1]:4d} {a['ms']:13.1f} {t['ms']:9.1f} {t['ms'] / a['ms']:7.2f}x "
+            a, t = mine[key], tf.get(key)
+            theirs = f"{t['ms']:9.1f} {t['ms'] / a['ms']:7.2f}x" if t else f"{'-':>9s} {'-':>8s}"
+            print(f"{model:20s} {key[0]:5d} {key[1]:4d} {a['ms']:13.1f} {theirs} "
                   f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x")
     print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB")
     _plot(rows, args.models, out / "bench_step.png")
@@ -145,8 +168,8 @@ def _plot(rows, models, path) -> None:
     labels = [f"b{b}\nn{n}" for b, n in SHAPES]
     for ax, model in zip(axes[0], models):
         for off, impl in ((-0.2, "smartspec"), (0.2, "transformers")):
-            ms = [next(r["ms"] for r in rows if r["model"] == model and r["impl"] == impl
-                       and (r["batch"], r["new_tokens"]) == s) for s in SHAPES]
+            ms = [next((r["ms"] for r in rows if r["model"] == model and r["impl"] == impl
+                        and (r["batch"], r["new_tokens"]) == s), 0.0) for s in SHAPES]
             ax.bar([i + off for i in range(len(SHAPES))], ms, width=0.4, label=impl)
         ax.set_xticks(range(len(SHAPES)), labels)
         ax.set_ylabel("ms per forward (200-token context)")
