@@ -167,10 +167,12 @@ def _plot(rows, models, path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     labels = [f"b{b}\nn{n}" for b, n in SHAPES]
     for ax, model in zip(axes[0], models):
-        for off, impl in ((-0.2, "smartspec"), (0.2, "transformers")):
-            ms = [next((r["ms"] for r in rows if r["model"] == model and r["impl"] == impl
-                        and (r["batch"], r["new_tokens"]) == s), 0.0) for s in SHAPES]
-            ax.bar([i + off for i in range(len(SHAPES))], ms, width=0.4, label=impl)
+        timed_impls = [impl for impl in ("smartspec", "transformers") if any(r["impl"] == impl for r in rows)]
+        for j, impl in enumerate(timed_impls):  # --no-transformers: the engine's bars alone
+            off, width = (j - (len(timed_impls) - 1) / 2) * 0.4, 0.8 / len(timed_impls)
+            ms = [next(r["ms"] for r in rows if r["model"] == model and r["impl"] == impl
+                       and (r["batch"], r["new_tokens"]) == s) for s in SHAPES]
+            ax.bar([i + off for i in range(len(SHAPES))], ms, width=width, label=impl)
         ax.set_xticks(range(len(SHAPES)), labels)
         ax.set_ylabel("ms per forward (200-token context)")
         ax.set_title(model)

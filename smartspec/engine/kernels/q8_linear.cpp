@@ -84,9 +84,12 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, 
         for (int64_t i = 0; i < g; ++i) s += codes[j * g + i];
         sum[j * m + r] = s;
       }
-      for (int64_t j = 0; pairs != nullptr && j < k / g / 2; ++j)
-        pairs[j * m + r] = static_cast<int32_t>(static_cast<uint16_t>(sum[2 * j * m + r]) |
-                                                static_cast<uint32_t>(static_cast<uint16_t>(sum[(2 * j + 1) * m + r])) << 16);
+      if (pairs != nullptr) {
+        for (int64_t j = 0; j < k / g / 2; ++j)
+          pairs[j * m + r] = static_cast<int32_t>(
+              static_cast<uint16_t>(sum[2 * j * m + r]) |
+              static_cast<uint32_t>(static_cast<uint16_t>(sum[(2 * j + 1) * m + r])) << 16);
+      }
     }
   });
 }
