@@ -50,6 +50,29 @@ def test_shape_probes_teach_the_cost_model_what_one_draft_length_cannot():
     assert outcome[8][0] > 0.98 * best and 0 < outcome[8][1] <= 200 // 8
 
 
+def test_the_cost_model_keeps_every_step_and_is_refitted_every_refit_every_steps():
+    """A fit is a few robust least-squares solves, 2-3% of a CPU decode step: the policy records every step and
+    refits once every refit_every of them (and after each step until the model has a fit at all)."""
+    with pytest.raises(ValueError, match="refit_every"):
+        GoodputPolicy(refit_every=0)
+    policy = GoodputPolicy(key="t", refit_every=4)
+    requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=10_000)) for i in range(2)]
+    fits = []
+    for step in range(1, 17):
+        ks = [step % 3, 0]  # shapes vary, so every fit differs from the one before
+        n, c = 2 + sum(ks), 200 + 7 * step + sum(ks)
+        verify, drafting = true_verify(n, c), draft_cost(max(ks), sum(ks))
+        policy.observe(StepRecord(step, 2, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting,
+                                  verify, verify + drafting))
+        assert len(policy.cost.verify_samples) == step
+        fits.append(None if policy.cost.v is None else list(policy.cost.v))
+    first = next(i for i, v in enumerate(fits) if v is not None)  # ready after min_samples steps, fitted each step
+    assert first == policy.cost.min_samples - 1
+    changed = [i for i in range(first + 1, len(fits)) if fits[i] != fits[i - 1]]
+    assert changed == list(range(first + 4, len(fits), 4))
+    assert policy.cost.d[0] > 0  # the draft forwards were fitted too
+
+
 def test_no_shape_probe_where_the_optimum_is_sharp():
     policy = drafting_policy(0.0)
     policy.cost.v = [0.1] + [0.0001] * 6 + [0.0]  # verification almost free: 5 tokens beat any shorter draft

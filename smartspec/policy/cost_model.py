@@ -13,7 +13,7 @@ T_verify here is everything in a step but drafting (verify forward, sampling, bo
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
 fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
 request starts drafting (GoodputPolicy). Windowed weighted least squares with exponential
-forgetting, refitted on every step; a degenerate fit is refused and the last good one kept.
+forgetting over every step (refitted when the caller asks: GoodputPolicy every few steps); a degenerate fit is refused and the last good one kept.
 
 The fit leaves out steps that ran far slower than it predicts, by far more than steps usually disagree with it: a
 shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector
@@ -33,6 +33,8 @@ import numpy as np
 
 SEGMENTS = ((0, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, float("inf")))
 _SCALARS = (int, float, np.integer, np.floating)
+_SEGMENT_STARTS = np.array([a for a, _ in SEGMENTS])
+_SEGMENT_WIDTHS = np.array([b - a for a, b in SEGMENTS])
 
 
 def segment_tokens(n, a: float, b: float):
@@ -110,10 +112,18 @@ class StepCostModel:
         """n, c: numbers or numpy arrays."""
         v = self.v
         t = v[0] + v[-1] * c
-        segment = _segment_tokens_of_a_number if isinstance(n, _SCALARS) else segment_tokens
-        for slope, (a, b) in zip(v[1:-1], SEGMENTS):
+        if isinstance(n, _SCALARS):
+            for slope, (a, b) in zip(v[1:-1], SEGMENTS):
+                if slope:
+                    t = t + slope * _segment_tokens_of_a_number(n, a, b)
+            return t
+        # the tokens within every segment in one array operation (the policy predicts a few dozen shapes a step),
+        # then summed in the order the numbers' path sums them, so that a shape costs the same float either way
+        within = np.minimum(np.maximum(np.asarray(n, dtype=np.float64)[..., None] - _SEGMENT_STARTS, 0.0),
+                            _SEGMENT_WIDTHS)
+        for j, slope in enumerate(v[1:-1]):
             if slope:
-                t = t + slope * segment(n, a, b)
+                t = t + slope * within[..., j]
         return t
 
     def predict_draft(self, depth, sum_k, catchup=0):

@@ -32,7 +32,7 @@ class GoodputPolicy(Policy):
 
     - acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
       (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
-    - step cost (T): `StepCostModel`, fitted online on every step, seeded by the engine's warm-up profile.
+    - step cost (T): `StepCostModel`, fitted online on every step (refitted every `refit_every`), seeded by the engine's warm-up profile.
     - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
       never planned to be slower than plain decoding.
     - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
@@ -50,7 +50,7 @@ class GoodputPolicy(Policy):
     def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
                  catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
-                 shape_probe_loss: float = 0.1) -> None:
+                 shape_probe_loss: float = 0.1, refit_every: int = 4) -> None:
         self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
         self.acceptance = ChainAcceptance(prior_alpha=prior_alpha)
         # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
@@ -60,6 +60,14 @@ class GoodputPolicy(Policy):
         self.prior_alpha = prior_alpha
         self._step_shape = (0, 0)  # the step's decode + prefill tokens and context, as the last choose saw it
         self.cost = StepCostModel()
+        # the cost fit is redone once every refit_every steps, not after each: a fit is a few robust least-squares
+        # solves (about 2 ms of Python and numpy, 2-3% of a CPU decode step), and a fit a few steps old predicts
+        # the next step as well as a fresh one
+        if not (isinstance(refit_every, int) and not isinstance(refit_every, bool) and refit_every >= 1):
+            raise ValueError(f"refit_every must be an integer >= 1, got {refit_every!r}")
+        self.refit_every = refit_every
+        self._steps_unfit = 0  # steps observed since the last fit
+        self._drafts_unfit = False  # whether one of them ran draft forwards
         self.explore_interval = explore_interval
         self.explore_fraction = explore_fraction
         self.max_explore_interval = max_explore_interval
@@ -362,6 +370,7 @@ class GoodputPolicy(Policy):
     def observe_profile(self, records: list[StepRecord]) -> None:
         for record in records:
             self.observe_cost(record)
+        self._refit()
         self.cost.hold_prior()
 
     def observe_cost(self, record: StepRecord) -> None:
@@ -371,7 +380,16 @@ class GoodputPolicy(Policy):
             proposed = [p for rid, p in zip(record.request_ids, proposed) if methods.get(rid) == DRAFT]
         depth = self._depth(max(proposed, default=0))
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(proposed),
-                          record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens)
+                          record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
+                          refit=False)
+        self._steps_unfit += 1
+        self._drafts_unfit |= depth > 0
+        if not self.cost.ready or self._steps_unfit >= self.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        self.cost.refit(draft=self._drafts_unfit)
+        self._steps_unfit, self._drafts_unfit = 0, False
 
     def release(self, request: Request) -> None:
         self.acceptance.forget(request.request_id)
