@@ -151,3 +151,19 @@ def test_a_cold_estimator_trusts_a_new_requests_outcomes_as_they_accumulate():
 
 
 # ---- cost model ------------------------------------------------------------------------------------------------
+
+
+def test_a_requests_estimate_does_not_depend_on_the_rest_of_its_batch():
+    """The cold estimator computes requests without outcomes once per prior and the others row by row: each
+    request's estimate must be the very float it gets alone, whichever requests share its batch."""
+    est = AcceptanceEstimator(prior_alpha=0.6)
+    rng = random.Random(3)
+    for i in range(6):
+        if i % 2:
+            for _ in range(rng.randint(1, 4)):
+                est.observe(f"r{i}", 4, rng.randint(0, 4))
+    ids = [f"r{i}" for i in range(6)] + ["never-seen"]
+    batch = est.alphas(ids)
+    alone = [est.alphas([r])[0] for r in ids]
+    assert np.array_equal(batch, np.array(alone))
+    assert batch[0] == batch[-1] and len(set(batch[1:6:2].tolist())) > 1  # unseen alike; seen their own

@@ -37,6 +37,15 @@ def log_gamma(x: np.ndarray) -> np.ndarray:
             - np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5)))
 
 
+def _strength_averaged(terms: tuple, a: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """AcceptanceEstimator._averaged_over_strengths for requests with outcomes a, r [B], given the prior's terms."""
+    s, a0, r0, log_a0, log_r0, log_s = terms
+    a, r = a[:, None], r[:, None]
+    logs = log_gamma(a + a0) + log_gamma(r + r0) - log_gamma(a + r + s) - log_a0 - log_r0 + log_s
+    weights = np.exp(logs - logs.max(axis=1, keepdims=True))
+    return (weights * (a + a0) / (a + r + s)).sum(axis=1) / weights.sum(axis=1)
+
+
 @dataclass
 class Counts:
     accepted: float = 0.0
@@ -74,7 +83,8 @@ class AcceptanceEstimator:
         self.prior_counts = Counts()  # this engine's own evidence (what it exports)
         self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
         self.requests: dict[str, Counts] = {}
-        self._prior_terms: tuple | None = None  # (prior, the terms of _averaged_over_strengths that depend on it alone)
+        # (prior, the terms of _averaged_over_strengths that depend on it alone, the estimate without outcomes)
+        self._prior_terms: tuple | None = None
 
     @property
     def prior(self) -> float:
@@ -136,13 +146,15 @@ class AcceptanceEstimator:
         prior = min(max(prior, 1e-3), 1 - 1e-3)
         if self._prior_terms is None or self._prior_terms[0] != prior:  # the prior moves only when outcomes arrive
             s = np.array(self.cold_strengths)[None, :]
-            self._prior_terms = (prior, s, prior * s, (1 - prior) * s, log_gamma(prior * s),
-                                 log_gamma((1 - prior) * s), log_gamma(s))
-        _, s, a0, r0, log_a0, log_r0, log_s = self._prior_terms
-        a, r = a[:, None], r[:, None]
-        logs = log_gamma(a + a0) + log_gamma(r + r0) - log_gamma(a + r + s) - log_a0 - log_r0 + log_s
-        weights = np.exp(logs - logs.max(axis=1, keepdims=True))
-        return (weights * (a + a0) / (a + r + s)).sum(axis=1) / weights.sum(axis=1)
+            terms = (s, prior * s, (1 - prior) * s, log_gamma(prior * s), log_gamma((1 - prior) * s), log_gamma(s))
+            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0), once per prior
+            self._prior_terms = (prior, terms, float(_strength_averaged(terms, np.zeros(1), np.zeros(1))[0]))
+        _, terms, unseen_estimate = self._prior_terms
+        unseen = (a == 0) & (r == 0)
+        out = np.full(len(a), unseen_estimate)
+        if not unseen.all():
+            out[~unseen] = _strength_averaged(terms, a[~unseen], r[~unseen])
+        return out
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
