@@ -13,7 +13,8 @@ T_verify here is everything in a step but drafting (verify forward, sampling, bo
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
 fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
 request starts drafting (GoodputPolicy). Windowed weighted least squares with exponential
-forgetting over every step (refitted when the caller asks: GoodputPolicy every few steps); a degenerate fit is refused and the last good one kept.
+forgetting over every step, refitted when the caller asks (GoodputPolicy: every few steps); a degenerate fit is
+refused and the last good one kept.
 
 The fit leaves out steps that ran far slower than it predicts, by far more than steps usually disagree with it: a
 shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector

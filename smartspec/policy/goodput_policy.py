@@ -32,7 +32,8 @@ class GoodputPolicy(Policy):
 
     - acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
       (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
-    - step cost (T): `StepCostModel`, fitted online on every step (refitted every `refit_every`), seeded by the engine's warm-up profile.
+    - step cost (T): `StepCostModel`, fitted online on every step (refitted every `refit_every` steps), seeded by
+      the engine's warm-up profile.
     - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
       never planned to be slower than plain decoding.
     - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
@@ -61,8 +62,8 @@ class GoodputPolicy(Policy):
         self._step_shape = (0, 0)  # the step's decode + prefill tokens and context, as the last choose saw it
         self.cost = StepCostModel()
         # the cost fit is redone once every refit_every steps, not after each: a fit is a few robust least-squares
-        # solves (about 2 ms of Python and numpy, 2-3% of a CPU decode step), and a fit a few steps old predicts
-        # the next step as well as a fresh one
+        # solves (over a millisecond of Python and numpy, about 2% of a CPU decode step), and a fit a few steps
+        # old predicts the next step as well as a fresh one
         if not (isinstance(refit_every, int) and not isinstance(refit_every, bool) and refit_every >= 1):
             raise ValueError(f"refit_every must be an integer >= 1, got {refit_every!r}")
         self.refit_every = refit_every
