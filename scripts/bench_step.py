@@ -95,7 +95,7 @@ def bench_transformers(model: str, reps: int) -> dict:
             hf(input_ids=ctx, past_key_values=cache, use_cache=True)
             new = torch.full((b, n), 7)
 
-            def step():
+            def step(new=new, cache=cache, n=n):  # bound now, though timed before the loop moves on
                 hf(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=n)
                 cache.crop(-n)  # transformers 5: a negative count of tokens to drop
 
