@@ -150,9 +150,6 @@ def test_a_cold_estimator_trusts_a_new_requests_outcomes_as_they_accumulate():
     assert ten[0] < ten[1] + 0.05 and ten[0] < 0.4 < ten[2], ten
 
 
-# ---- cost model ------------------------------------------------------------------------------------------------
-
-
 def test_a_requests_estimate_does_not_depend_on_the_rest_of_its_batch():
     """The cold estimator computes requests without outcomes once per prior and the others row by row: each
     request's estimate must be the very float it gets alone, whichever requests share its batch."""
@@ -167,3 +164,6 @@ def test_a_requests_estimate_does_not_depend_on_the_rest_of_its_batch():
     alone = [est.alphas([r])[0] for r in ids]
     assert np.array_equal(batch, np.array(alone))
     assert batch[0] == batch[-1] and len(set(batch[1:6:2].tolist())) > 1  # unseen alike; seen their own
+
+
+# ---- cost model ------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_shape_probes_teach_the_cost_model_what_one_draft_length_cannot():
 
 
 def test_the_cost_model_keeps_every_step_and_is_refitted_every_refit_every_steps():
-    """A fit is a few robust least-squares solves, 2-3% of a CPU decode step: the policy records every step and
+    """A fit is a few robust least-squares solves, about 2% of a CPU decode step: the policy records every step and
     refits once every refit_every of them (and after each step until the model has a fit at all)."""
     with pytest.raises(ValueError, match="refit_every"):
         GoodputPolicy(refit_every=0)

@@ -38,22 +38,23 @@ _SEGMENT_STARTS = np.array([a for a, _ in SEGMENTS])
 _SEGMENT_WIDTHS = np.array([b - a for a, b in SEGMENTS])
 
 
-def segment_tokens(n, a: float, b: float):
-    """How many of n tokens fall in the segment [a, b). np.minimum/np.maximum, not np.clip: the same values,
-    without clip's ~7 us of overhead a call (the policy predicts a dozen step shapes a step)."""
-    return np.minimum(np.maximum(n - a, 0.0), b - a)
+def segment_tokens(n) -> np.ndarray:
+    """[..., 6]: how many of n tokens (a number or an array) fall in each segment [a, b) of SEGMENTS, all segments
+    in one array operation (the policy predicts a few dozen step shapes a step). np.minimum/np.maximum, not np.clip:
+    the same values, without clip's overhead."""
+    return np.minimum(np.maximum(np.asarray(n, dtype=np.float64)[..., None] - _SEGMENT_STARTS, 0.0), _SEGMENT_WIDTHS)
 
 
 def _segment_tokens_of_a_number(n, a: float, b: float):
-    """segment_tokens in Python floats: the same values, without numpy's overhead on 0-d values (~20x the work)."""
+    """One segment of segment_tokens in Python floats: the same values, without numpy's overhead on 0-d values."""
     return min(max(n - a, 0.0), b - a)
 
 
 def verify_features(n: np.ndarray, c: np.ndarray) -> np.ndarray:
     """One row per step: [1, tokens within each segment of SEGMENTS, context tokens]."""
     n = np.asarray(n, dtype=np.float64)
-    pieces = [segment_tokens(n, a, b) for a, b in SEGMENTS]
-    return np.stack([np.ones_like(n), *pieces, np.asarray(c, dtype=np.float64)], axis=-1)
+    return np.concatenate([np.ones_like(n)[..., None], segment_tokens(n), np.asarray(c, dtype=np.float64)[..., None]],
+                          axis=-1)
 
 
 def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
@@ -118,10 +119,8 @@ class StepCostModel:
                 if slope:
                     t = t + slope * _segment_tokens_of_a_number(n, a, b)
             return t
-        # the tokens within every segment in one array operation (the policy predicts a few dozen shapes a step),
-        # then summed in the order the numbers' path sums them, so that a shape costs the same float either way
-        within = np.minimum(np.maximum(np.asarray(n, dtype=np.float64)[..., None] - _SEGMENT_STARTS, 0.0),
-                            _SEGMENT_WIDTHS)
+        # summed in the order the numbers' path sums them, so that a shape costs the same float either way
+        within = segment_tokens(n)
         for j, slope in enumerate(v[1:-1]):
             if slope:
                 t = t + slope * within[..., j]
