@@ -63,38 +63,49 @@ using Q8_0 = Format<32, 32, 128, 0, true, false, false, false>;
 using Q5_0 = Format<32, 32, 16, 1, false, false, false, false>;
 using Q4_1 = Format<32, 32, 0, 0, false, false, true, false>;
 
+#if defined(__AVX512VNNI__)
 // Row r of x [M, K] as int8 blocks of SB: dx = max|x| / 127, codes round(x / dx) (ties to even), sums per group
-// (|sum| <= 127 * G, so a pair of them fits one int32 as two int16).
+// (|sum| <= 127 * G, so a pair of them fits one int32 as two int16). 16 values a vector: the maximum is exact in
+// any order and each code is one multiply and one rounding, so these are the bits of the scalar definition
+// (tests/q8_reference.py). A verify step quantizes 8 rows of every linear's input: value by value on one thread,
+// the other waiting, that costs a tenth of the step.
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, int32_t* q, float* d, int32_t* sum,
                    int32_t* pairs) {
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<int8_t> codes(k);
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < k / sb; ++b) {
-        const float* src = x + r * k + b * sb;
-        float amax = 0.f;
-        for (int64_t i = 0; i < sb; ++i) amax = std::max(amax, std::fabs(src[i]));
-        const float scale = amax / 127.f, inv = amax > 0.f ? 1.f / scale : 0.f;
-        d[b * m + r] = scale;
-        for (int64_t i = 0; i < sb; ++i) codes[b * sb + i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
-      }
-      for (int64_t j = 0; j < k / 4; ++j) std::memcpy(q + j * m + r, codes.data() + 4 * j, 4);
-      for (int64_t j = 0; j < k / g; ++j) {
-        int32_t s = 0;
-        for (int64_t i = 0; i < g; ++i) s += codes[j * g + i];
-        sum[j * m + r] = s;
-      }
-      if (pairs != nullptr) {
-        for (int64_t j = 0; j < k / g / 2; ++j)
-          pairs[j * m + r] = static_cast<int32_t>(
-              static_cast<uint16_t>(sum[2 * j * m + r]) |
-              static_cast<uint32_t>(static_cast<uint16_t>(sum[(2 * j + 1) * m + r])) << 16);
+  TORCH_CHECK(sb % 16 == 0 && g % 16 == 0 && sb % g == 0, "quantize_rows: blocks and groups of 16 values");
+  // the four words of a 16-code vector land m words apart (codes are k-major: a tile's rows side by side)
+  const int32_t mw = static_cast<int32_t>(m);
+  const __m128i spread = _mm_setr_epi32(0, mw, 2 * mw, 3 * mw);
+  // a unit is one block of one row, block-major as the outputs are (threads write apart); a verify step's few rows
+  // are shared out too, in units of some 4096 values
+  at::parallel_for(0, m * (k / sb), std::max<int64_t>(1, 4096 / sb), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / m, r = u % m;
+      const float* src = x + r * k + b * sb;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < sb; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+      const float top = _mm512_reduce_max_ps(amax);
+      const float scale = top / 127.f, inv = top > 0.f ? 1.f / scale : 0.f;
+      d[b * m + r] = scale;
+      const __m512 invv = _mm512_set1_ps(inv);
+      __m512i group = _mm512_setzero_si512();
+      for (int64_t i = 0; i < sb; i += 16) {
+        const __m512i c = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), invv),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_i32scatter_epi32(q + (b * sb + i) / 4 * m + r, spread, _mm512_cvtepi32_epi8(c), 4);
+        group = _mm512_add_epi32(group, c);
+        if ((i + 16) % g == 0) {
+          const int64_t j = (b * sb + i) / g;
+          const int32_t total = _mm512_reduce_add_epi32(group);
+          sum[j * m + r] = total;
+          if (pairs != nullptr)  // int16 halves: group 2i low, 2i + 1 high
+            reinterpret_cast<int16_t*>(pairs + j / 2 * m + r)[j % 2] = static_cast<int16_t>(total);
+          group = _mm512_setzero_si512();
+        }
       }
     }
   });
 }
 
-#if defined(__AVX512VNNI__)
 // The codes (unsigned) of k = 32t + 8S + (0..3) and 32t + 8S + (4..7) of a superblock: a 32-bit lane per column.
 template <typename F, int S>
 inline void codes8(const uint8_t* super, int64_t t, __m512i& lo, __m512i& hi) {
