@@ -16,6 +16,10 @@ namespace {
 
 constexpr int64_t kAhead = 4;  // rows prefetched this many keys ahead (the lists carry kAhead spare entries)
 
+#if defined(SMARTSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define SMARTSPEC_AVX512 1  // 16-lane forms of the loops below, with the same bits
+#endif
+
 #ifdef SMARTSPEC_AVX2
 // scores[h][j] = (q_h . key_j) * scale for NH heads and keys [j0, j0 + NK): each dot one FMA chain over 8-lane
 // slices in increasing order, then hsum, then the scalar tail, as for any other NK or NH.
@@ -41,11 +45,52 @@ inline void score_keys(const float* const* q, const float* const* keys, int64_t 
     }
 }
 
+#ifdef SMARTSPEC_AVX512
+// score_keys for 4 keys, two a 16-lane vector (key j in lanes 0-7, key j + 1 in lanes 8-15): each lane runs the
+// 8-lane chain of score_keys, and hsum's tree is taken four keys at a time, so these are score_keys' bits with
+// half the FMAs, twice the chains and fewer shuffles. d a multiple of 8.
+template <int NH>
+inline void score_keys4(const float* const* q, const float* const* keys, int64_t j0, int64_t d, float scale,
+                        float* const* scores) {
+  __m512 acc[2][NH];
+  for (int k = 0; k < 2; ++k)
+    for (int h = 0; h < NH; ++h) acc[k][h] = _mm512_setzero_ps();
+  for (int k = 0; k < 4; ++k)
+    for (int64_t b = 0; b < d; b += 16) _mm_prefetch(reinterpret_cast<const char*>(keys[j0 + k + kAhead] + b), _MM_HINT_T0);
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m512 k01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(keys[j0] + i)),
+                                          _mm256_loadu_ps(keys[j0 + 1] + i), 1);
+    const __m512 k23 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(keys[j0 + 2] + i)),
+                                          _mm256_loadu_ps(keys[j0 + 3] + i), 1);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 qh = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[h] + i));
+      acc[0][h] = _mm512_fmadd_ps(qh, k01, acc[0][h]);
+      acc[1][h] = _mm512_fmadd_ps(qh, k23, acc[1][h]);
+    }
+  }
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int h = 0; h < NH; ++h) {
+    // 128-bit quarters: acc[0] = (key 0 lanes 0-3, 4-7, key 1 lanes 0-3, 4-7), acc[1] the same for keys 2, 3
+    const __m512 lo = _mm512_shuffle_f32x4(acc[0][h], acc[1][h], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(acc[0][h], acc[1][h], _MM_SHUFFLE(3, 1, 3, 1));
+    __m512 s = _mm512_add_ps(lo, hi);                                   // (0+4, 1+5, 2+6, 3+7) a key
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(3, 2, 3, 2)));  // (a+c, b+d)
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 1, 1, 1)));  // x+y
+    s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+    _mm_storeu_ps(scores[h] + j0, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, s)));
+  }
+}
+#endif
+
 template <int NH>
 void score_all(const float* const* q, const float* const* keys, int64_t n, int64_t d, float scale,
                float* const* scores) {
   constexpr int NK = NH == 1 ? 4 : NH <= 4 ? 2 : 1;  // independent chains enough to keep both FMA ports busy
   int64_t j = 0;
+#ifdef SMARTSPEC_AVX512
+  if (d % 8 == 0)
+    for (; j + 4 <= n; j += 4) score_keys4<NH>(q, keys, j, d, scale, scores);
+#endif
   for (; j + NK <= n; j += NK) score_keys<NH, NK>(q, keys, j, d, scale, scores);
   for (; j < n; ++j) score_keys<NH, 1>(q, keys, j, d, scale, scores);
 }
@@ -66,9 +111,9 @@ inline void weigh_values(const float* w, const float* const* vals, int64_t n, in
   for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + c0 + 8 * v, acc[v]);
 }
 
-// Softmax of one head's n scores in place (padded to a multiple of 8 with room to spare), then the weighted sum
-// of the values into out [d].
-void softmax_values(float* s, int64_t n, const float* const* vals, int64_t d, float* out) {
+// Softmax of one head's n scores in place (padded to a multiple of 8 with room to spare): their exponentials, and
+// the reciprocal of the exponentials' sum.
+float softmax_weights(float* s, int64_t n) {
   const int64_t padded = (n + 7) / 8 * 8;
   for (int64_t j = n; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
   __m256 mx8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -86,16 +131,69 @@ void softmax_values(float* s, int64_t n, const float* const* vals, int64_t d, fl
     _mm256_storeu_ps(s + j, e);
     sum = _mm256_add_ps(sum, e);
   }
-  const float inv = 1.f / hsum(sum);
-  int64_t c = 0;
-  for (; c + 64 <= d; c += 64) weigh_values<8>(s, vals, n, c, out);
-  for (; c + 8 <= d; c += 8) weigh_values<1>(s, vals, n, c, out);
+  return 1.f / hsum(sum);
+}
+
+// out[c] = sum_j w[j] * vals[j][c] over columns [c, d) of one head: 8-lane chains, then scalar ones.
+void weigh_rest(const float* w, const float* const* vals, int64_t n, int64_t c, int64_t d, float* out) {
+  for (; c + 64 <= d; c += 64) weigh_values<8>(w, vals, n, c, out);
+  for (; c + 8 <= d; c += 8) weigh_values<1>(w, vals, n, c, out);
   for (; c < d; ++c) {
     float a = 0.f;
-    for (int64_t j = 0; j < n; ++j) a = std::fma(s[j], vals[j][c], a);
+    for (int64_t j = 0; j < n; ++j) a = std::fma(w[j], vals[j][c], a);
     out[c] = a;
   }
-  for (int64_t i = 0; i < d; ++i) out[i] *= inv;
+}
+
+#ifdef SMARTSPEC_AVX512
+// The weighted sums of NH heads over the same value rows, CB 16-lane column vectors at a time. Each column of each
+// head is still one chain over j in order (the bits of weigh_values), but a value row is read once for all the
+// heads: read once a head, the rows of a 200-token context came from L2 six times over, and that was the bound.
+template <int NH, int CB>
+inline void weigh_block(const float* const* w, const float* const* vals, int64_t n, int64_t c0, float* const* out) {
+  __m512 acc[NH][CB];
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < CB; ++v) acc[h][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 row[CB];
+    for (int v = 0; v < CB; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(vals[j + kAhead] + c0 + 16 * v), _MM_HINT_T0);
+      row[v] = _mm512_loadu_ps(vals[j] + c0 + 16 * v);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m512 e = _mm512_set1_ps(w[h][j]);
+      for (int v = 0; v < CB; ++v) acc[h][v] = _mm512_fmadd_ps(e, row[v], acc[h][v]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < CB; ++v) _mm512_storeu_ps(out[h] + c0 + 16 * v, acc[h][v]);
+}
+
+template <int NH>
+void weigh_heads(const float* const* w, const float* const* vals, int64_t n, int64_t d, float* const* out) {
+  constexpr int CB = NH <= 2 ? 4 : 2;  // at most 16 accumulators, enough chains to hide the FMA latency
+  int64_t c = 0;
+  for (; c + 16 * CB <= d; c += 16 * CB) weigh_block<NH, CB>(w, vals, n, c, out);
+  for (; c + 16 <= d; c += 16) weigh_block<NH, 1>(w, vals, n, c, out);
+  for (int h = 0; h < NH; ++h) weigh_rest(w[h], vals, n, c, d, out[h]);
+}
+#endif
+
+// The attention outputs of nh heads from their scores (ss, padded as softmax_weights needs) and the value rows.
+void softmax_values(float* const* ss, int64_t nh, const float* const* vals, int64_t n, int64_t d, float* const* out) {
+  float inv[kMaxHeads];
+  for (int64_t h = 0; h < nh; ++h) inv[h] = softmax_weights(ss[h], n);
+#ifdef SMARTSPEC_AVX512
+  using WeighFn = void (*)(const float* const*, const float* const*, int64_t, int64_t, float* const*);
+  static const WeighFn by_heads[kMaxHeads + 1] = {nullptr, weigh_heads<1>, weigh_heads<2>, weigh_heads<3>,
+                                                  weigh_heads<4>, weigh_heads<5>, weigh_heads<6>, weigh_heads<7>,
+                                                  weigh_heads<8>};
+  by_heads[nh](ss, vals, n, d, out);
+#else
+  for (int64_t h = 0; h < nh; ++h) weigh_rest(ss[h], vals, n, 0, d, out[h]);
+#endif
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t i = 0; i < d; ++i) out[h][i] *= inv[h];
 }
 #endif
 
@@ -162,7 +260,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     static const ScoreFn by_heads[kMaxHeads + 1] = {nullptr, score_all<1>, score_all<2>, score_all<3>, score_all<4>,
                                                    score_all<5>, score_all<6>, score_all<7>, score_all<8>};
     by_heads[nh](qs, keys.data(), n, D, sc, ss);
-    for (int64_t h = 0; h < nh; ++h) softmax_values(ss[h], n, vals.data(), D, op + (t * H + h0 + h) * D);
+    float* outs[kMaxHeads];
+    for (int64_t h = 0; h < nh; ++h) outs[h] = op + (t * H + h0 + h) * D;
+    softmax_values(ss, nh, vals.data(), n, D, outs);
 #else
     std::vector<float> scores(n), acc(D);
     for (int64_t h = h0; h < h0 + nh; ++h) {
