@@ -36,12 +36,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t t = x.size(0), d = x.size(1);
   auto out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
-  for_rows(t, d, [&](int64_t r) {
-    const float* row = xp + r * d;
-    float sq = 0.f;
-    for (int64_t i = 0; i < d; ++i) sq += row[i] * row[i];
-    const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t i = 0; i < d; ++i) op[r * d + i] = wp[i] * (row[i] * inv);
+  // rows 4 at a time: each row's sum of squares is one chain of adds in order, and four interleaved chains keep
+  // the adder busy where one waits on each add (a verify step's 8 rows, one thread)
+  constexpr int64_t kRows = 4;
+  for_rows((t + kRows - 1) / kRows, kRows * d, [&](int64_t group) {
+    const int64_t r0 = group * kRows, rows = std::min(kRows, t - r0);
+    float sq[kRows] = {};
+    if (rows == kRows) {
+      for (int64_t i = 0; i < d; ++i)
+        for (int64_t j = 0; j < kRows; ++j) sq[j] += xp[(r0 + j) * d + i] * xp[(r0 + j) * d + i];
+    } else {
+      for (int64_t j = 0; j < rows; ++j)
+        for (int64_t i = 0; i < d; ++i) sq[j] += xp[(r0 + j) * d + i] * xp[(r0 + j) * d + i];
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      const float* row = xp + (r0 + j) * d;
+      const float inv = 1.f / std::sqrt(sq[j] / static_cast<float>(d) + static_cast<float>(eps));
+      for (int64_t i = 0; i < d; ++i) op[(r0 + j) * d + i] = wp[i] * (row[i] * inv);
+    }
   });
   return out;
 }
