@@ -1,13 +1,16 @@
 """Forward time per step shape: SmartSpec's engine vs plain transformers, same model, same run.
 
 Shapes: batch 1 with n = 1, 2, 4, 8, 16 new tokens (a verify step), and batch 1, 4, 8, 16 single-token decodes,
-each over a 200-token cached context. Prints a table, writes results/bench_step.parquet and a PNG.
+each over a 200-token cached context, timed round-robin. Each shape's cost against a one-token decode is given two
+ways: the ratio of the medians, and the geometric mean of the ratios within a round with its standard error (the
+box's drift cancels there). Prints a table, writes results/bench_step.parquet and a PNG.
 
     python scripts/bench_step.py --models qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 """
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import statistics
 import sys
@@ -37,7 +40,7 @@ def timed(fn, reps: int) -> float:
 
 
 def interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds of each function, timed round-robin (one warm-up each), so that the box's drift during the
+    """Seconds of each function per round, timed round-robin (one warm-up each), so that the box's drift during the
     run falls on every shape alike rather than on the shapes timed last."""
     for fn in fns.values():
         fn()
@@ -47,7 +50,15 @@ def interleaved(fns: dict, reps: int) -> dict:
             t = time.perf_counter()
             fn()
             samples[key].append(time.perf_counter() - t)
-    return {key: statistics.median(s) for key, s in samples.items()}
+    return samples
+
+
+def paired_ratio(samples: list[float], base: list[float]) -> tuple[float, float]:
+    """Geometric mean of the per-round ratios samples / base, and its standard error as a fraction: the ratio of
+    two shapes timed in the same round, where the box's drift cancels."""
+    logs = [math.log(a / b) for a, b in zip(samples, base)]
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    return math.exp(statistics.mean(logs)), se
 
 
 def measure_bandwidth() -> float:
@@ -129,13 +140,17 @@ def main() -> int:
         if not args.no_transformers:
             print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
             theirs = bench_transformers(model, args.reps)
-        for (b, n), t in ours.items():
-            for impl, sec in (("smartspec", t), ("transformers", theirs.get((b, n)))):
+        for (b, n), samples in ours.items():
+            ratio, ratio_se = paired_ratio(samples, ours[(1, 1)])
+            for impl, sec in (("smartspec", statistics.median(samples)), ("transformers", theirs.get((b, n)))):
                 if sec is None:
                     continue
+                paired = (dict(vs_one_token=ratio, vs_one_token_se=ratio_se) if impl == "smartspec"
+                          else dict(vs_one_token=None, vs_one_token_se=None))
                 rows.append(dict(model=model, impl=impl, quantization=args.quantization, batch=b, new_tokens=n, ms=sec * 1e3,
                                  tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
-                                 bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads))
+                                 bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads,
+                                 **paired))
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     for r in rows:
         r["peak_rss_gib"] = peak_rss_gib
@@ -144,7 +159,7 @@ def main() -> int:
     pq.write_table(pa.Table.from_pylist(rows), out / "bench_step.parquet")
 
     print(f"\n{'model':20s} {'batch':>5s} {'new':>4s} {'smartspec ms':>13s} {'tf ms':>9s} {'speedup':>8s} "
-          f"{'tok/s':>7s} {'GB/s':>6s} {'vs 1-tok':>8s}")
+          f"{'tok/s':>7s} {'GB/s':>6s} {'vs 1-tok':>8s} {'paired':>15s}")
     for model in args.models:
         mine = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "smartspec"}
         tf = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "transformers"}
@@ -152,9 +167,11 @@ def main() -> int:
         for key in SHAPES:
             a, t = mine[key], tf.get(key)
             theirs = f"{t['ms']:9.1f} {t['ms'] / a['ms']:7.2f}x" if t else f"{'-':>9s} {'-':>8s}"
+            paired = f"{a['vs_one_token']:.3f}x ± {a['vs_one_token_se'] * 100:.1f}%"
             print(f"{model:20s} {key[0]:5d} {key[1]:4d} {a['ms']:13.1f} {theirs} "
-                  f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x")
-    print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB")
+                  f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x {paired:>15s}")
+    print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB. vs 1-tok: ratio of medians; paired: "
+          f"geometric mean of the per-round ratios to 1 x 1, with its standard error")
     _plot(rows, args.models, out / "bench_step.png")
     return 0
 
