@@ -97,8 +97,10 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t sb, int64_t g, 
           const int64_t j = (b * sb + i) / g;
           const int32_t total = _mm512_reduce_add_epi32(group);
           sum[j * m + r] = total;
-          if (pairs != nullptr)  // int16 halves: group 2i low, 2i + 1 high
-            reinterpret_cast<int16_t*>(pairs + j / 2 * m + r)[j % 2] = static_cast<int16_t>(total);
+          if (pairs != nullptr) {  // int16 halves of a little-endian int32: group 2i low, 2i + 1 high
+            const int16_t half = static_cast<int16_t>(total);
+            std::memcpy(reinterpret_cast<char*>(pairs + j / 2 * m + r) + 2 * (j % 2), &half, sizeof half);
+          }
           group = _mm512_setzero_si512();
         }
       }
