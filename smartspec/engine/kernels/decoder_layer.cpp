@@ -42,13 +42,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   for_rows((t + kRows - 1) / kRows, kRows * d, [&](int64_t group) {
     const int64_t r0 = group * kRows, rows = std::min(kRows, t - r0);
     float sq[kRows] = {};
-    if (rows == kRows) {
-      for (int64_t i = 0; i < d; ++i)
-        for (int64_t j = 0; j < kRows; ++j) sq[j] += xp[(r0 + j) * d + i] * xp[(r0 + j) * d + i];
-    } else {
-      for (int64_t j = 0; j < rows; ++j)
-        for (int64_t i = 0; i < d; ++i) sq[j] += xp[(r0 + j) * d + i] * xp[(r0 + j) * d + i];
-    }
+    for (int64_t i = 0; i < d; ++i)
+      for (int64_t j = 0; j < rows; ++j) sq[j] += xp[(r0 + j) * d + i] * xp[(r0 + j) * d + i];
     for (int64_t j = 0; j < rows; ++j) {
       const float* row = xp + (r0 + j) * d;
       const float inv = 1.f / std::sqrt(sq[j] / static_cast<float>(d) + static_cast<float>(eps));
