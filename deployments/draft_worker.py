@@ -9,34 +9,50 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import replace
 
 import ray
 import torch
 
-from smartspec.engine.request import Request
-from smartspec.sampling_params import SamplingParams
+from smartspec.spec_decode.config import SpeculativeConfig
+from smartspec.spec_decode.factory import DraftRuntime, make_draft_proposer
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.spec_decode.tree import TokenTree
+from smartspec.types.request import Request
+from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 
 
+def start_draft_actor(name: str | None, spec: SpeculativeConfig, runtime: DraftRuntime, target_model: str,
+                      num_threads: int | None) -> RemoteDraftProposer:
+    """The draft model of a single-method draft_model config in its own (restarting) Ray actor, with this
+    replica's runtime options; what the replica's engine uses as its draft proposer."""
+    from smartspec.models import load_model
+
+    # a mismatched pair is a configuration error: say so now, not in an actor restarting forever
+    if load_model(spec.model, weights=False).tokenizer.get_vocab() != runtime.target_tokenizer.get_vocab():
+        raise ValueError(f"draft model {spec.model!r} does not share the tokenizer of {target_model!r}; draft and "
+                         "target must use the same vocabulary")
+    options = {"num_cpus": spec.draft_num_cpus, "max_restarts": -1, "max_task_retries": 0}
+    if name is not None:
+        options["name"] = name
+    actor = ray.remote(DraftWorker).options(**options).remote(
+        spec.draft_only(), replace(runtime, target_tokenizer=None), target_model, num_threads)
+    return RemoteDraftProposer(actor)
+
+
 class DraftWorker:
-    def __init__(self, draft_model: str, target_model: str, target_vocab_size: int, num_blocks: int,
-                 block_size: int, use_kernels: bool, dtype: str, device: str, num_threads: int | None,
-                 tree: dict | None = None, quantization: str | None = None,
-                 enable_prefix_caching: bool = False) -> None:
+    def __init__(self, spec: SpeculativeConfig, runtime: DraftRuntime, target_model: str,
+                 num_threads: int | None) -> None:
+        """spec: a single-method draft_model config (chains, or trees); runtime: the replica's, without its
+        tokenizer (the actor loads the target's by name)."""
         from smartspec.models import load_model
-        from smartspec.spec_decode.draft_model import DraftModelProposer
-        from smartspec.spec_decode.draft_tree import DraftTreeProposer
 
         if num_threads:
             torch.set_num_threads(num_threads)
         target_tokenizer = load_model(target_model, weights=False).tokenizer
-        args = (draft_model, target_tokenizer, target_vocab_size, num_blocks, block_size, use_kernels, dtype, device,
-                quantization, enable_prefix_caching)
-        # tree: {"max_depth", "branching"}: grow token trees instead of chains
-        self.proposer = DraftTreeProposer(*args, **tree) if tree else DraftModelProposer(*args)
+        self.proposer = make_draft_proposer(spec, replace(runtime, target_tokenizer=target_tokenizer))
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new incarnation with no request state
         self.mirrors: dict[str, Request] = {}
 
@@ -63,7 +79,7 @@ class DraftWorker:
         trees = proposal.trees or [None] * len(requests)
         drafts = {r.request_id: (t, q, tree) for r, t, q, tree in zip(requests, proposal.tokens, proposal.probs, trees)}
         return {"incarnation": self.incarnation, "drafts": drafts, "unknown": unknown,
-                "catchup": self.proposer.last_catchup_tokens}
+                "catchup": proposal.catchup_tokens}
 
     @staticmethod
     def _mirror(rid: str, prompt: list[int], params: SamplingParams) -> Request:
@@ -120,7 +136,11 @@ class RemoteDraftProposer(Proposer):
         self._alive = True
         return True
 
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    @property
+    def draft_available(self) -> bool:
+        return self.available
+
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         batch = []
         for req, k in zip(requests, ks):
             if k <= 0:
@@ -148,12 +168,11 @@ class RemoteDraftProposer(Proposer):
         for req in requests:
             if req.request_id in drafts:
                 self._sent[req.request_id] = req.num_tokens
-        self.last_catchup_tokens = reply["catchup"]
         replies = [drafts.get(r.request_id, ([], None, None)) for r in requests]
         trees = None
         if any(tree is not None for _, _, tree in replies):
             trees = [tree if tree is not None else TokenTree([], [], []) for _, _, tree in replies]
-        return Proposal([t for t, _, _ in replies], [q for _, q, _ in replies], trees)
+        return Proposal([t for t, _, _ in replies], [q for _, q, _ in replies], trees, reply["catchup"])
 
     def release(self, request_id: str) -> None:
         if self._sent.pop(request_id, None) is not None:

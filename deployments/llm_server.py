@@ -6,8 +6,8 @@ A caller that goes away (a client disconnect cancels the handle call) aborts its
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 
@@ -18,7 +18,8 @@ from deployments.config import AppConfig
 from deployments.openai_protocol import token_entries
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
-from smartspec.sampling_params import SamplingParams
+from smartspec.spec_decode.factory import make_draft_proposer
+from smartspec.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,7 +37,7 @@ class LLMServer:
         self.draft_actor_name = None
         self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
                                                           runner_factory=self._runner_factory(),
-                                                          proposer_factory=self._proposer_factory()))
+                                                          draft_factory=self._draft_factory()))
         self.controller = controller
         self.controller_errors = 0
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
@@ -56,33 +57,16 @@ class LLMServer:
                                                     cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
                                                     quantization=quantization)
 
-    def _proposer_factory(self):
+    def _draft_factory(self):
+        """The draft model in its own Ray actor (speculation.draft_actor), else in this process."""
         if not self.cfg.draft_actor:
-            return None
-        from deployments.draft_worker import DraftWorker, RemoteDraftProposer
+            return make_draft_proposer
+        from deployments.draft_worker import start_draft_actor
 
-        def make(spec_config, engine, num_blocks):
-            if spec_config.methods:  # the draft model in its actor, beside the in-process lookups
-                from smartspec.engine.llm_engine import make_proposer
-                from smartspec.spec_decode.mixed import MixedProposer
-                return MixedProposer(make(spec_config.single("draft_model"), engine, num_blocks),
-                                     make_proposer(spec_config.single("suffix"), engine, num_blocks))
-            from smartspec.models import load_model
-
-            # a mismatched pair is a configuration error: say so now, not in an actor restarting forever
-            if load_model(spec_config.model, weights=False).tokenizer.get_vocab() != engine.tokenizer.get_vocab():
-                raise ValueError(f"draft model {spec_config.model!r} does not share the tokenizer of "
-                                 f"{self.cfg.model!r}; draft and target must use the same vocabulary")
+        def make(spec_config, runtime):
             self.draft_actor_name = f"smartspec-draft-{self.replica_id}"
-            actor = ray.remote(DraftWorker).options(
-                name=self.draft_actor_name, num_cpus=spec_config.draft_num_cpus, max_restarts=-1, max_task_retries=0,
-            ).remote(spec_config.model, self.cfg.model, engine.vocab_size, num_blocks, engine.config.block_size,
-                     engine.config.use_kernels, engine.config.dtype, engine.config.device,
-                     spec_config.draft_num_threads or self.cfg.threads,
-                     {"max_depth": spec_config.tree.max_depth, "branching": spec_config.tree.branching}
-                     if spec_config.tree else None, quantization=engine.config.quantization,
-                     enable_prefix_caching=engine.config.enable_prefix_caching)
-            return RemoteDraftProposer(actor)
+            return start_draft_actor(self.draft_actor_name, spec_config, runtime, self.cfg.model,
+                                     spec_config.draft_num_threads or self.cfg.threads)
 
         return make
 
@@ -90,7 +74,7 @@ class LLMServer:
     def _prompt(self, body: dict) -> str | list[int]:
         if "messages" not in body:
             return body["prompt"]
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if not tokenizer.chat_template:
             raise ValueError(f"model {self.cfg.name!r} has no chat template; use /v1/completions")
         return tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
@@ -106,7 +90,7 @@ class LLMServer:
             prompt = self._prompt(body)
             fields = dict(body.get("params", {}))
             if fields.get("max_tokens") is None:
-                fields["max_tokens"] = self.engine.engine.max_model_len  # the request ends at the context's end
+                fields["max_tokens"] = self.engine.max_model_len  # the request ends at the context's end
             params = SamplingParams(**fields)
             rid = body.get("request_id") or uuid.uuid4().hex
             num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
@@ -119,7 +103,7 @@ class LLMServer:
         except RuntimeError as exc:  # the engine stopped after an error: this replica is unhealthy
             yield _error(503, str(exc))
             return
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         try:
             yield accepted
             first = True
@@ -138,31 +122,16 @@ class LLMServer:
 
     def _echo(self, prompt: str | list[int]) -> dict:
         """What a completion with echo needs of its prompt: the text, and its first token's (which has no logprob)."""
-        tokenizer = self.engine.engine.tokenizer
-        ids = self.engine.engine.tokenize(prompt)
+        tokenizer = self.engine.tokenizer
+        ids = self.engine.tokenize(prompt)
         return {"prompt_text": prompt if isinstance(prompt, str) else tokenizer.decode(ids),
                 "prompt_first_token": tokenizer.decode(ids[:1])}
 
     # ---- state, health, controller -------------------------------------------------------------------------
     async def stats(self) -> dict:
-        def read(engine: LLMEngine) -> dict:
-            policy = engine.speculator.policy
-            return {"replica": self.replica_id, "running": len(engine.scheduler.running),
-                    "waiting": len(engine.scheduler.waiting), "free_blocks": engine.blocks.num_free,
-                    "total_blocks": engine.blocks.num_blocks, "policy_name": policy.name,
-                    "prefix_cache": {"queries": engine.blocks.num_prefix_queries,
-                                     "hits": engine.blocks.num_prefix_hits},
-                    "spec_decode": engine.speculator.metrics.as_dict(), "steps": engine.stats.snapshot(),
-                    "draft_available": (getattr(engine.speculator.proposer, "draft_available",
-                                                engine.speculator.proposer.available)
-                                        if engine.speculator.proposer is not None else None),
-                    "draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
-                    "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                    "draft_failures": getattr(engine.speculator.proposer, "failures", None),
-                    "draft_incarnation": getattr(engine.speculator.proposer, "incarnation", None),
-                    "policy_state": policy.export_state() if hasattr(policy, "export_state") else None}
-
-        out = await self.engine.call(read)
+        out = {"replica": self.replica_id, **await self.engine.stats()}
+        out.update({"draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
+                    "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
         out["in_flight"] = self.engine.num_in_flight
         out["controller_errors"] = self.controller_errors
         return out
@@ -176,7 +145,7 @@ class LLMServer:
                 report["policy"] = stats["policy_state"]
                 merged = await asyncio.wait_for(self.controller.report.remote(self.replica_id, report), 10)
                 if merged:
-                    await self.engine.call(lambda e: e.speculator.policy.import_state(merged))
+                    await self.engine.import_policy_state(merged)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the controller is gone or slow: keep the last parameters, keep serving
@@ -193,6 +162,6 @@ class LLMServer:
 
     def __del__(self) -> None:
         try:
-            self.engine.engine.close()
+            self.engine.close()
         except Exception:
             pass

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smartspec.sampling_params import SamplingParams
+from smartspec.types.sampling_params import SamplingParams
 
 
 class SpeculationOverride(BaseModel):
@@ -155,7 +155,7 @@ def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens
 
 
 def token_entries(tokenizer, logprobs) -> list[dict | None]:
-    """TokenLogprobs (smartspec.engine.logprobs) as plain dicts with each token's text, for the wire (None stays
+    """TokenLogprobs (smartspec.types.logprobs) as plain dicts with each token's text, for the wire (None stays
     None: a prompt's first token, which nothing predicts)."""
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])

@@ -12,9 +12,9 @@ import socket
 import ray
 import torch
 
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.model_runner import ForwardItem, StepInputs, kv_heads_per_rank, prepare_step
 from smartspec.models.loader import LoadedModel
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.model_runner import ForwardItem, StepInputs, kv_heads_per_rank, prepare_step
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ class TPWorker:
 
     def setup(self, model: str, dtype: str, device: str, num_blocks: int, block_size: int, address: str,
               port: int, quantization: str | None = None) -> int:
-        from smartspec.engine.model_runner import ModelRunner
         from smartspec.models import load_model
         from smartspec.models.gguf_shard import Shard
         from smartspec.models.loader import auto_quantization
+        from smartspec.runtime.model_runner import ModelRunner
 
         _init_process_group("nccl" if device.startswith("cuda") else "gloo", address, port, self.rank, self.world)
         if quantization == "auto":

@@ -17,8 +17,8 @@ import torch
 
 from smartspec import LLM, SamplingParams
 from smartspec.bench.report import paired_ratio
-from smartspec.engine.page_arena import PageArena
-from smartspec.engine.quant_linear import Q8Linear
+from smartspec.runtime.page_arena import PageArena
+from smartspec.runtime.quant_linear import Q8Linear
 
 
 def move_weights(blobs: list[torch.Tensor], huge_pages: bool) -> PageArena:

@@ -40,11 +40,12 @@ import torch
 from smartspec import EngineConfig, SamplingParams
 from smartspec.bench.box_speed import print_probe_spread, record_probe
 from smartspec.bench.workloads import humaneval_prompts
-from smartspec.engine.llm_engine import LLMEngine, make_proposer
+from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
 from smartspec.policy.baselines import default_batch_table
 from smartspec.spec_decode.config import SpeculativeConfig, TreeConfig
+from smartspec.spec_decode.factory import make_proposer
 from smartspec.spec_decode.ngram import NgramProposer
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
@@ -124,7 +125,7 @@ def main() -> int:
         model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k_max,
                             "policy": "off"}))
-    proposers = {"draft_model": engine.speculator.proposer, "ngram": NgramProposer(4, 1)}
+    proposers = {"draft_model": engine.speculation.proposer, "ngram": NgramProposer(4, 1)}
     try:
         tree = TreeConfig(*(int(x) for x in args.tree.split(":")))
     except (TypeError, ValueError) as exc:
@@ -134,7 +135,7 @@ def main() -> int:
             method = "ngram" if name == "ngram_tree" else "draft_model"
             spec = SpeculativeConfig(method=method, model=args.draft if method == "draft_model" else None,
                                      policy="off", tree=tree)
-            proposers[name] = make_proposer(spec, engine, engine.speculator.proposer.blocks.num_blocks)
+            proposers[name] = make_proposer(spec, engine.draft_runtime(engine.speculation.proposer.blocks.num_blocks))
     problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
     prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
     configs = []  # (label, proposer, policy name, policy, K): one policy object per config for the whole run

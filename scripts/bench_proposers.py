@@ -87,7 +87,7 @@ def main() -> int:
         model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.suffix_k,
                             "policy": "off"}))
-    draft = engine.speculator.proposer
+    draft = engine.speculation.proposer
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     requests, summary = [], []
@@ -122,7 +122,7 @@ def main() -> int:
                     if engine.trace is not None:
                         engine.trace.close()
                         engine.trace = None
-                    m = engine.speculator.metrics
+                    m = engine.speculation.metrics
                     for r in rows:
                         requests.append(dict(workload=workload, method=method, rate=rate, repeat=repeat, **r))
                     summary.append(dict(workload=workload, method=method, rate=rate, repeat=repeat, wall_s=wall,

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 from smartspec import SamplingParams
-from smartspec.engine.request import Request
+from smartspec.engine.planner import step_view
 from smartspec.policy import GoodputPolicy
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import select_k
+from smartspec.types.request import Request
 
 
 def fitted(model: StepCostModel, rng: random.Random) -> None:
@@ -43,7 +44,7 @@ def time_choose(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[
     samples = []
     for _ in range(50):
         t = time.perf_counter()
-        policy.choose(requests, k_max)
+        policy.plan(step_view(requests, [], k_max))
         samples.append(time.perf_counter() - t)
     return samples
 

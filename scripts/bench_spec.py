@@ -25,11 +25,12 @@ import torch
 
 from smartspec import EngineConfig, SamplingParams
 from smartspec.bench.workloads import humaneval_prompts
-from smartspec.engine.llm_engine import LLMEngine, make_proposer
+from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.step_stats import StepStats
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
 from smartspec.spec_decode.config import SpeculativeConfig, TreeConfig
+from smartspec.spec_decode.factory import make_proposer
 from smartspec.spec_decode.ngram import NgramProposer
 
 
@@ -42,7 +43,7 @@ def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: Sam
         while engine.has_unfinished():
             tokens += sum(len(o.new_token_ids) for o in engine.step())
     wall = time.perf_counter() - t0
-    m, t = engine.speculator.metrics, engine.stats
+    m, t = engine.speculation.metrics, engine.stats
     return dict(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, acceptance=m.acceptance_rate,
                 mean_accepted_length=m.mean_acceptance_length, drafts=m.num_drafts, steps=t.steps,
                 draft_s=t.draft_s, verify_s=t.verify_s, other_s=t.busy_s - t.draft_s - t.verify_s)
@@ -52,7 +53,7 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
     engine = LLMEngine(EngineConfig(
         model=args.target, kv_cache_gib=1.0, max_num_seqs=max(args.batches), max_model_len=2048,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": 5}))
-    draft = engine.speculator.proposer
+    draft = engine.speculation.proposer
     proposers = {"draft_model": draft, "ngram": NgramProposer(n_max=4, n_min=1)}
     configs = [("off", draft, 0)] + [(f"{name} k={k}", proposers[name], k) for name in args.methods
                                      for k in args.ks]
@@ -61,7 +62,7 @@ def bench_smartspec(args, prompts_by_variant) -> list[dict]:
             spec = SpeculativeConfig(method=name, model=args.draft if name == "draft_model" else None,
                                      policy="off", tree={"max_nodes": nodes, "max_depth": depth,
                                                          "branching": branching})
-            tree = make_proposer(spec, engine, draft.blocks.num_blocks)
+            tree = make_proposer(spec, engine.draft_runtime(draft.blocks.num_blocks))
             configs.append((f"{name} tree n={nodes} d={depth} b={branching}", tree, nodes))
     rows = []
     params = SamplingParams(max_tokens=args.max_tokens)

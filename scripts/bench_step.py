@@ -21,9 +21,9 @@ import torch
 
 from smartspec import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine
-from smartspec.engine.model_runner import ForwardItem
 from smartspec.models import resolve
 from smartspec.models.loader import gguf_file_of
+from smartspec.runtime.model_runner import ForwardItem
 
 CONTEXT = 200
 SHAPES = [(1, n) for n in (1, 2, 4, 8, 16)] + [(b, 1) for b in (4, 8, 16)]

@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 
 __getattr__ = lazy_attributes(__name__, {"LLM": "smartspec.llm", "CompletionOutput": "smartspec.llm",
                                          "EngineConfig": "smartspec.config",
-                                         "SamplingParams": "smartspec.sampling_params"})
+                                         "SamplingParams": "smartspec.types.sampling_params"})
 
 if TYPE_CHECKING:
     from smartspec.config import EngineConfig
     from smartspec.llm import LLM, CompletionOutput
-    from smartspec.sampling_params import SamplingParams
+    from smartspec.types.sampling_params import SamplingParams

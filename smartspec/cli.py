@@ -24,7 +24,8 @@ def _models(args) -> int:
 
 
 def _generate(args) -> int:
-    from smartspec import LLM, SamplingParams
+    from smartspec.llm import LLM
+    from smartspec.types.sampling_params import SamplingParams
 
     llm = LLM(args.model, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
     prompt = args.prompt

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine
-from smartspec.engine.logprobs import TokenLogprob
-from smartspec.sampling_params import SamplingParams
+from smartspec.types.logprobs import TokenLogprob
+from smartspec.types.sampling_params import SamplingParams
 
 
 @dataclass

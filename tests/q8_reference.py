@@ -3,7 +3,7 @@ kernel must produce these bits. Integer sums are exact in int64; the float opera
 kernel's order."""
 import numpy as np
 
-from smartspec.models.gguf_blocks import QuantizedRows
+from smartspec.runtime.gguf_blocks import QuantizedRows
 
 
 def quantize_rows(x: np.ndarray, block: int, group: int):

@@ -5,12 +5,13 @@ import random
 import numpy as np
 import pytest
 from costs import linear_cost
+from policy_views import view
 
 from smartspec import SamplingParams
-from smartspec.engine.request import Request
 from smartspec.policy import GoodputPolicy
 from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance, log_gamma
 from smartspec.policy.goodput import chain_gains, select_from_gains
+from smartspec.types.request import Request
 
 
 def geometric_accepted(rng, alpha, k):
@@ -88,7 +89,7 @@ def test_later_tokens_never_tried_are_guessed_like_first_ones():
     policy.cost.d = [0.01, 0.001, 0.0]
     for i in range(40):
         policy.acceptance.observe(f"r{i % 4}", 1, 1)
-    ks = policy.choose([Request(f"r{i}", list(range(50)), SamplingParams(max_tokens=64)) for i in range(4)], 5)
+    ks = policy.plan(view([Request(f"r{i}", list(range(50)), SamplingParams(max_tokens=64)) for i in range(4)], 5)).ks
     assert min(ks) > 1, ks
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from smartspec.policy import BatchTablePolicy, GoodputPolicy, OffPolicy, make_policy
 from smartspec.spec_decode.config import SpeculativeConfig
+from smartspec.types.plan import RequestView, StepView
 
 
 def test_batch_table_policy():
@@ -14,10 +15,14 @@ def test_batch_table_policy():
         BatchTablePolicy({0: 1})
 
 
+def batch(b: int, k_max: int) -> StepView:
+    return StepView([RequestView(f"r{i}", 10, 0, 64, None, 0.0) for i in range(b)], k_max)
+
+
 def test_policy_names_build_the_policy_they_name():
-    assert make_policy("off", 5).choose([object()] * 3, 5) == [0, 0, 0]
-    assert make_policy("fixed", 5).choose([object()] * 2, 5) == [5, 5]
-    assert make_policy("fixed:3", 5).choose([object()], 5) == [3]
+    assert make_policy("off", 5).plan(batch(3, 5)).ks == [0, 0, 0]
+    assert make_policy("fixed", 5).plan(batch(2, 5)).ks == [5, 5]
+    assert make_policy("fixed:3", 5).plan(batch(1, 5)).ks == [3]
     assert isinstance(make_policy("smartspec", 5), GoodputPolicy)
     mine = OffPolicy()
     assert make_policy(mine, 5) is mine

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from costs import runs_verify, seen_verify, true_verify
 
-from smartspec.engine.step_record import StepRecord
 from smartspec.policy import GoodputPolicy
 from smartspec.policy.cost_model import StepCostModel
+from smartspec.types.step_record import StepRecord
 
 
 def test_cost_model_recovers_known_coefficients_from_noisy_timings():

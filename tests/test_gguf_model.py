@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine import kernels
-from smartspec.engine.fused_decoder import FusedDecoder
 from smartspec.models.gguf_model import hf_name
 from smartspec.models.loader import load_model
+from smartspec.runtime import kernels
+from smartspec.runtime.backends import FusedKernelBackend, ModulesBackend
 
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Write a haiku about the sea.\n", "1, 2, 3, 4,"]
 needs_kernels = pytest.mark.skipif(kernels.load() is None,
@@ -31,8 +31,8 @@ def test_gguf_tensor_names_map_to_transformers_names():
 @pytest.mark.real_model
 @needs_kernels
 def test_auto_quantization_picks_the_gguf_file_where_there_is_one(tiny_qwen, smollm):
-    from smartspec.engine.quant_linear import Q8Linear, QuantLinear
     from smartspec.models.loader import auto_quantization
+    from smartspec.runtime.quant_linear import Q8Linear, QuantLinear
 
     assert auto_quantization(smollm) == "gguf"
     assert auto_quantization(smollm, dtype="bfloat16") is None
@@ -104,14 +104,15 @@ def test_int8_activations_keep_perplexity_within_one_percent(smollm, pair, int8_
     dense = perplexity(smollm, None, text)
     assert abs(perplexity(smollm, "gguf", text) / dense - 1) < 0.01
     runner = int8_model.engine.runner
-    assert runner.fused is not None  # SmolLM2 is a Llama: its layers run fused
+    fused_backend = runner.backend
+    assert isinstance(fused_backend, FusedKernelBackend)  # SmolLM2 is a Llama: its layers run fused
     engine_dense = engine_perplexity(pair[1], text)
     fused = engine_perplexity(int8_model, text)
-    runner.fused = None
+    runner.backend = ModulesBackend(int8_model.engine.model, runner.device, uses_kernels=True)
     try:
         modules = engine_perplexity(int8_model, text)
     finally:
-        runner.fused = FusedDecoder.build(int8_model.engine.model, kernels.load())
+        runner.backend = fused_backend
     assert abs(fused / engine_dense - 1) < 0.01 and abs(modules / engine_dense - 1) < 0.01
     assert abs(engine_dense / dense - 1) < 0.01
 
@@ -128,7 +129,7 @@ def test_speculation_on_the_quantized_model_equals_its_plain_decoding(smollm, pa
                speculative_config={"method": "ngram", "policy": "fixed", **shape})
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
-    assert spec.engine.speculator.metrics.num_draft_tokens > 0
+    assert spec.engine.speculation.metrics.num_draft_tokens > 0
 
 
 @pytest.mark.real_model

@@ -5,12 +5,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from costs import draft_cost, runs_verify, seen_verify, true_verify
+from policy_views import view
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine.request import Request
-from smartspec.engine.step_record import StepRecord
 from smartspec.policy import GoodputPolicy, merge_states
 from smartspec.policy.goodput import select_from_gains
+from smartspec.types.request import Request
+from smartspec.types.step_record import StepRecord
 
 
 def run_fully_accepted_batch(policy, steps, b=4):
@@ -21,7 +22,7 @@ def run_fully_accepted_batch(policy, steps, b=4):
             policy.acceptance.observe(r.request_id, 5, 5)
     chosen = []
     for step in range(steps):
-        ks = policy.choose(requests, 5)
+        ks = policy.plan(view(requests, 5)).ks
         n, c, depth = b + sum(ks), sum(r.num_tokens for r in requests) + sum(ks), max(ks)
         verify, drafting = runs_verify(n, c), draft_cost(depth, sum(ks))
         policy.observe(StepRecord(step, b, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting, verify,
@@ -80,7 +81,7 @@ def test_no_shape_probe_where_the_optimum_is_sharp():
     for r in requests:
         for _ in range(30):
             policy.acceptance.observe(r.request_id, 5, 5)
-    assert all(policy.choose(requests, 5) == [5] * 4 for _ in range(32))
+    assert all(policy.plan(view(requests, 5)).ks == [5] * 4 for _ in range(32))
     assert policy.shape_probes == 0
     for bad in ({"shape_probe_interval": -1}, {"shape_probe_interval": 2.5}, {"shape_probe_loss": 1.0}):
         with pytest.raises(ValueError, match="shape_probe"):
@@ -98,7 +99,7 @@ def test_a_step_with_prefill_drafts_only_what_beats_the_decode_batch_alone():
         for r in requests:
             for _ in range(30):
                 p.acceptance.observe(r.request_id, 4, 3)
-        return p.choose(requests, 5, base_tokens=base_tokens, base_context=base_tokens, prefilling=prefilling), p
+        return p.plan(view(requests, 5, base_tokens=base_tokens, base_context=base_tokens, prefilling=prefilling)).ks, p
 
     alone, p = choose(0, 0)
     assert min(alone) >= 2
@@ -127,13 +128,14 @@ def test_a_draft_catch_up_is_charged_and_tracked():
             p.acceptance.observe("fresh", 4, 4)
             p.acceptance.observe("seen", 4, 4)
         p._draft_seen["seen"] = seen.num_tokens - 1
-        ks = p.choose([fresh, seen], 5)
+        plan = p.plan(view([fresh, seen], 5))
+        ks = plan.ks
         if p.cost.d[2] == 0:  # catch-up costs nothing: both draft
             assert ks[0] > 0 and ks[1] > 0
             continue
         # reading 499 unseen tokens (2.5 s against 0.1 s steps) does not pay, and is not worth a probe either
         assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p._probing
-        assert p.last_prediction == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
+        assert plan.predicted_s == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
         p.observe(StepRecord(step=1, batch_size=2, ks=ks, proposed=ks, accepted=[0, 2], request_ids=["fresh", "seen"],
                              num_batched_tokens=2 + ks[1], num_prefill_tokens=0, num_context_tokens=1000,
                              draft_s=0.02, verify_s=0.1, total_s=0.12))
@@ -165,13 +167,13 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
             for _ in range(3):
                 p.acceptance.observe(r.request_id, 4, 0)
         assert p.acceptance.evidence < p.min_prior_evidence
-        return p.choose(requests, 5), p
+        return p.plan(view(requests, 5)), p
 
-    ks, alone = choose(1)
-    assert ks == [1] and alone._probing == {"r0"}
-    ks, batched = choose(8)
-    assert ks == [0] * 8 and not batched._probing
-    assert batched.last_prediction == pytest.approx(0.28)
+    plan, alone = choose(1)
+    assert plan.ks == [1] and alone._probing == {"r0"}
+    plan, batched = choose(8)
+    assert plan.ks == [0] * 8 and not batched._probing
+    assert plan.predicted_s == pytest.approx(0.28)
 
 
 def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
@@ -187,8 +189,8 @@ def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cos
         prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
         p.acceptance.observe("finished", 2, 2)
         assert p.acceptance.evidence < p.min_prior_evidence
-        ks = p.choose(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
-                      now=2 * arrival_gap + 0.5)
+        ks = p.plan(view(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
+                      now=2 * arrival_gap + 0.5)).ks
         assert ks.count(1) == len(p._probing) and sum(ks) == len(p._probing)
         return p._probing
 
@@ -207,13 +209,13 @@ def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected
                                               "later": {"accepted": 800, "rejected": 8}}})
         params = SamplingParams(max_tokens=64)
         earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
-        p.choose(earlier, 5, now=6 * arrival_gap)
+        p.plan(view(earlier, 5, now=6 * arrival_gap))
         for r in earlier:
-            p.release(r)
+            p.release(r.request_id)
         seen = Request("seen", list(range(300)), params, arrival_time=6 * arrival_gap)
         fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
         p._draft_seen["seen"] = seen.num_tokens - 1
-        return p.choose([seen, fresh], 5, now=7 * arrival_gap + 0.1)
+        return p.plan(view([seen, fresh], 5, now=7 * arrival_gap + 0.1)).ks
 
     sparse, dense = choose(60.0), choose(0.5)
     assert sparse[0] > 0 and sparse[1] > 0
@@ -238,8 +240,8 @@ def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
         if seen:
             p._draft_seen.update({r.request_id: r.num_tokens - 1 for r in requests})
         prefilling = [Request("p", list(range(prefill_tokens)), params, arrival_time=30.0)] if prefill_tokens else []
-        return p.choose(requests, 5, base_tokens=prefill_tokens, base_context=prefill_tokens, prefilling=prefilling,
-                        now=30.5)
+        return p.plan(view(requests, 5, base_tokens=prefill_tokens, base_context=prefill_tokens, prefilling=prefilling,
+                        now=30.5)).ks
 
     assert choose(0, seen=False) == [5] * 6
     assert choose(94, seen=False) == [0] * 6
@@ -274,7 +276,7 @@ def test_engine_under_smartspec_equals_off(method, tiny_qwen, tiny_qwen_draft, t
     trace = tmp_path / "trace.parquet"
     llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, speculative_config=spec,
               trace_path=str(trace))
-    policy = llm.engine.speculator.policy
+    policy = llm.engine.speculation.policy
     assert isinstance(policy, GoodputPolicy) and policy.cost.ready  # seeded by the warm-up profile
     outs = llm.generate(PROMPTS, params)
     off = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256).generate(PROMPTS, params)

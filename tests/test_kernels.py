@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smartspec.engine import kernels
+from smartspec.runtime import kernels
 
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")

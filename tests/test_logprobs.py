@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine.logprobs import rows_of_new_tokens, token_logprob
+from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
 SPECS = {
@@ -52,7 +52,7 @@ def plain(tiny_qwen):
 def test_greedy_logprobs_equal_with_and_without_speculation(tiny_qwen, tiny_qwen_draft, plain, name):
     llm = make(tiny_qwen, with_draft(SPECS[name], tiny_qwen_draft))
     outs = llm.generate(PROMPTS, params(prompt_logprobs=2))
-    assert llm.engine.speculator.metrics.num_accepted_tokens > 0
+    assert llm.engine.speculation.metrics.num_accepted_tokens > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert [o.logprobs for o in outs] == [o.logprobs for o in plain]
     assert [o.prompt_logprobs for o in outs] == [o.prompt_logprobs for o in plain]
@@ -64,7 +64,7 @@ def test_sampled_logprobs_are_the_targets_under_speculation(tiny_qwen, name):
     rows deep in its chain or tree."""
     llm = make(tiny_qwen, with_draft(SPECS[name], tiny_qwen))
     outs = llm.generate(PROMPTS, params(seed=11, prompt_logprobs=1))
-    m = llm.engine.speculator.metrics
+    m = llm.engine.speculation.metrics
     assert m.num_drafts > 0 and (name.startswith("ngram") or m.num_accepted_tokens > 20)
     for out in outs:
         assert len(out.logprobs) == len(out.token_ids)

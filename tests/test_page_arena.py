@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_gguf import random_tensor
 
-from smartspec.engine import kernels
-from smartspec.engine.page_arena import ALIGN, PageArena, _malloc_trim, release_freed_memory
-from smartspec.engine.quant_linear import Q8Linear
-from smartspec.models.gguf_blocks import unpack
+from smartspec.runtime import kernels
+from smartspec.runtime.gguf_blocks import unpack
+from smartspec.runtime.page_arena import ALIGN, PageArena, _malloc_trim, release_freed_memory
+from smartspec.runtime.quant_linear import Q8Linear
 
 ext = kernels.load()
 needs_vnni = pytest.mark.skipif(ext is None or not ext.q8_linear_available(), reason="no AVX-512 VNNI kernels here")
@@ -56,7 +56,7 @@ def test_a_linear_packed_into_the_arena_computes_the_same_bits(kind):
 def test_a_gguf_model_keeps_its_packed_weights_and_kv_cache_in_arenas(tiny_gguf):
     from smartspec.config import EngineConfig
     from smartspec.engine.llm_engine import LLMEngine
-    from smartspec.sampling_params import SamplingParams
+    from smartspec.types.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=tiny_gguf, num_kv_blocks=64, max_model_len=256))
     blobs = [m.blob for m in engine.runner.model.modules() if isinstance(m, Q8Linear)]

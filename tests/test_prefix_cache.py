@@ -4,8 +4,8 @@ leaks, and cached blocks give way under pressure."""
 import pytest
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.request import Request
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.types.request import Request
 
 SYSTEM = "You are a careful assistant. Answer in one short line. " * 3
 PROMPTS = [SYSTEM + q for q in ("abcabc abc", "def f(x): return", "xyz xyz", "hello world")]
@@ -85,8 +85,8 @@ def test_draft_model_and_its_cache_share_prefixes(tiny_qwen, tiny_qwen_draft):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     cached = make(tiny_qwen, True, spec)
     assert run_twice(cached, params) == run_twice(make(tiny_qwen, False), params)
-    draft = cached.engine.speculator.proposer
-    assert draft.blocks.num_prefix_hits > 0 and cached.engine.speculator.metrics.num_accepted_tokens > 0
+    draft = cached.engine.speculation.proposer
+    assert draft.blocks.num_prefix_hits > 0 and cached.engine.speculation.metrics.num_accepted_tokens > 0
     assert cached.engine.blocks.num_free == cached.engine.blocks.num_blocks
     assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
 

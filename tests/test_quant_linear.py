@@ -8,9 +8,9 @@ from gguf import GGMLQuantizationType, quants
 from q8_reference import q8_linear
 from tiny_gguf import random_tensor
 
-from smartspec.engine import kernels
-from smartspec.engine.quant_linear import Q8Linear, QuantEmbedding, QuantLinear
-from smartspec.models.gguf_blocks import FORMATS, PackedRows, unpack
+from smartspec.runtime import kernels
+from smartspec.runtime.gguf_blocks import FORMATS, PackedRows, unpack
+from smartspec.runtime.quant_linear import Q8Linear, QuantEmbedding, QuantLinear
 
 ext = kernels.load()
 needs_kernels = pytest.mark.skipif(ext is None, reason=f"kernels unavailable: {kernels.unavailable_reason()}")

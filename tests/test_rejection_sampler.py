@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from smartspec import SamplingParams
-from smartspec.engine.sampler import target_probs
+from smartspec.runtime.sampler import target_probs
 from smartspec.spec_decode.rejection_sampler import accept_greedy, accept_sampled, accept_tree, accept_tree_greedy
-from smartspec.spec_decode.tree import TokenTree
+from smartspec.types.tree import TokenTree
 
 V, K, N = 8, 3, 12000
 # chi-square critical values at alpha = 1e-4, by degrees of freedom (support size - 1)

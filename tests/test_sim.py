@@ -26,8 +26,8 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
     assert {r["replica"] for r in rows} == {0, 1, 2}
 
     rep = SimReplica(prof, "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 64, 512)
-    from smartspec.engine.request import Request
-    from smartspec.sampling_params import SamplingParams
+    from smartspec.types.request import Request
+    from smartspec.types.sampling_params import SamplingParams
     for i in range(6):
         rep.add(Request(f"r{i}", [1] * 40, SamplingParams(max_tokens=9, ignore_eos=True)))
     now = 0.0
@@ -39,14 +39,14 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
 def test_full_acceptance_makes_fixed_k_take_k_plus_one_tokens_a_step():
     # one request, acceptance 1: after the prefill step (1 token), each step yields K + 1 = 4 tokens
     rep = SimReplica(_profile(1.0), "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 256, 512)
-    from smartspec.engine.request import Request
-    from smartspec.sampling_params import SamplingParams
+    from smartspec.types.request import Request
+    from smartspec.types.sampling_params import SamplingParams
     rep.add(Request("r", [1] * 20, SamplingParams(max_tokens=21, ignore_eos=True)))
     now = 0.0
     while rep.scheduler.has_unfinished():
         now, _ = rep.step(now)
     assert rep.steps == 1 + 5  # 1 + 4 * 5 = 21 tokens
-    assert rep.speculator.metrics.num_accepted_tokens == 15
+    assert rep.speculation.metrics.num_accepted_tokens == 15
 
 
 def test_speculation_pays_at_low_load_with_good_acceptance_and_not_with_none():
@@ -142,8 +142,8 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
 
     from smartspec import EngineConfig, SamplingParams
     from smartspec.engine.llm_engine import LLMEngine
-    from smartspec.engine.step_record import StepRecord
     from smartspec.engine.trace import trace_schema
+    from smartspec.types.step_record import StepRecord
 
     folder = tmp_path / "steps" / "replica-1"
     # fixed k = 1: how many steps the run takes must not hang on measured times, as smartspec's choices do
@@ -162,9 +162,9 @@ def test_a_trace_folder_is_readable_while_the_engine_runs_and_complete_after(tmp
     table = pq.read_table(folder)
     assert table.num_rows == steps and table["step"].to_pylist() == sorted(table["step"].to_pylist())
     assert table.schema.equals(trace_schema())
-    fields = {f.name for f in dataclasses.fields(StepRecord)} - {"extra"}
-    # a new StepRecord field needs a column; "methods" comes from extra
-    assert set(trace_schema().names) == fields | {"time", "policy", "methods"}
+    fields = {f.name for f in dataclasses.fields(StepRecord)} - {"trees"}
+    # a new StepRecord field needs a column (verified trees stay in memory, for the policy)
+    assert set(trace_schema().names) == fields | {"time", "policy"}
     assert table["methods"].to_pylist() == [[]] * steps  # one proposer served every request
     # the simulator reads a folder like a file (what it fits on those steps hangs on their measured times)
     assert [r["step"] for r in trace_rows([folder])] == table["step"].to_pylist()

@@ -3,9 +3,9 @@ batch-invariant, so this is asserted bitwise, without a near-tie allowance)."""
 import pytest
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine.logprobs import token_logprob
 from smartspec.policy import Policy
 from smartspec.spec_decode.ngram import lookup
+from smartspec.types.logprobs import token_logprob
 
 # repetitive prompts give prompt lookup something to find
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
@@ -18,9 +18,9 @@ class StepPolicy(Policy):
     def __init__(self, k_of):
         self.k_of, self.step = k_of, 0
 
-    def choose(self, requests, k_max, **_):
+    def choose_ks(self, view):
         self.step += 1
-        return [self.k_of(self.step, int(r.request_id.split("-")[-1]), k_max) for r in requests]
+        return [self.k_of(self.step, int(r.request_id.split("-")[-1]), view.k_max) for r in view.requests]
 
 
 def MixedPolicy():
@@ -70,21 +70,21 @@ def test_greedy_speculation_equals_plain_in_mixed_batches(method, tiny_qwen, tin
     drew, chosen = [], []  # (proposer, tokens proposed) per request and step; the proposers of each step
 
     def observe(rec):
-        methods = rec.extra.get("methods", {})
-        chosen.append([methods[rid] for rid in rec.request_ids] if methods else [])
+        methods = dict(zip(rec.request_ids, rec.methods)) if rec.methods is not None else {}
+        chosen.append(list(rec.methods or []))
         drew.extend((methods.get(rid, method), p) for rid, p in zip(rec.request_ids, rec.proposed))
 
-    llm.engine.speculator.policy.observe = observe
+    llm.engine.speculation.policy.observe = observe
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
     llm.engine.trace.close()
     import pyarrow.parquet as pq
 
     assert pq.read_table(tmp_path / "steps.parquet")["methods"].to_pylist() == chosen  # the trace names them
-    m = llm.engine.speculator.metrics
+    m = llm.engine.speculation.metrics
     # the test must exercise both outcomes: accepted drafts and rejected ones
     assert m.num_accepted_tokens > 0 and m.num_accepted_tokens < m.num_draft_tokens, m
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
-    proposer = llm.engine.speculator.proposer
+    proposer = llm.engine.speculation.proposer
     if isinstance(method, list):  # both proposers drafted, in shared steps
         assert {m for m, p in drew if p} == set(method), drew
         proposer = proposer.draft
@@ -97,7 +97,7 @@ def test_self_draft_accepts_everything(tiny_qwen, plain_outputs):
     llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "num_speculative_tokens": k, "policy": "fixed"})
     # 1 token from the prefill, then m full steps of k + 1: no step is cut short by max_tokens
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1 + (k + 1) * 9, ignore_eos=True))[0]
-    m = llm.engine.speculator.metrics
+    m = llm.engine.speculation.metrics
     assert m.acceptance_rate == 1.0
     assert m.mean_acceptance_length == k + 1
     assert m.num_drafts == 9 and m.accepted_per_position == [9] * k
@@ -110,8 +110,8 @@ def test_draft_catches_up_after_k0_steps(tiny_qwen, plain_outputs):
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == plain_outputs
     # a self-draft that missed the tokens made at k = 0 would disagree with the target
-    assert llm.engine.speculator.metrics.acceptance_rate == 1.0
-    assert llm.engine.speculator.metrics.num_drafts > 10
+    assert llm.engine.speculation.metrics.acceptance_rate == 1.0
+    assert llm.engine.speculation.metrics.num_drafts > 10
 
 
 def test_stops_inside_an_accepted_run(tiny_qwen, plain_outputs):
@@ -136,9 +136,9 @@ def test_failing_proposer_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
     def broken(requests, ks):
         raise RuntimeError("draft actor died")
 
-    llm.engine.speculator.proposer.propose = broken
+    llm.engine.speculation.proposer.propose = broken
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
-    assert llm.engine.speculator.metrics.num_drafts == 0
+    assert llm.engine.speculation.metrics.num_drafts == 0
 
 
 def test_failing_policy_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
@@ -148,13 +148,13 @@ def test_failing_policy_degrades_to_plain_decoding(tiny_qwen, plain_outputs):
     for policy in (StepPolicy(broken), StepPolicy(lambda step, i, k_max: k_max + 7)):  # raises / out of range
         llm = make(tiny_qwen, {"method": "ngram", "num_speculative_tokens": 4, "policy": policy})
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
-        assert llm.engine.speculator.metrics.num_drafts == 0
+        assert llm.engine.speculation.metrics.num_drafts == 0
 
 
 def test_policy_off_never_drafts(tiny_qwen, tiny_qwen_draft, plain_outputs):
     llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen_draft, "policy": "off"})
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
-    assert llm.engine.speculator.metrics.num_drafts == 0 and not llm.engine.speculator.proposer.state
+    assert llm.engine.speculation.metrics.num_drafts == 0 and not llm.engine.speculation.proposer.state
 
 
 @pytest.mark.parametrize("tree", [None, {"max_nodes": 8, "max_depth": 3, "branching": 2}])
@@ -220,12 +220,12 @@ def test_real_qwen_pair_greedy_speculation_equals_plain():
     prompts = chat + ["def fibonacci(n):\n    "]
     params = SamplingParams(max_tokens=24, logprobs=2)
     spec = llm.generate(prompts, params)
-    m = llm.engine.speculator.metrics
+    m = llm.engine.speculation.metrics
     sampled = llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0.8, seed=5, logprobs=1))
-    draft = llm.engine.speculator.proposer
+    draft = llm.engine.speculation.proposer
     llm.engine.set_speculation(proposer=NgramTreeProposer(3, 2), policy=FixedPolicy(6), k_max=6)
     tree = llm.generate(prompts, params)
-    assert llm.engine.speculator.metrics.num_accepted_tokens > 0
+    assert llm.engine.speculation.metrics.num_accepted_tokens > 0
     llm.engine.set_speculation(proposer=draft, policy=OffPolicy(), k_max=4)
     plain = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == [o.token_ids for o in tree]

@@ -6,14 +6,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from policy_views import view
 
 from smartspec import LLM, SamplingParams
-from smartspec.engine.request import Request
-from smartspec.engine.step_record import StepRecord
 from smartspec.policy import GoodputPolicy
-from smartspec.policy.proposer_choice import DRAFT, LOOKUP, lookup_gains, select_proposers
+from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.spec_decode.suffix import FinishedOutputs, SuffixIndex, SuffixProposer, crop, path_probabilities
-from smartspec.spec_decode.tree import TokenTree
+from smartspec.types.plan import DRAFT, LOOKUP
+from smartspec.types.request import Request
+from smartspec.types.step_record import StepRecord, VerifiedTree
+from smartspec.types.tree import TokenTree
 
 
 def occurrences(tokens):
@@ -46,14 +48,14 @@ def test_a_tree_merges_continuations_with_counts_as_confidences():
     proposer = SuffixProposer(max_depth=3, branching=2, cache_tokens=0)
     proposer.finished.index = index
     req = Request("r", [9, 5], SamplingParams(max_tokens=16))
-    tree = proposer.candidates([req], 8)[0]
+    tree = proposer.lookups([req], 8)[0]
     conf = {tuple(paths(tree)[i]): c for i, c in enumerate(tree.confidences)}
     discount = 1 / 2  # a 1-token match
     assert conf == pytest.approx({(6,): discount, (6, 7): discount * 2 / 3, (6, 8): discount / 3,
                                   (6, 7, 1): discount, (6, 8, 2): discount})
     chain = SuffixProposer(max_depth=3, branching=1, cache_tokens=0)
     chain.finished.index = index
-    assert chain.candidates([req], 8)[0].tokens == [6, 7, 1]  # the most frequent path
+    assert chain.lookups([req], 8)[0].tokens == [6, 7, 1]  # the most frequent path
     assert crop(tree, 2).tokens == [6, 7]
     probs = path_probabilities(tree)
     assert all(probs[i] <= probs[p] for i, p in enumerate(tree.parents) if p >= 0)
@@ -79,7 +81,7 @@ def test_a_repeated_output_is_drafted_from_the_finished_outputs(tiny_qwen):
                                       "suffix_cache_tokens": cache_tokens})
         params = SamplingParams(max_tokens=40, ignore_eos=True)
         first = llm.generate(["qrst"], params)[0]
-        m = llm.engine.speculator.metrics
+        m = llm.engine.speculation.metrics
         before = m.num_accepted_tokens
         assert llm.generate(["qrst"], params)[0].token_ids == first.token_ids
         accepted[cache_tokens] = m.num_accepted_tokens - before
@@ -167,16 +169,16 @@ def test_the_policy_learns_what_lookup_confidences_are_worth():
     policy.cost.v = [0.020, 0.002, 0.002, 0.002, 0.002, 0.002, 0.002, 0.0]
     reqs = requests(1)
     tree = TokenTree.chain([1, 2, 3, 4], [0.9] * 4)
-    _, ks = policy.choose_proposers(reqs, 4, [tree], use_draft=False)
+    ks = policy.plan(view(reqs, 4, lookups=[tree], use_draft=False)).ks
     assert ks == [4]  # taken at its word
     rng = np.random.default_rng(0)
     for step in range(400):
         path = [0] if rng.random() < 0.2 else []
         policy.observe(StepRecord(step, 1, [4], [4], [len(path)], ["r0"], 5, 0, 45, 0.0, 0.03, 0.03,
-                                  extra={"trees": {"r0": (tree, path)}, "methods": {"r0": LOOKUP}}))
+                                  methods=[LOOKUP], trees={"r0": VerifiedTree(tree, path)}))
     assert policy.calibration.probability(0.9) == pytest.approx(0.2, abs=0.05)
     assert policy.acceptance.evidence == 0  # a lookup's outcomes are not the draft model's
-    _, ks = policy.choose_proposers(reqs, 4, [tree], use_draft=False)
+    ks = policy.plan(view(reqs, 4, lookups=[tree], use_draft=False)).ks
     assert ks[0] <= 1  # the first node still pays for its one verified token; the rest, 0.2^j, do not
 
 
@@ -187,7 +189,8 @@ def test_the_policy_sends_a_copying_request_to_the_lookup_and_another_to_the_dra
     reqs = requests(2)
     policy._draft_seen = {r.request_id: r.num_tokens - 1 for r in reqs}  # the draft has read both: no catch-up
     copying = TokenTree.chain([1, 2, 3, 4, 5], [0.99] * 5)
-    methods, ks = policy.choose_proposers(reqs, 5, [copying, TokenTree([], [], [])], use_draft=True)
+    plan = policy.plan(view(reqs, 5, lookups=[copying, TokenTree([], [], [])], use_draft=True))
+    methods, ks = plan.methods, plan.ks
     assert methods == [LOOKUP, DRAFT] and ks[0] == 5 and ks[1] > 0
 
 
@@ -204,8 +207,9 @@ def test_a_learning_probe_pays_no_catch_up_a_decoding_step_would_not_pay():
             reqs = requests(1)
             policy._draft_seen = {reqs[0].request_id: seen}
             prefilling = [Request("p", list(range(prefill)), SamplingParams(max_tokens=8))] if prefill else []
-            methods, ks = policy.choose_proposers(reqs, 4, [empty], use_draft=True, base_tokens=prefill,
-                                                  base_context=prefill, prefilling=prefilling)
+            plan = policy.plan(view(reqs, 4, lookups=[empty], use_draft=True, base_tokens=prefill,
+                                    base_context=prefill, prefilling=prefilling))
+            methods, ks = plan.methods, plan.ks
             assert (methods, ks) == (([DRAFT], [1]) if probes else ([LOOKUP], [0])), (seen, prefill)
 
 
@@ -215,7 +219,7 @@ def sample_prefixes(path, spec, n=1500):
     prompt = "abab abab abab ab"
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s,
                                                       ignore_eos=True) for s in range(n)])
-    return Counter(tuple(o.token_ids) for o in outs), llm.engine.speculator.metrics
+    return Counter(tuple(o.token_ids) for o in outs), llm.engine.speculation.metrics
 
 
 @pytest.fixture(scope="module")
@@ -271,9 +275,9 @@ def test_the_warm_up_profile_measures_the_draft_beside_the_lookups(tiny_qwen, ti
     llm = LLM(tiny_qwen, num_kv_blocks=2048, block_size=4, max_model_len=256,
               speculative_config={"method": ["draft_model", "suffix"], "model": tiny_qwen_draft,
                                   "num_speculative_tokens": 3})
-    policy = llm.engine.speculator.policy
+    policy = llm.engine.speculation.policy
     assert policy.cost.ready and policy.cost.d[0] + policy.cost.d[1] > 0
-    assert llm.engine.speculator.proposer.lookup.finished.num_tokens == 0  # profile outputs are not kept
+    assert llm.engine.speculation.proposer.lookup.finished.num_tokens == 0  # profile outputs are not kept
     # a profile run again (the draft's prefix cache now holds the first one's prompts) still measures catch-ups:
     # each drafting shape's requests read their prompts afresh, so the fit learns what a catch-up costs
     records = llm.engine.profile_steps()

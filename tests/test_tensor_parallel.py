@@ -62,7 +62,7 @@ def test_tp2_on_quantized_weights_equals_tp1(ray_serve, tiny_gguf, quantization)
     512); the sharded target, speculating, gives the sharded target's plain greedy output token for token, and one
     process's (where the two part, only at a proven near-tie)."""
     from deployments.tp_workers import TPModelRunner
-    from smartspec.engine import kernels
+    from smartspec.runtime import kernels
 
     if kernels.load() is None or (quantization == "gguf" and not kernels.load().q8_linear_available()):
         pytest.skip("needs the CPU kernels (and AVX-512 VNNI for int8 activations)")

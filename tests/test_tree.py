@@ -8,10 +8,10 @@ from test_speculative import PARAMS, PROMPTS, MixedPolicy, make, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.engine.llm_engine import tree_item
-from smartspec.engine.model_runner import ForwardItem
-from smartspec.engine.request import Request
+from smartspec.runtime.model_runner import ForwardItem
 from smartspec.spec_decode.ngram import NgramTreeProposer
-from smartspec.spec_decode.tree import TokenTree, best_first
+from smartspec.types.request import Request
+from smartspec.types.tree import TokenTree, best_first
 
 TREE = {"max_nodes": 8, "max_depth": 3, "branching": 2}
 
@@ -117,16 +117,16 @@ def test_accepted_path_kv_is_compacted_in_target_and_draft(tiny_qwen):
     (the root's other children come before it): after each step the cache must hold exactly what a plain prefill
     of the committed tokens writes, in the target and in the draft, and the draft never re-reads accepted tokens."""
     llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen, "tree": TREE, "policy": "fixed"})
-    eng, draft, ref = llm.engine, llm.engine.speculator.proposer, make(tiny_qwen).engine
+    eng, draft, ref = llm.engine, llm.engine.speculation.proposer, make(tiny_qwen).engine
     eng.add_request(PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), request_id="r-0")
     moved, catchup = 0, []
     while eng.has_unfinished():
         eng.step()
-        req, trees = eng.requests.get("r-0"), eng.last_step.extra.get("trees", {})
+        req, trees = eng.requests.get("r-0"), eng.last_step.trees
         if req is None or not trees:
             continue
         catchup.append(eng.last_step.draft_catchup_tokens)
-        path = trees["r-0"][1]
+        path = trees["r-0"].path
         moved += path != list(range(len(path)))
         n = req.num_computed_tokens
         ref_req = Request("ref", req.token_ids[:n], SamplingParams())
@@ -155,23 +155,26 @@ def test_greedy_tree_output_equals_plain_with_chains_and_k0_in_one_batch(method,
         spec["model"] = tiny_qwen_draft
     llm = make(tiny_qwen, spec)
     shapes = []  # per step: which kinds of speculation the batch held
-    propose = llm.engine.speculator.propose
+    engine, run_step = llm.engine, llm.engine.run_step
 
-    def observed(decoding, ks):
-        drafts = propose(decoding, ks)
-        kinds = {"k0" if r.request_id not in drafts else
-                 ("chain" if drafts[r.request_id].tree.is_chain else "tree") for r in decoding}
-        shapes.append(kinds)
-        return drafts
+    def observed(spec, step_number=0):
+        result = run_step(spec, step_number)
+        record = result.record
+        if record is not None and record.request_ids:
+            # a decoding request with k > 0 but no draft verified k0, like those at k = 0
+            shapes.append({"k0" if not p else ("tree" if rid in record.trees and not record.trees[rid].tree.is_chain
+                                               else "chain")
+                           for rid, p in zip(record.request_ids, record.proposed)})
+        return result
 
-    llm.engine.speculator.propose = observed
+    engine.run_step = observed
     assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
     assert any({"k0", "chain", "tree"} <= kinds for kinds in shapes), shapes
-    m = llm.engine.speculator.metrics
+    m = llm.engine.speculation.metrics
     assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
     if method == "draft_model":
-        draft = llm.engine.speculator.proposer
+        draft = llm.engine.speculation.proposer
         assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state and not draft.grown
 
 
@@ -203,26 +206,27 @@ def test_bad_tree_config_is_rejected(tiny_qwen, bad, message):
 
 def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_draft, plain_outputs):
     """The serving layer's draft actor grows the trees (and compacts its cache) on its side of Ray."""
+    from dataclasses import replace
+
     import ray
 
     from deployments.draft_worker import DraftWorker, RemoteDraftProposer
     from smartspec import EngineConfig
     from smartspec.engine.llm_engine import LLMEngine
 
-    def draft_actor(spec, engine, num_blocks):
+    def draft_actor(spec, runtime):
         actor = ray.remote(DraftWorker).options(num_cpus=0.1).remote(
-            spec.model, tiny_qwen, engine.vocab_size, num_blocks, engine.config.block_size, engine.config.use_kernels,
-            "float32", "cpu", 1, {"max_depth": spec.tree.max_depth, "branching": spec.tree.branching})
+            spec.draft_only(), replace(runtime, target_tokenizer=None), tiny_qwen, 1)
         return RemoteDraftProposer(actor)
 
     engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256,
                                     speculative_config={"method": "draft_model", "model": tiny_qwen_draft,
                                                         "tree": TREE, "policy": MixedPolicy()}),
-                       proposer_factory=draft_actor)
+                       draft_factory=draft_actor)
     llm = type("Offline", (), {"engine": engine})()
     try:
         assert run_staggered(llm, PROMPTS, PARAMS) == plain_outputs
-        m = engine.speculator.metrics
+        m = engine.speculation.metrics
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     finally:
         engine.close()

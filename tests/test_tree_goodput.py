@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
+from policy_views import view
 
 from smartspec import SamplingParams
-from smartspec.engine.request import Request
 from smartspec.policy.tree_goodput import NodeCalibration, node_values, prune_trees
-from smartspec.spec_decode.tree import TokenTree
+from smartspec.types.request import Request
+from smartspec.types.tree import TokenTree
 
 
 def test_calibration_learns_acceptance_by_confidence():
@@ -52,12 +53,12 @@ def test_node_budgets_follow_the_last_trees_values():
     policy = GoodputPolicy(tree_depth=3)
     policy.cost.v = [0.010, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0]  # cheap verification
     reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64)) for i in range(2)]
-    policy.choose(reqs, 8)
+    policy.plan(view(reqs, 8))
     confident = TokenTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.99] * 5)  # r0's drafter is sure of a long path
     doubtful = TokenTree([6], [-1], [0.02])  # r1's is not
-    policy.prune(reqs, [8, 8], [confident, doubtful], draft_s=0.001)
+    policy.prune(view(reqs, 8), [8, 8], [confident, doubtful], draft_s=0.001)
     before = policy.tree_gains.curve("r0").copy()
-    policy.prune(reqs, [0, 8], [TokenTree([], [], []), doubtful], draft_s=0.001)  # r0 asked for nothing
+    policy.prune(view(reqs, 8), [0, 8], [TokenTree([], [], []), doubtful], draft_s=0.001)  # r0 asked for nothing
     assert np.array_equal(policy.tree_gains.curve("r0"), before)
-    ks = policy.choose(reqs, 8)
+    ks = policy.plan(view(reqs, 8)).ks
     assert ks[0] >= 4 and ks[1] <= 1, ks

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from smartspec.models.gguf_blocks import FORMATS
+from smartspec.runtime.gguf_blocks import FORMATS
 
 F16_FIELDS = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
 

@@ -11,7 +11,7 @@ import torch
 
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine, RequestOutput
-from smartspec.sampling_params import SamplingParams
+from smartspec.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,29 @@ class AsyncEngine:
             self._pending.append(("call", (fn, fut, loop)))
         self._ensure_loop()
         return await fut
+
+    # ---- what a serving replica reads: the tokenizer, the context, stats and the policy's shared state ----------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
+
+    async def stats(self) -> dict:
+        """The engine's snapshot (LLMEngine.snapshot), read between two steps."""
+        return await self.call(lambda e: e.snapshot())
+
+    async def import_policy_state(self, state: dict) -> None:
+        """Adopt the replicas' merged policy state (from the goodput controller), between two steps."""
+        await self.call(lambda e: e.speculation.policy.import_state(state))
+
+    def close(self) -> None:
+        self.engine.close()
 
     @property
     def num_in_flight(self) -> int:

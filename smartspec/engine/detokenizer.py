@@ -1,7 +1,7 @@
 """Incremental detokenisation and stop strings."""
 from __future__ import annotations
 
-from smartspec.engine.request import Request
+from smartspec.types.request import Request
 
 
 def append_text(tokenizer, req: Request) -> str:

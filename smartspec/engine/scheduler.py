@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.request import Request, RequestStatus
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.types.request import Request, RequestStatus
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from smartspec.engine.step_record import StepRecord
+from smartspec.types.step_record import StepRecord
 
 
 @dataclass

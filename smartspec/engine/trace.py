@@ -10,7 +10,7 @@ import functools
 import time
 from pathlib import Path
 
-from smartspec.engine.step_record import StepRecord
+from smartspec.types.step_record import StepRecord
 
 
 @functools.cache
@@ -44,11 +44,9 @@ class StepTraceWriter:
         self._last_flush = time.monotonic()
 
     def add(self, record: StepRecord) -> None:
-        row = dataclasses.asdict(record)
-        extra = row.pop("extra")
+        row = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name != "trees"}
         # the proposer per request where the policy chose them (empty where one proposer serves every request)
-        methods = extra.get("methods", {})
-        row["methods"] = [methods[rid] for rid in record.request_ids] if methods else []
+        row["methods"] = list(record.methods or [])
         row["time"] = time.time()
         row["policy"] = self.policy_name
         self.rows.append(row)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from smartspec.models.gguf_blocks import FORMATS, PackedRows, QuantizedRows, unpack
 from smartspec.models.gguf_shard import Shard, ShardPlan, wrap_row_parallel
+from smartspec.runtime.gguf_blocks import FORMATS, PackedRows, QuantizedRows, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
     embedding's blocks when this is it."""
     from accelerate.utils import set_module_tensor_to_device
 
-    from smartspec.engine.quant_linear import QuantEmbedding
+    from smartspec.runtime.quant_linear import QuantEmbedding
 
     name, kind = hf_name(tensor.name), tensor.tensor_type.name
     (n, k), vector = _shape(tensor), len(tensor.shape) == 1
@@ -138,8 +138,8 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from smartspec.engine.page_arena import PageArena, release_freed_memory
-    from smartspec.engine.quant_linear import Q8Linear, QuantLinear
+    from smartspec.runtime.page_arena import PageArena, release_freed_memory
+    from smartspec.runtime.quant_linear import Q8Linear, QuantLinear
 
     # the int8 kernels' weights in one mapping of 2 MiB pages; packed, they take about the file's size
     arena = PageArena(2 * os.path.getsize(gguf_file) + (64 << 20)) if int8_activations else None

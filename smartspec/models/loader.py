@@ -56,7 +56,7 @@ def auto_quantization(path: str, device: str = "cpu", dtype: str = "float32") ->
     (cpu, float32), else None (the folder's safetensors)."""
     if not (device == "cpu" and dtype == "float32" and len(list(Path(path).glob("*.gguf"))) == 1):
         return None
-    from smartspec.engine import kernels
+    from smartspec.runtime import kernels
 
     return "gguf" if kernels.load() is not None else None
 
@@ -79,8 +79,8 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
         if weights:
             logger.info("%s: quantization 'auto' loads %s", model, quantization or "the safetensors weights")
     if weights and quantization in ("gguf", "gguf_exact"):
-        from smartspec.engine import kernels
         from smartspec.models.gguf_model import load_gguf_model
+        from smartspec.runtime import kernels
 
         ext = kernels.load()
         if ext is None or device != "cpu" or dtype != "float32":

@@ -9,8 +9,8 @@ class OffPolicy(Policy):
     """Never speculate: the draft never runs."""
     name = "off"
 
-    def choose(self, requests, k_max, **_):
-        return [0] * len(requests)
+    def choose_ks(self, view):
+        return [0] * len(view.requests)
 
 
 class FixedPolicy(Policy):
@@ -19,8 +19,8 @@ class FixedPolicy(Policy):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, requests, k_max, **_):
-        return [min(self.k, k_max)] * len(requests)
+    def choose_ks(self, view):
+        return [min(self.k, view.k_max)] * len(view.requests)
 
 
 class BatchTablePolicy(Policy):
@@ -40,8 +40,8 @@ class BatchTablePolicy(Policy):
                 k = value
         return k
 
-    def choose(self, requests, k_max, **_):
-        return [min(self.k_for(len(requests)), k_max)] * len(requests)
+    def choose_ks(self, view):
+        return [min(self.k_for(len(view.requests)), view.k_max)] * len(view.requests)
 
 
 def default_batch_table(k_max: int) -> dict[int, int]:

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
-from smartspec.engine.request import Request
-from smartspec.engine.step_record import StepRecord
 from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.arrivals import ArrivalGaps
 from smartspec.policy.base import Policy
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plan_value, plans_by_depth, select_from_gains
-from smartspec.policy.proposer_choice import DRAFT, LOOKUP, lookup_gains, select_proposers
+from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
+from smartspec.types.plan import DRAFT, RequestView, SpecPlan, StepView, TreePlan
+from smartspec.types.step_record import StepRecord
+from smartspec.types.tree import TokenTree
 
 
 def _expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
@@ -59,7 +59,6 @@ class GoodputPolicy(Policy):
         self.calibration = NodeCalibration()
         self.tree_gains: TreeGains | None = None
         self.prior_alpha = prior_alpha
-        self._step_shape = (0, 0)  # the step's decode + prefill tokens and context, as the last choose saw it
         self.cost = StepCostModel()
         # the cost fit is redone once every refit_every steps, not after each: a fit is a few robust least-squares
         # solves (over a millisecond of Python and numpy, about 2% of a CPU decode step), and a fit a few steps
@@ -79,7 +78,6 @@ class GoodputPolicy(Policy):
         # tokens it has seen per request, and the length at which each request last asked for a draft
         self.catchup_horizon = catchup_horizon  # the most steps one catch-up is spread over when choosing k
         self.arrivals = ArrivalGaps()  # ... and the steps to the next arrival bound them (see arrivals.py)
-        self._horizon_cap = catchup_horizon
         self._draft_seen: dict[str, int] = {}
         self._chosen_at: dict[str, int] = {}
         # until the prior rests on this many outcomes, a probe's catch-up is weighed against what the proposer could
@@ -95,15 +93,22 @@ class GoodputPolicy(Policy):
         self.shape_probe_loss = shape_probe_loss
         self.shape_probes = 0
         self.step = 0
-        self.last_prediction: float | None = None
 
-    def choose(self, requests: list[Request], k_max: int, base_tokens: int = 0, base_context: int = 0,
-               prefilling: Sequence[Request] = (), now: float | None = None) -> list[int]:
-        now = time.monotonic() if now is None else now
-        shape = self._begin_step(requests, k_max, base_tokens, base_context, prefilling)
+    def plan(self, view: StepView) -> SpecPlan:
+        """One entry point: chains and trees of one proposer (a k per request), or, where the view holds lookups,
+        the proposer and k per request."""
+        shape = self._begin_step(view)
         if shape is None:  # nothing measured yet: plain decoding is the one safe plan
-            return [0] * len(requests)
-        caps, tokens, context = shape
+            return SpecPlan.none(view)
+        now = time.monotonic() if view.now is None else view.now
+        if view.lookups is not None:
+            return self._plan_proposers(view, *shape, now)
+        return self._plan_chains(view, *shape, now)
+
+    def _plan_chains(self, view: StepView, caps: list[int], tokens: int, context: int, now: float) -> SpecPlan:
+        """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
+        requests, k_max = view.requests, view.k_max
+        base_tokens, base_context, prefilling = view.prefill_tokens, view.prefill_context, view.prefilling
         if self.tree_depth is None:
             raw_gains = self.acceptance.gains([r.request_id for r in requests], k_max)
             depth_of = np.arange(1, k_max + 1)
@@ -113,8 +118,8 @@ class GoodputPolicy(Policy):
             raw_gains = np.stack([self.tree_gains.curve(r.request_id) for r in requests])
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
         start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))  # seconds, paid once per start
-        self._horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
-        gains = self._charge_starts(raw_gains, requests, caps, start_s)
+        horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
+        gains = self._charge_starts(raw_gains, requests, caps, start_s, horizon_cap)
         price = (self._prefill_step_price(gains, caps, depth_of, len(requests), context - base_context,
                                           len(prefilling))
                  if base_tokens else None)
@@ -125,8 +130,8 @@ class GoodputPolicy(Policy):
         due = [i for i, r in enumerate(requests)
                if ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0)]
         learning = self.acceptance.evidence < self.min_prior_evidence
-        worth = self._worth_probing(due, raw_gains, gains, requests, caps, depth_of, start_s, plan, tokens, context,
-                                    price, together=learning)
+        worth = self._worth_probing(due, raw_gains, gains, requests, caps, depth_of, start_s, horizon_cap, plan,
+                                    tokens, context, price, together=learning)
         budget = max(1, int(self.explore_fraction * len(requests)))
         for i in sorted(due, key=lambda i: start_s[i]):  # the cheapest probes first
             # a bounded probe: a request at k = 0 would otherwise never show it improved; once the prior is
@@ -140,49 +145,49 @@ class GoodputPolicy(Policy):
         if self._probing:
             sum_k = sum(ks)
             predicted = self.cost.predict(tokens + sum_k, context + sum_k, self._depth(max(ks)), sum_k)
-        self.last_prediction = float(predicted + sum(s for s, k in zip(start_s, ks) if k))
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
-        return ks
+        return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(start_s, ks) if k)))
 
-    def _begin_step(self, requests: list[Request], k_max: int, base_tokens: int, base_context: int,
-                    prefilling: Sequence[Request]) -> tuple[list[int], int, int] | None:
+    def _begin_step(self, view: StepView) -> tuple[list[int], int, int] | None:
         """Count the step and see its requests; the caps on k and the step's tokens and context at k = 0, or None
         while the cost model has measured nothing."""
         self.step += 1
-        for r in (*requests, *prefilling):
+        for r in (*view.requests, *view.prefilling):
             self.arrivals.see(r.request_id, r.arrival_time)
-        self.acceptance.tick(r.request_id for r in requests)
+        self.acceptance.tick(r.request_id for r in view.requests)
         if not self.cost.ready:
-            self.last_prediction = None
             return None
-        caps = [max(0, min(k_max, r.params.max_tokens - r.num_output_tokens - 1,
-                           k_max if r.params.max_speculative_tokens is None else r.params.max_speculative_tokens))
-                for r in requests]
-        tokens, context = base_tokens + len(requests), base_context + sum(r.num_tokens for r in requests)
-        self._step_shape = (tokens, context)
-        return caps, tokens, context
+        return self._caps(view), *self._step_shape(view)
 
-    def choose_proposers(self, requests: list[Request], k_max: int, lookups: list, use_draft: bool,
-                         base_tokens: int = 0, base_context: int = 0, prefilling: Sequence[Request] = (),
-                         now: float | None = None) -> tuple[list[str], list[int]]:
+    @staticmethod
+    def _caps(view: StepView) -> list[int]:
+        k_max = view.k_max
+        return [max(0, min(k_max, r.max_tokens - r.num_output_tokens - 1,
+                           k_max if r.max_speculative_tokens is None else r.max_speculative_tokens))
+                for r in view.requests]
+
+    @staticmethod
+    def _step_shape(view: StepView) -> tuple[int, int]:
+        """The step's tokens and context at k = 0: its decoding requests' last tokens and its prefill chunks."""
+        return (view.prefill_tokens + len(view.requests),
+                view.prefill_context + sum(r.num_tokens for r in view.requests))
+
+    def _plan_proposers(self, view: StepView, caps: list[int], tokens: int, context: int, now: float) -> SpecPlan:
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
         tree's nodes valued by their calibrated confidences, the draft model's tokens by the request's acceptance
-        rate, its catch-up charged as in choose. While the draft's acceptance prior is unlearned, a request the plan
+        rate, its catch-up charged as for chains. While the draft's acceptance prior is unlearned, a request the plan
         leaves at k = 0, that the lookups do not serve and whose catch-up is cheap, now and then probes the draft
         model with one token."""
-        now = time.monotonic() if now is None else now
+        requests, k_max, use_draft = view.requests, view.k_max, view.draft_available
+        base_tokens, base_context, prefilling = view.prefill_tokens, view.prefill_context, view.prefilling
         b = len(requests)
-        shape = self._begin_step(requests, k_max, base_tokens, base_context, prefilling)
-        if shape is None:
-            return [LOOKUP] * b, [0] * b
-        caps, tokens, context = shape
-        lookup = lookup_gains([node_values(t, self.calibration) for t in lookups], k_max)
+        lookup = lookup_gains([node_values(t, self.calibration) for t in view.lookups], k_max)
         draft, start_s = None, np.zeros(b)
         if use_draft:
             start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))
-            self._horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
+            horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
             draft = self._charge_starts(self.acceptance.gains([r.request_id for r in requests], k_max), requests,
-                                        caps, start_s)
+                                        caps, start_s, horizon_cap)
         price = None
         if base_tokens:  # as in _prefill_step_price: drafts must beat the decoding batch's own rate
             alone = select_proposers(draft, lookup, caps, self.cost.predict, b, context - base_context)
@@ -206,21 +211,21 @@ class GoodputPolicy(Policy):
                 self._probing.add(requests[i].request_id)
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
         m_all, m_draft = sum(ks), sum(drafted)
-        self.last_prediction = float(self.cost.predict(tokens + m_all, context + m_all, max(drafted, default=0),
-                                                       m_draft)
-                                     + sum(s for s, k in zip(start_s, drafted) if k))
+        predicted = float(self.cost.predict(tokens + m_all, context + m_all, max(drafted, default=0), m_draft)
+                          + sum(s for s, k in zip(start_s, drafted) if k))
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, drafted) if k}
-        return methods, ks
+        return SpecPlan(ks, methods, predicted)
 
-    def _charge_starts(self, gains: np.ndarray, requests: list[Request], caps: list[int], start_s: np.ndarray
-                       ) -> np.ndarray:
+    def _charge_starts(self, gains: np.ndarray, requests: list[RequestView], caps: list[int], start_s: np.ndarray,
+                       horizon_cap: float) -> np.ndarray:
         if not start_s.any():
             return gains
-        return charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s))
+        return charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s,
+                                                                          horizon_cap))
 
-    def _worth_probing(self, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, requests: list[Request],
-                       caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, plan: Plan, tokens: int,
-                       context: int, price: float | None, together: bool) -> set[int]:
+    def _worth_probing(self, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, requests: list[RequestView],
+                       caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, horizon_cap: float, plan: Plan,
+                       tokens: int, context: int, price: float | None, together: bool) -> set[int]:
         """The requests in `due` (at k = 0 in the chosen plan) that would draft if their drafts were accepted almost
         surely (the estimator's ceiling), catch-up charged as usual.
 
@@ -242,22 +247,23 @@ class GoodputPolicy(Policy):
         k_top = raw_gains.shape[1]
         hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
         hopeful[due] = self.acceptance.first.max_alpha ** np.arange(1, k_top + 1)[None, :]
-        hopeful = self._charge_starts(hopeful, requests, caps, start_s)
+        hopeful = self._charge_starts(hopeful, requests, caps, start_s, horizon_cap)
         j = np.arange(1, k_top + 1)
         m = plan.tokens + j
         t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
         if together:
             hope = best_plan(plans_by_depth(hopeful, caps, depth_of, self.cost.predict, tokens, context, price))
             return {i for i in due if hope.ks[i] > 0
-                    and self._probe_pays(hope, plan, raw_gains[i, 0], start_s[i], float(t[0]), price)}
+                    and self._probe_pays(hope, plan, raw_gains[i, 0], start_s[i], float(t[0]), price, horizon_cap)}
         expected = _expected_tokens(gains, plan.ks)  # catch-up charged
         gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
         better = plan_value(gained, t[None, :], price) > plan.value
         better &= j[None, :] <= np.asarray(caps)[due][:, None]
         return {i for i, row in zip(due, better) if row.any()}
 
-    def _probe_pays(self, hope: Plan, plan: Plan, gain: float, start_s: float, probe_s: float,
-                    price: float | None) -> bool:
+    @staticmethod
+    def _probe_pays(hope: Plan, plan: Plan, gain: float, start_s: float, probe_s: float, price: float | None,
+                    horizon_cap: float) -> bool:
         """Whether what a learning-time probe could reveal is worth what it costs, in tokens. Revealed: the hopeful
         plan's edge over the chosen one, for the steps a catch-up is spread over (the batch is not expected to hold
         longer). Cost: the probe's own seconds (probe_s: the step with one draft token on top of the plan; and its
@@ -266,7 +272,7 @@ class GoodputPolicy(Policy):
         tokens of the batch's time: such a probe does not run."""
         rate = plan.value if price is None else price  # tokens a second of this step is worth
         edge = (hope.value - plan.value) * (hope.seconds if price is None else 1.0)
-        return edge * self._horizon_cap > (probe_s - plan.seconds + start_s) * rate - gain
+        return edge * horizon_cap > (probe_s - plan.seconds + start_s) * rate - gain
 
     def _shape_probe(self, plans: list[Plan]) -> Plan:
         """The best plan, or now and then a plan of another draft length that is predicted to lose little.
@@ -297,15 +303,15 @@ class GoodputPolicy(Policy):
         expected = _expected_tokens(gains, ks)
         return expected / t * (b + max(1, held)) / b
 
-    def _catchup_tokens(self, requests: list[Request]) -> np.ndarray:
+    def _catchup_tokens(self, requests: list[RequestView]) -> np.ndarray:
         """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of
         a context it never drafted for, or what the request generated at k = 0 since. (For prompt lookup the fitted
         cost of these tokens is zero.)"""
         return np.array([max(0, r.num_tokens - 1 - self._draft_seen.get(r.request_id, 0)) for r in requests],
                         dtype=np.float64)
 
-    def _start_cost_in_tokens(self, requests: list[Request], caps: list[int], gains: np.ndarray,
-                              start_s: np.ndarray) -> np.ndarray:
+    def _start_cost_in_tokens(self, requests: list[RequestView], caps: list[int], gains: np.ndarray,
+                              start_s: np.ndarray, horizon_cap: float) -> np.ndarray:
         """A catch-up is paid once and serves the steps that follow: spread it over the steps the request would
         take to finish while drafting (at most catchup_horizon, since load may turn drafting off again), and price
         its seconds at the decoding batch's goodput without speculation.
@@ -316,8 +322,8 @@ class GoodputPolicy(Policy):
         test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
         capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
-        remaining = np.array([max(1, r.params.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
-        horizon = np.clip(remaining / per_step, 1.0, self._horizon_cap)
+        remaining = np.array([max(1, r.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
+        horizon = np.clip(remaining / per_step, 1.0, horizon_cap)
         decode_s = float(self.cost.predict(len(requests), sum(r.num_tokens for r in requests)))
         return start_s / horizon * (len(requests) / decode_s)
 
@@ -336,22 +342,21 @@ class GoodputPolicy(Policy):
         """Draft forwards that k tokens (chain) or k nodes (tree) take."""
         return k if self.tree_depth is None else min(k, self.tree_depth)
 
-    def prune(self, requests: list[Request], ks: list[int], trees: list, draft_s: float) -> list:
+    def prune(self, view: StepView, ks: list[int], trees: list[TokenTree], draft_s: float) -> TreePlan:
         values = [node_values(t, self.calibration) for t in trees]
         if self.tree_gains is not None:
-            for r, k, v in zip(requests, ks, values):
+            for r, k, v in zip(view.requests, ks, values):
                 if k > 0:  # a request that asked for no tree says nothing about what its trees are worth
                     self.tree_gains.update(r.request_id, v)
         if not self.cost.ready:
-            return trees
-        tokens, context = self._step_shape
-        trees, self.last_prediction = prune_trees(trees, values, self.cost.predict_verify, tokens, context, draft_s)
-        return trees
+            return TreePlan(trees)
+        tokens, context = self._step_shape(view)
+        return TreePlan(*prune_trees(trees, values, self.cost.predict_verify, tokens, context, draft_s))
 
     def observe(self, record: StepRecord) -> None:
-        for tree, path in record.extra.get("trees", {}).values():
+        for tree, path in record.trees.values():
             self.calibration.observe(tree, path)
-        methods = record.extra.get("methods", {})
+        methods = dict(zip(record.request_ids, record.methods)) if record.methods is not None else {}
         for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
             if methods.get(rid, DRAFT) != DRAFT:  # a lookup's outcome went to the calibration above
                 continue
@@ -376,9 +381,8 @@ class GoodputPolicy(Policy):
 
     def observe_cost(self, record: StepRecord) -> None:
         proposed = record.proposed
-        if "methods" in record.extra:  # only the draft model's tokens cost draft forwards
-            methods = record.extra["methods"]
-            proposed = [p for rid, p in zip(record.request_ids, proposed) if methods.get(rid) == DRAFT]
+        if record.methods is not None:  # only the draft model's tokens cost draft forwards
+            proposed = [p for m, p in zip(record.methods, proposed) if m == DRAFT]
         depth = self._depth(max(proposed, default=0))
         self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(proposed),
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
@@ -392,13 +396,13 @@ class GoodputPolicy(Policy):
         self.cost.refit(draft=self._drafts_unfit)
         self._steps_unfit, self._drafts_unfit = 0, False
 
-    def release(self, request: Request) -> None:
-        self.acceptance.forget(request.request_id)
+    def release(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
         if self.tree_gains is not None:
-            self.tree_gains.forget(request.request_id)
+            self.tree_gains.forget(request_id)
         for d in (self._probe_due, self._probe_wait, self._draft_seen, self._chosen_at):
-            d.pop(request.request_id, None)
-        self.arrivals.release(request.request_id)
+            d.pop(request_id, None)
+        self.arrivals.release(request_id)
 
     # ---- state shared across replicas ----------------------------------------------------------------------
     def export_state(self) -> dict:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from smartspec.policy.goodput import plan_value
-
-DRAFT, LOOKUP = "draft_model", "suffix"
+from smartspec.types.plan import DRAFT, LOOKUP
 
 
 @dataclass

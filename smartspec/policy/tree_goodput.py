@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from smartspec.spec_decode.tree import TokenTree, capped_scores
+from smartspec.types.tree import TokenTree, capped_scores
 
 
 class NodeCalibration:

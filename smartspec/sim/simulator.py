@@ -1,7 +1,7 @@
-"""The simulated step is the engine's (schedule -> choose k -> propose -> verify -> accept -> commit) with the
-model replaced: the real Scheduler, BlockManager and Speculator.choose (policy, caps, draft block reservation),
-a step time from the profile's cost model, and accepted drafts sampled per token with the request's acceptance
-rate. Replicas sit behind a router that sends each arrival to the less loaded of two random replicas (Serve's
+"""The simulated step is the engine's (schedule -> plan -> propose -> verify -> accept -> commit -> observe) with
+the model replaced: the real Scheduler, BlockManager, planning (engine/planner.py: the policy, caps, draft block
+reservation) and commit (engine/commit.py), a step time from the profile's cost model, and accepted drafts sampled
+per token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded of two random replicas (Serve's
 power of two choices)."""
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ import itertools
 
 import numpy as np
 
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.request import Request, RequestStatus
+from smartspec.engine.commit import commit_tokens, finish_request
+from smartspec.engine.planner import Speculation, plan_step
 from smartspec.engine.scheduler import Scheduler, split_batch
-from smartspec.engine.step_record import StepRecord
 from smartspec.policy import make_policy
-from smartspec.sampling_params import SamplingParams
+from smartspec.runtime.block_manager import BlockManager
 from smartspec.sim.profile import SimProfile
 from smartspec.spec_decode.proposer import Proposer
-from smartspec.spec_decode.speculator import Speculator
+from smartspec.types.request import Request
+from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.step_record import StepRecord
 
 
 class _SimProposer(Proposer):
+    """Stands for the draft model: always available, its drafts are sampled acceptances (see SimReplica.step)."""
     method = "sim"
 
 
@@ -31,8 +33,9 @@ class SimReplica:
         self.profile, self.rng = profile, rng
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.speculator = Speculator(_SimProposer() if policy != "off" else None, make_policy(policy, k_max), k_max)
-        if self.speculator.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
+        self.speculation = Speculation(_SimProposer() if policy != "off" else None, make_policy(policy, k_max),
+                                       k_max)
+        if self.speculation.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
             context, records = 64, []  # the engine profiles prompts of 64 tokens
             for n in (1, 2, 4, 8, 16, 32):
                 # a first draft reads its prompt (all but the last token) before drafting
@@ -41,7 +44,7 @@ class SimReplica:
                     d = float(profile.cost.predict_draft(depth, n * depth, catchup))
                     records.append(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [], n * (depth + 1), 0,
                                               n * context, d, t - d, t, draft_catchup_tokens=catchup))
-            self.speculator.policy.observe_profile(records)
+            self.speculation.policy.observe_profile(records)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
         self.draft_seen: dict[str, int] = {}  # tokens a draft model has read per request (its catch-up is paid)
@@ -59,8 +62,10 @@ class SimReplica:
         """Run one step starting at `now`; return its end time and the requests that finished in it."""
         batch = self.scheduler.schedule()
         decoding, prefill = split_batch(batch)
-        ks = self.speculator.choose(decoding, self.max_num_batched_tokens - sum(s.num_tokens for s in batch),
-                                    self.blocks, self.max_model_len, prefill=prefill, now=now)
+        _, plan = plan_step(self.speculation, decoding, prefill,
+                            self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
+                            self.max_model_len, now=now)
+        ks = plan.ks
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
@@ -82,25 +87,18 @@ class SimReplica:
                 accepted.append(a)
             if k:  # the draft read the context and its drafts but the last
                 self.draft_seen[req.request_id] = req.num_tokens + min(a, k - 1)
-            new = a + 1
-            self.blocks.truncate(req, req.num_tokens + new - 1)
-            self.speculator.record(req, k, a)
-            if req.first_token_time is None:
-                req.first_token_time = end
-            req.token_ids.extend([0] * min(new, req.params.max_tokens - req.num_output_tokens))
-            if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-                self.scheduler.remove(req)
-                self.speculator.release(req)
+            # token ids stand for lengths (requests ignore EOS and have no stop tokens)
+            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len, end)
+            if done.finish_reason is not None:
+                finish_request(req, done.finish_reason, self.scheduler, self.speculation, end)
                 self.draft_seen.pop(req.request_id, None)
-                req.status, req.finish_time = RequestStatus.FINISHED, end
                 finished.append(req)
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
                             n_tokens, num_prefill, n_context, draft_s, duration - draft_s, duration,
-                            predicted_s=self.speculator.policy.last_prediction if decoding else None,
-                            draft_catchup_tokens=catchup)
-        self.speculator.policy.observe(record)
+                            predicted_s=plan.predicted_s if decoding else None, draft_catchup_tokens=catchup)
+        self.speculation.policy.observe(record)
         return end, finished
 
 

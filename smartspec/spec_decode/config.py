@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from smartspec.policy.base import Policy
 from smartspec.policy.factory import make_policy
-from smartspec.spec_decode.tree import MAX_TREE_NODES
+from smartspec.types.tree import MAX_TREE_NODES
 
 METHODS = ("draft_model", "ngram", "suffix")
 MIXES = ({"draft_model", "suffix"},)  # proposers that can be chosen per request
@@ -114,6 +114,12 @@ class SpeculativeConfig:
     def single(self, method: str) -> SpeculativeConfig:
         """This config with one of its proposers alone."""
         return replace(self, method=method, tree=asdict(self.tree) if self.tree else None)
+
+    def draft_only(self) -> SpeculativeConfig:
+        """The draft model's part of this config, as it travels to a draft actor: no policy object (a policy
+        instance may not be importable there, and the draft needs none)."""
+        return replace(self, method="draft_model", policy="off", batch_table=None, policy_options=None,
+                       tree=asdict(self.tree) if self.tree else None)
 
     @property
     def k_max(self) -> int:

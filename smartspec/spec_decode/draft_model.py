@@ -10,12 +10,12 @@ import logging
 
 import torch
 
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.model_runner import ForwardItem, ModelRunner
-from smartspec.engine.request import Request
-from smartspec.engine.sampler import target_probs
 from smartspec.models import load_model
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.model_runner import ForwardItem, ModelRunner
+from smartspec.runtime.sampler import target_probs
 from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.types.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class DraftModelProposer(Proposer):
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.blocks, use_kernels, device)
         self.state: dict[str, Request] = {}
+
+    @property
+    def draft_available(self) -> bool:
+        return self.available
 
     def _sync_state(self, req: Request) -> Request:
         ds = self.state.get(req.request_id)
@@ -73,7 +77,7 @@ class DraftModelProposer(Proposer):
         return q if q.shape[-1] == v else q[..., :v] / q[..., :v].sum()
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor] | None] = [None if r.params.greedy else [] for r in requests]
         live = []
@@ -87,7 +91,7 @@ class DraftModelProposer(Proposer):
             self.blocks.allocate(ds, req.num_tokens + k - 1)
             live.append((i, ds, k))
         depth = 0
-        self.last_catchup_tokens = sum(ds.num_tokens - ds.num_computed_tokens - 1 for _, ds, _ in live)
+        catchup = sum(ds.num_tokens - ds.num_computed_tokens - 1 for _, ds, _ in live)
         while live:
             # first step: every unseen token (catch-up); later steps: the previous draft token
             items = [ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1)
@@ -106,4 +110,4 @@ class DraftModelProposer(Proposer):
                 ds.token_ids.append(tok)
             depth += 1
             live = [(i, ds, k) for i, ds, k in live if k > depth]
-        return Proposal(tokens, [torch.stack(p) if p else None for p in probs])
+        return Proposal(tokens, [torch.stack(p) if p else None for p in probs], catchup_tokens=catchup)

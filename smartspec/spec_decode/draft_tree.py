@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smartspec.engine.model_runner import ForwardItem
-from smartspec.engine.request import Request
-from smartspec.engine.sampler import target_probs
+from smartspec.runtime.model_runner import ForwardItem
+from smartspec.runtime.sampler import target_probs
 from smartspec.spec_decode.draft_model import DraftModelProposer
 from smartspec.spec_decode.proposer import Proposal
-from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores, signed64
+from smartspec.types.request import Request
+from smartspec.types.tree import MAX_TREE_NODES, TokenTree, best_first, capped_scores, signed64
 
 
 @dataclass
@@ -93,7 +93,7 @@ class DraftTreeProposer(DraftModelProposer):
             g.depths.append(depth)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         growing: list[_Growth] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             if k <= 0:
@@ -106,7 +106,7 @@ class DraftTreeProposer(DraftModelProposer):
                 continue
             self.blocks.allocate(ds, req.num_tokens + fed)
             growing.append(_Growth(i, ds, budget, width, rounds, masks={-1: 1}))
-        self.last_catchup_tokens = sum(g.ds.num_tokens - g.ds.num_computed_tokens - 1 for g in growing)
+        catchup = sum(g.ds.num_tokens - g.ds.num_computed_tokens - 1 for g in growing)
         if growing:  # depth 1: the draft reads every token it has not seen, through the root
             items = [ForwardItem(g.ds, g.ds.token_ids[g.ds.num_computed_tokens:], g.ds.num_computed_tokens, 1)
                      for g in growing]
@@ -144,4 +144,4 @@ class DraftTreeProposer(DraftModelProposer):
                                         sibling_order=not requests[g.index].params.greedy)
             child_of = {(g.parents[c], g.tokens[c]): c for c in range(len(g.tokens))}
             self.grown[g.ds.request_id] = (g.ds.num_tokens, child_of, g.stored)
-        return Proposal([t.tokens for t in trees], [None] * len(requests), trees)
+        return Proposal([t.tokens for t in trees], [None] * len(requests), trees, catchup)

@@ -1,9 +1,9 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the context's suffix."""
 from __future__ import annotations
 
-from smartspec.engine.request import Request
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first, count_trie
+from smartspec.types.request import Request
+from smartspec.types.tree import MAX_TREE_NODES, TokenTree, best_first, count_trie
 
 
 def lookup(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -18,7 +18,7 @@ class NgramProposer(Proposer):
     def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
         self.n_max, self.n_min = n_max, n_min
 
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         tokens = [lookup(r.token_ids, k, self.n_max, self.n_min) if k > 0 else [] for r, k in zip(requests, ks)]
         return Proposal(tokens, [None] * len(requests))
 
@@ -58,7 +58,7 @@ class NgramTreeProposer(Proposer):
         return best_first(node_tokens, parents, [c / root_count for c in counts], conf, limit=budget,
                           sibling_order=False)  # fixed tokens: any subset of siblings verifies exactly
 
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         trees = [self.tree(r.token_ids, min(k, MAX_TREE_NODES)) if k > 0 else TokenTree([], [], [])
                  for r, k in zip(requests, ks)]
         return Proposal([t.tokens for t in trees], [None] * len(requests), trees)

@@ -1,12 +1,16 @@
-"""The narrow proposer interface, so a proposer can live in-process or behind a Ray actor."""
+"""The one proposer interface. Every proposer (in-process or behind a Ray actor, one method or several chosen per
+request) implements all of it, so callers never ask what a proposer is: the defaults here say "one proposer, always
+available, nothing to look up before planning, no per-request state"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from smartspec.types.request import Request
+from smartspec.types.tree import TokenTree
 
-from smartspec.engine.request import Request
-from smartspec.spec_decode.tree import TokenTree
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -17,21 +21,47 @@ class Proposal:
     probs: list[torch.Tensor | None]
     # tree proposers: per request, its token tree (tokens then lists the tree's node tokens); None = chains
     trees: list[TokenTree | None] | None = None
+    # tokens a draft model fed beyond one per request to catch up on what it had not seen: a one-time cost per
+    # request that the cost model fits apart from the per-step draft cost
+    catchup_tokens: int = 0
+
+
+class Draft(NamedTuple):
+    """One request's draft for the verify step."""
+    tokens: list[int]  # a chain's draft tokens, or a tree's node tokens
+    probs: torch.Tensor | None  # a chain's draft distributions (None: deterministic)
+    tree: TokenTree | None = None
 
 
 class Proposer:
     method = "base"
-    # tokens the last propose() fed beyond one per request (a draft model catching up): a one-time cost per
-    # request that the cost model fits apart from the per-step draft cost
-    last_catchup_tokens = 0
+    # a proposer behind a Ray actor counts the actor's failures and names its incarnation (for stats)
+    failures: int | None = None
+    incarnation: str | None = None
 
     @property
     def available(self) -> bool:
         """False while the proposer cannot propose (a draft actor being restarted): steps then plan k = 0."""
         return True
 
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
+    @property
+    def draft_available(self) -> bool:
+        """Whether a draft model can run this step: where lookups offer a choice, whether it can be chosen."""
+        return False
+
+    def lookups(self, requests: list[Request], budget: int) -> list[TokenTree] | None:
+        """Candidate trees that cost no model forward, found before the policy plans (suffix speculation beside a
+        draft model), so the policy chooses on them; None: this proposer offers none."""
+        return None
+
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
+        """Up to ks[i] draft tokens (or tree nodes) for each request; methods: the proposer each request drew,
+        where the plan chose them (only proposers that offer lookups get them)."""
         raise NotImplementedError
+
+    def drafting_part(self) -> Proposer:
+        """The proposer whose forwards cost (what the warm-up profile measures): the draft beside lookups."""
+        return self
 
     def sync(self, request: Request) -> None:
         """After the target committed: forget what the request's draft state holds past the agreed tokens."""
@@ -41,3 +71,6 @@ class Proposer:
 
     def release(self, request_id: str) -> None:
         """The request ended: free its draft state."""
+
+    def close(self) -> None:
+        """The engine is closing: stop what the proposer started (an actor)."""

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from smartspec.engine.sampler import target_probs
-from smartspec.sampling_params import SamplingParams
-from smartspec.spec_decode.tree import TokenTree
+from smartspec.runtime.sampler import target_probs
+from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.tree import TokenTree
 
 
 def accept_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from typing import NamedTuple
 
-from smartspec.engine.request import Request
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.spec_decode.tree import MAX_TREE_NODES, TokenTree, best_first, count_trie
+from smartspec.types.request import Request
+from smartspec.types.tree import MAX_TREE_NODES, TokenTree, best_first, count_trie
 
 ANCHORS = (4, 1)  # n-grams indexed: a long anchor finds long matches among few occurrences; a short one, any match
 MAX_OCCURRENCES = 64  # most recent occurrences of an anchor extended per lookup
@@ -187,7 +187,7 @@ class SuffixProposer(Proposer):
         self.finished = FinishedOutputs(cache_tokens)
         self._looked_up: dict[str, tuple[int, TokenTree]] = {}
 
-    def candidates(self, requests: list[Request], budget: int) -> list[TokenTree]:
+    def lookups(self, requests: list[Request], budget: int) -> list[TokenTree]:
         """Per request, its best continuation tree of at most `budget` nodes (empty where nothing matches); kept
         for this step's propose."""
         trees = [self._tree(r, budget) for r in requests]
@@ -209,8 +209,8 @@ class SuffixProposer(Proposer):
         self.finished.touch({o.key for o in shared})
         return best_continuation(found, self.max_depth, self.branching, min(budget, MAX_TREE_NODES))
 
-    def propose(self, requests: list[Request], ks: list[int]) -> Proposal:
-        """The k best nodes of each request's tree (the one candidates found this step, if it did)."""
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
+        """The k best nodes of each request's tree (the one lookups found this step, if it did)."""
         looked_up, self._looked_up = self._looked_up, {}
         trees = []
         for r, k in zip(requests, ks):

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from smartspec.engine.logprobs import TokenLogprob
-from smartspec.sampling_params import SamplingParams
-from smartspec.spec_decode.metrics import SpecDecodeMetrics
+from smartspec.types.logprobs import TokenLogprob
+from smartspec.types.metrics import SpecDecodeMetrics
+from smartspec.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -7,8 +7,10 @@ distribution without the ones before it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The root and the nodes share one 64-bit ancestor mask per token (the attention kernel's tree mask).
 MAX_TREE_TOKENS = 64

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from smartspec.engine.request import Request
+from smartspec.types.request import Request
 
 
 class BlockManager:

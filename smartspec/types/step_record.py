@@ -3,6 +3,17 @@ store it, the simulator produces it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from smartspec.types.tree import TokenTree
+
+
+class VerifiedTree(NamedTuple):
+    """A token tree the target verified, and the nodes it accepted (root to leaf): what node confidences are
+    calibrated on."""
+    tree: TokenTree
+    path: list[int]
 
 
 @dataclass
@@ -22,4 +33,6 @@ class StepRecord:
     total_s: float
     predicted_s: float | None = None  # the policy's prediction of total_s, when it makes one
     draft_catchup_tokens: int = 0  # tokens the draft model fed to catch up (beyond one per request)
-    extra: dict = field(default_factory=dict)
+    # the proposer each decoding request drew, where the policy chose them (None: one proposer serves all)
+    methods: list[str] | None = None
+    trees: dict[str, VerifiedTree] = field(default_factory=dict)  # request -> its verified tree, where it had one

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from smartspec.engine.quant_linear import Q8Linear
+from smartspec.runtime.quant_linear import Q8Linear
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from smartspec.engine.page_arena import PageArena
-from smartspec.models.gguf_blocks import PackedRows, QuantizedRows
+from smartspec.runtime.gguf_blocks import PackedRows, QuantizedRows
+from smartspec.runtime.page_arena import PageArena
 
 PANEL = 16  # output rows per panel, as the kernel's fp32 weights
 

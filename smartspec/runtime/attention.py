@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from smartspec.engine import kernels
+from smartspec.runtime import kernels
 
 ATTN_IMPLEMENTATION = "smartspec_paged"
 

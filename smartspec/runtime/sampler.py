@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from smartspec.sampling_params import SamplingParams
+from smartspec.types.sampling_params import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

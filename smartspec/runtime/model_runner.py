@@ -1,21 +1,16 @@
 """One packed, ragged forward of the target model per step, attention through the paged KV cache."""
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
-from smartspec.engine import attention, kernels
-from smartspec.engine.block_manager import BlockManager
-from smartspec.engine.fast_linear import pack_linears
-from smartspec.engine.fused_decoder import FusedDecoder
-from smartspec.engine.page_arena import PageArena
-from smartspec.engine.request import Request
-from smartspec.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
+from smartspec.runtime.backends import select_backend
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.page_arena import PageArena
+from smartspec.types.request import Request
+from smartspec.types.sampling_params import SamplingParams
 
 
 def kv_heads_per_rank(cfg, tp_size: int) -> int:
@@ -103,16 +98,7 @@ class ModelRunner:
         self.num_layers, _, self.head_dim = _kv_geometry(model.config)
         self.num_kv_heads = kv_heads_per_rank(model.config, tp_size)
         self.dtype = next(model.parameters()).dtype
-        ext = kernels.load() if use_kernels and self.device.type == "cpu" and self.dtype == torch.float32 else None
-        self.use_kernels = ext is not None
-        if self.use_kernels:
-            pack_linears(model, ext)
-        elif use_kernels:
-            logger.warning("batch-invariant kernels not used (%s); running transformers' linears",
-                           kernels.unavailable_reason() or f"{self.device.type}/{self.dtype}")
-        # Llama-family models on int8 GGUF weights skip transformers' per-op glue (None: the modules run)
-        self.fused = FusedDecoder.build(model, ext) if self.use_kernels and tp_size == 1 else None
-        model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
+        self.backend = select_backend(model, self.device, use_kernels, tp_size)
         shape = (blocks.num_blocks, blocks.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":  # in 2 MiB pages, taken as blocks are first written
             zeros = PageArena(2 * self.num_layers * math.prod(shape) * self.dtype.itemsize).zeros
@@ -125,6 +111,9 @@ class ModelRunner:
     def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
         layers, kv_heads, head_dim = _kv_geometry(model_config)
         return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def close(self) -> None:
+        """Nothing to stop in-process (a runner over Ray actors stops them)."""
 
     @torch.inference_mode()
     def copy_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
@@ -151,28 +140,9 @@ class ModelRunner:
         """Run all items in one forward; return logits [sum(num_logits), vocab] in item order (fp32)."""
         return self.execute(prepare_step(items, self.blocks))
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(inputs, self.kv_caches)
-        dev = self.device
-        attention.set_step(attention.StepAttention(
-            kv_caches=self.kv_caches,
-            slots=inputs.slots.to(dev),
-            block_tables=inputs.block_tables.to(dev),
-            seq_of=inputs.seq_of.to(dev),
-            kv_len=inputs.kv_len.to(dev),
-            use_kernels=self.use_kernels,
-            tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
-            tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
-        ))
-        try:
-            out = self.model(
-                input_ids=inputs.ids.to(dev)[None],
-                position_ids=inputs.positions.to(dev)[None],
-                use_cache=False,
-                logits_to_keep=inputs.keep.to(dev),
-            )
-        finally:
-            attention.set_step(None)
-        return out.logits[0].float()
+        return self.backend.execute(inputs, self.kv_caches)
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.backend.uses_kernels

@@ -1,0 +1,60 @@
+"""Commit: a step's new tokens become part of their requests. The KV of accepted drafts is kept and the rest
+dropped, the outcome is counted, tokens are appended (and detokenized, where there is a tokenizer) up to the first
+stop, and a finished request gives back everything it held. The engine and the simulator both commit through here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smartspec.engine.detokenizer import append_text, find_stop
+from smartspec.engine.planner import Speculation
+from smartspec.engine.scheduler import Scheduler
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.types.request import Request, RequestStatus
+
+
+@dataclass
+class Committed:
+    added: list[int]  # the tokens appended (the step's new tokens up to a stop)
+    finish_reason: str | None  # "stop", "length", or None while the request runs on
+
+
+def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
+                  stop_token_ids, max_model_len: int, now: float, tokenizer=None) -> Committed:
+    """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens.
+    tokenizer None: no text (the simulator's token ids stand for lengths only)."""
+    # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
+    # not make, go back
+    blocks.truncate(req, req.num_tokens + len(new) - 1)
+    req.spec.record(proposed, len(new) - 1)
+    spec.metrics.record(proposed, len(new) - 1)
+    if req.first_token_time is None:
+        req.first_token_time = now
+    added, reason = [], None
+    for tok in new:
+        req.token_ids.append(tok)
+        added.append(tok)
+        delta = append_text(tokenizer, req) if tokenizer is not None else ""
+        if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in stop_token_ids):
+            reason = "stop"
+        elif (cut := find_stop(req, delta)) is not None:
+            req.text = req.text[:cut]
+            reason = "stop"
+        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
+            reason = "length"
+        if reason:
+            break
+    if reason is None:
+        blocks.register(req)  # committed tokens are final: their full blocks can be shared
+    return Committed(added, reason)
+
+
+def finish_request(req: Request, reason: str, scheduler: Scheduler, spec: Speculation, now: float) -> None:
+    """End a request: its target and draft KV blocks go back, the proposer and the policy forget it."""
+    scheduler.remove(req)
+    if spec.proposer is not None:
+        spec.proposer.finish(req)
+        spec.proposer.release(req.request_id)
+    spec.policy.release(req.request_id)
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = reason
+    req.finish_time = now

@@ -1,0 +1,69 @@
+"""What a request's caller receives after each step (RequestOutput), and the logprobs taken from a step's rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from smartspec.runtime.model_runner import ForwardItem
+from smartspec.types.logprobs import TokenLogprob, token_logprob
+from smartspec.types.request import Request
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]  # all output tokens so far
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"
+    num_prompt_tokens: int
+    metrics: dict = field(default_factory=dict)
+    new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once the prompt is computed, when asked
+
+
+def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor) -> tuple[torch.Tensor, list[ForwardItem]]:
+    """Record the prompt logprobs of chunks that computed every position's row; hand on the rows (and items)
+    that sampling needs: a chunk's last row, when it completes its prompt, predicts the first new token."""
+    if all(it.request.prompt_logprobs is None for it in items):
+        return logits, items
+    keep, sampled, row = [], [], 0
+    for it in items:
+        req = it.request
+        if req.prompt_logprobs is not None and it.num_logits == len(it.tokens) and len(it.tokens) \
+                and it.start < req.num_prompt_tokens:
+            completes = it.start + len(it.tokens) == req.num_tokens
+            for j in range(it.num_logits - completes):
+                pos = it.start + j + 1
+                if pos < req.num_prompt_tokens and req.prompt_logprobs[pos] is None:
+                    req.prompt_logprobs[pos] = token_logprob(logits[row + j], req.token_ids[pos],
+                                                             req.params.prompt_logprobs)
+            it_sampled = replace(it, num_logits=int(completes))
+        else:
+            it_sampled = it
+        keep.extend(range(row + it.num_logits - it_sampled.num_logits, row + it.num_logits))
+        sampled.append(it_sampled)
+        row += it.num_logits
+    return logits[keep], sampled
+
+
+def take_text(req: Request) -> str:
+    """Text not streamed yet. While a request runs, the last (longest stop - 1) chars are held back: they
+    may be the start of a stop string, which must never reach the client."""
+    end = len(req.text)
+    if not req.finished and req.params.stop:
+        end = max(req.num_text_sent, end - max(map(len, req.params.stop)) + 1)
+    new, req.num_text_sent = req.text[req.num_text_sent:end], end
+    return new
+
+
+def output_of(req: Request, added: list[int], new_text: str) -> RequestOutput:
+    metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+               "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
+               "spec_decode": req.spec.as_dict()}
+    new_logprobs = req.logprobs[len(req.logprobs) - len(added):] if req.params.logprobs is not None else None
+    return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
+                         req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs)

@@ -1,0 +1,101 @@
+"""Plan: the policy's view of a step, its plan, and the caps no plan may pass.
+
+The policy sees numbers (`StepView`); what it answers (`SpecPlan`) is checked and capped here so that no draft goes
+past a request's max_tokens, the context, the step's token budget or the free KV blocks, and the blocks for the
+drafts are reserved. A policy that fails or answers nonsense costs speculation for this step, never a request."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from smartspec.engine.scheduler import ScheduledRequest
+from smartspec.policy import OffPolicy, Policy
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.spec_decode.proposer import Proposer
+from smartspec.types.metrics import SpecDecodeMetrics
+from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView
+from smartspec.types.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Speculation:
+    """The swappable parts of speculation, and their counters: the proposer (None: no speculation, whatever the
+    policy), the policy and K."""
+    proposer: Proposer | None
+    policy: Policy
+    k_max: int
+    metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+
+    def __post_init__(self) -> None:
+        if self.proposer is None:
+            self.policy = OffPolicy()
+
+    @classmethod
+    def off(cls) -> Speculation:
+        return cls(None, OffPolicy(), 0)
+
+
+def request_view(req: Request) -> RequestView:
+    return RequestView(req.request_id, req.num_tokens, req.num_output_tokens, req.params.max_tokens,
+                       req.params.max_speculative_tokens, req.arrival_time)
+
+
+def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
+              lookups=None, draft_available: bool = False) -> StepView:
+    """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step."""
+    return StepView([request_view(r) for r in decoding], k_max,
+                    prefill_tokens=sum(s.num_tokens for s in prefill),
+                    prefill_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
+                    prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],
+                    now=now, lookups=lookups, draft_available=draft_available)
+
+
+def plan_step(spec: Speculation, decoding: list[Request], prefill: list[ScheduledRequest], budget: int,
+              blocks: BlockManager, max_model_len: int, now: float | None = None) -> tuple[StepView | None, SpecPlan]:
+    """The step's view (None where no policy was asked) and its plan, capped, with the drafts' blocks reserved.
+    budget: the step's tokens left for drafts; now: the clock of arrival_time (None: time.monotonic())."""
+    b = len(decoding)
+    proposer = spec.proposer
+    if proposer is None or not decoding or not proposer.available:
+        return None, SpecPlan([0] * b)
+    try:
+        lookups = proposer.lookups(decoding, spec.k_max)
+        view = step_view(decoding, prefill, spec.k_max, now, lookups,
+                         proposer.draft_available if lookups is not None else False)
+        plan = spec.policy.plan(view)
+        _check(plan, view)
+    except Exception:
+        logger.exception("policy %r failed; this step runs without speculation", spec.policy.name)
+        return None, SpecPlan([0] * b)
+    ks = cap_and_reserve(plan.ks, decoding, budget, blocks, max_model_len)
+    return view, SpecPlan(ks, plan.methods, plan.predicted_s)
+
+
+def _check(plan: SpecPlan, view: StepView) -> None:
+    b, k_max = len(view.requests), view.k_max
+    if view.lookups is not None:
+        allowed = {LOOKUP, DRAFT} if view.draft_available else {LOOKUP}
+        if plan.methods is None or len(plan.methods) != b or not set(plan.methods) <= allowed:
+            raise ValueError(f"invalid proposers {plan.methods!r} for {b} requests")
+    if len(plan.ks) != b or any(not isinstance(k, int) or not 0 <= k <= k_max for k in plan.ks):
+        raise ValueError(f"invalid k {plan.ks!r} for {b} requests (K={k_max})")
+
+
+def cap_and_reserve(ks: list[int], decoding: list[Request], budget: int, blocks: BlockManager,
+                    max_model_len: int) -> list[int]:
+    """Each k capped by the request's max_tokens and own cap, the context, the step's token budget and the free
+    KV blocks; the blocks for the drafts are allocated."""
+    out = []
+    for req, k in zip(decoding, ks):
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
+        if req.params.max_speculative_tokens is not None:
+            k = min(k, req.params.max_speculative_tokens)
+        room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
+        k = max(0, min(k, room))
+        if k:
+            blocks.allocate(req, req.num_tokens + k)
+        budget -= k
+        out.append(k)
+    return out

@@ -1,0 +1,91 @@
+"""How a model runner executes a step's packed inputs on its device: the seam where device backends plug in.
+
+A backend takes `StepInputs` (token ids, positions, cache slots, block tables; model_runner.py) and the paged KV
+cache, and returns the fp32 logits of the rows the step keeps. Today's backends:
+
+- `FusedKernelBackend`: Llama-family layers on int8 GGUF weights, one CPU kernel call per decoder layer.
+- `ModulesBackend`: transformers' modules as written, attention through the paged cache (attention.py) on the CPU
+  kernels where they load, else on torch's reference path (any device).
+
+`select_backend` picks the fastest that runs the model on its device and dtype."""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from smartspec.runtime import attention, kernels
+from smartspec.runtime.fast_linear import pack_linears
+from smartspec.runtime.fused_decoder import FusedDecoder
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+
+
+class Backend(Protocol):
+    name: str
+    uses_kernels: bool  # whether the CPU kernels compute it (they are batch-invariant: see docs/architecture.md)
+
+    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+        """logits [kept rows, vocab] (fp32) of one step; writes the step's k/v into kv_caches."""
+
+
+class FusedKernelBackend:
+    name = "fused-cpu-kernels"
+    uses_kernels = True
+
+    def __init__(self, fused: FusedDecoder) -> None:
+        self.fused = fused
+
+    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+        return self.fused(inputs, kv_caches)
+
+
+class ModulesBackend:
+    def __init__(self, model: torch.nn.Module, device: torch.device, uses_kernels: bool) -> None:
+        self.model, self.device, self.uses_kernels = model, device, uses_kernels
+        self.name = "transformers-modules" + ("+cpu-kernels" if uses_kernels else "")
+        model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
+
+    @torch.inference_mode()
+    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+        dev = self.device
+        attention.set_step(attention.StepAttention(
+            kv_caches=kv_caches,
+            slots=inputs.slots.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            seq_of=inputs.seq_of.to(dev),
+            kv_len=inputs.kv_len.to(dev),
+            use_kernels=self.uses_kernels,
+            tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
+            tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
+        ))
+        try:
+            out = self.model(
+                input_ids=inputs.ids.to(dev)[None],
+                position_ids=inputs.positions.to(dev)[None],
+                use_cache=False,
+                logits_to_keep=inputs.keep.to(dev),
+            )
+        finally:
+            attention.set_step(None)
+        return out.logits[0].float()
+
+
+def select_backend(model: torch.nn.Module, device: torch.device, use_kernels: bool, tp_size: int = 1) -> Backend:
+    """The CPU kernels where asked for and they load (fp32 activations on the CPU); the fused layers where the
+    model's are Llama-family on int8 GGUF weights and it is not sharded; else transformers' modules."""
+    dtype = next(model.parameters()).dtype
+    ext = kernels.load() if use_kernels and device.type == "cpu" and dtype == torch.float32 else None
+    if ext is None:
+        if use_kernels:
+            logger.warning("batch-invariant kernels not used (%s); running transformers' linears",
+                           kernels.unavailable_reason() or f"{device.type}/{dtype}")
+        return ModulesBackend(model, device, uses_kernels=False)
+    pack_linears(model, ext)
+    fused = FusedDecoder.build(model, ext) if tp_size == 1 else None
+    # the modules stay ready too: a fused backend can be swapped for them (the tests compare the two)
+    modules = ModulesBackend(model, device, uses_kernels=True)
+    return FusedKernelBackend(fused) if fused is not None else modules

@@ -1,0 +1,68 @@
+"""What the policy sees of a step, and what it answers: numbers only, so a policy can be tested, simulated and
+replaced without an engine. The engine builds a `StepView` from its requests (engine/planner.py), the policy
+returns a `SpecPlan`, and the engine reports the step back as a `StepRecord`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smartspec.types.tree import TokenTree
+
+# the proposers a policy can choose between per request (method names of SpeculativeConfig)
+DRAFT = "draft_model"
+LOOKUP = "suffix"
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A decoding request as the policy sees it."""
+    request_id: str
+    num_tokens: int  # prompt + output so far (its context once the step's last token is fed)
+    num_output_tokens: int
+    max_tokens: int
+    max_speculative_tokens: int | None  # the request's own cap on k (None: none)
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """A request whose prompt chunk rides in the step (it yields no drafts)."""
+    request_id: str
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One step as the policy sees it, before it chooses."""
+    requests: list[RequestView]  # the decoding requests, in the step's order
+    k_max: int  # K: the most any request speculates (draft tokens, or tree nodes)
+    prefill_tokens: int = 0  # tokens of the step's prefill chunks, which the verify forward carries anyway
+    prefill_context: int = 0  # their context (what they attend over)
+    prefilling: list[PrefillView] = field(default_factory=list)
+    now: float | None = None  # the clock of arrival_time (None: time.monotonic(); a simulator passes its own)
+    # Model-free lookups run before the policy chooses (suffix speculation beside a draft model): each request's
+    # candidate tree. None: the proposer has no lookups; the plan is a k per request.
+    lookups: list[TokenTree] | None = None
+    draft_available: bool = False  # with lookups: whether the draft model can be chosen this step
+
+
+@dataclass
+class SpecPlan:
+    """The policy's answer: k per decoding request (0 = none) and, where it chose them, the proposer of each."""
+    ks: list[int]
+    methods: list[str] | None = None  # DRAFT or LOOKUP per request, when the view offered lookups
+    predicted_s: float | None = None  # the step's time as the policy predicts it, when it predicts
+
+    @classmethod
+    def none(cls, view: StepView) -> SpecPlan:
+        """No speculation for anyone (a policy with nothing measured yet, or a failed one)."""
+        b = len(view.requests)
+        return cls([0] * b, [LOOKUP] * b if view.lookups is not None else None)
+
+
+@dataclass
+class TreePlan:
+    """Token trees after the policy weighed their nodes: what to verify, and the step's predicted time."""
+    trees: list[TokenTree]
+    predicted_s: float | None = None

@@ -1,0 +1,84 @@
+"""The draft-model proposer on its own: k lockstep draft forwards over the requests that want tokens, a catch-up on
+what the draft has not seen, its cache kept to what the target committed, and its draws reported with their
+distributions (what sampled acceptance needs)."""
+import pytest
+import torch
+
+from smartspec import LLM
+from smartspec.spec_decode.draft_model import DraftModelProposer
+from smartspec.spec_decode.factory import DraftRuntime, make_draft_proposer
+from smartspec.spec_decode.config import SpeculativeConfig
+from smartspec.types.request import Request
+from smartspec.types.sampling_params import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61]
+
+
+def draft_of(target_llm, draft_path, num_blocks=32):
+    engine = target_llm.engine
+    spec = SpeculativeConfig(method="draft_model", model=draft_path)
+    return make_draft_proposer(spec, DraftRuntime(engine.tokenizer, engine.vocab_size, num_blocks, 4, True))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen):
+    return LLM(tiny_qwen, num_kv_blocks=64, block_size=4, max_model_len=256)
+
+
+def test_a_draft_that_is_the_target_drafts_the_targets_own_tokens(target, tiny_qwen):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = target.generate([PROMPT], params)[0].token_ids
+    draft = draft_of(target, tiny_qwen)
+    assert isinstance(draft, DraftModelProposer) and draft.draft_available
+    req = Request("r", list(PROMPT), params)
+    proposal = draft.propose([req], [4])
+    assert proposal.tokens == [expected[:4]] and proposal.probs == [None]  # greedy: deterministic drafts
+    assert proposal.catchup_tokens == len(PROMPT) - 1  # it read the prompt before its first draft
+
+
+def test_the_draft_keeps_what_the_target_committed_and_catches_up_on_the_rest(target, tiny_qwen):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = target.generate([PROMPT], params)[0].token_ids
+    draft = draft_of(target, tiny_qwen)
+    req = Request("r", list(PROMPT), params)
+    draft.propose([req], [3])
+    # the target accepted two drafts and made its own third token, then ran two steps at k = 0
+    req.token_ids += expected[:5]
+    draft.sync(req)
+    assert draft.state["r"].num_computed_tokens == len(PROMPT) + 2  # the fed tokens it agrees with stay cached
+    proposal = draft.propose([req], [2])
+    assert proposal.tokens == [expected[5:7]]
+    assert proposal.catchup_tokens == 2  # the target's own token and the two made at k = 0, less the one fed anyway
+    draft.release("r")
+    assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
+
+
+def test_requests_at_k_zero_cost_the_draft_nothing(target, tiny_qwen):
+    draft = draft_of(target, tiny_qwen)
+    reqs = [Request(f"r{i}", list(PROMPT), SamplingParams(max_tokens=8)) for i in range(2)]
+    proposal = draft.propose(reqs, [0, 2])
+    assert proposal.tokens[0] == [] and len(proposal.tokens[1]) == 2 and "r0" not in draft.state
+
+
+def test_a_full_draft_cache_drafts_nothing_and_loses_nothing(target, tiny_qwen):
+    draft = draft_of(target, tiny_qwen, num_blocks=2)  # 8 slots: not enough for a 7-token prompt and 4 drafts
+    req = Request("r", list(PROMPT), SamplingParams(max_tokens=8))
+    assert draft.propose([req], [4]).tokens == [[]]
+    assert draft.propose([req], [1]).tokens != [[]]  # a shorter draft still fits
+
+
+def test_sampled_drafts_come_with_the_distributions_they_were_drawn_from(target, tiny_qwen_draft):
+    draft = draft_of(target, tiny_qwen_draft)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=3)
+    req = Request("r", list(PROMPT), params, torch.Generator().manual_seed(3))
+    proposal = draft.propose([req], [3])
+    (q,) = proposal.probs
+    assert q.shape == (3, target.engine.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    assert all(q[j, tok] > 0 for j, tok in enumerate(proposal.tokens[0]))  # each token is one it could draw
+    assert all(int((row > 0).sum()) <= 20 for row in q)  # top_k applies to the draft as to the target
+
+
+def test_a_draft_of_another_vocabulary_is_refused(target, tiny_llama_tied):
+    with pytest.raises(ValueError, match="same vocabulary"):
+        draft_of(target, tiny_llama_tied)

@@ -1,0 +1,104 @@
+"""Planning a step: the policy sees a typed view of the decoding requests and the prefill beside them; its plan is
+checked and capped (max_tokens, the request's own cap, the context, the step's budget, free KV blocks), and a
+failing or nonsensical policy costs speculation for the step, never a request."""
+import pytest
+
+from smartspec.engine.planner import Speculation, plan_step, step_view
+from smartspec.engine.scheduler import ScheduledRequest
+from smartspec.policy import FixedPolicy, Policy
+from smartspec.runtime.block_manager import BlockManager
+from smartspec.spec_decode.ngram import NgramProposer
+from smartspec.spec_decode.suffix import SuffixProposer
+from smartspec.types.plan import DRAFT, LOOKUP, SpecPlan
+from smartspec.types.request import Request
+from smartspec.types.sampling_params import SamplingParams
+
+
+def decoding(rid, n, **params):
+    r = Request(rid, list(range(n)), SamplingParams(**{"max_tokens": 64, **params}), arrival_time=1.5)
+    r.num_computed_tokens = n - 1  # due for its next token
+    return r
+
+
+class Answer(Policy):
+    """Answers a fixed plan, whatever it is shown (and keeps what it was shown)."""
+    name = "answer"
+
+    def __init__(self, plan):
+        self.answer, self.views = plan, []
+
+    def plan(self, view):
+        self.views.append(view)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them():
+    a = decoding("a", 10, max_speculative_tokens=2)
+    p = Request("p", list(range(30)), SamplingParams(), arrival_time=3.0)
+    p.num_computed_tokens = 8
+    view = step_view([a], [ScheduledRequest(p, 16)], k_max=4, now=9.0)
+    (r,) = view.requests
+    assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.max_speculative_tokens,
+            r.arrival_time) == ("a", 10, 0, 64, 2, 1.5)
+    assert (view.prefill_tokens, view.prefill_context) == (16, 24)
+    assert [(x.request_id, x.arrival_time) for x in view.prefilling] == [("p", 3.0)]
+    assert view.lookups is None and view.now == 9.0
+
+
+def test_ks_are_capped_and_their_blocks_reserved():
+    blocks = BlockManager(64, 4)
+    reqs = [decoding("long", 10), decoding("ending", 10, max_tokens=3), decoding("capped", 10,
+                                                                                max_speculative_tokens=1)]
+    for r in reqs:
+        blocks.allocate(r, r.num_tokens)
+    spec = Speculation(NgramProposer(), FixedPolicy(5), 5)
+    view, plan = plan_step(spec, reqs, [], budget=100, blocks=blocks, max_model_len=13)
+    # long: the context leaves room for 13 - 10 - 1 drafts; ending: max_tokens 3 leaves 2; capped: its own cap
+    assert plan.ks == [2, 2, 1] and view is not None
+    assert [len(r.block_table) for r in reqs] == [3, 3, 3]  # 10 + k tokens: blocks for the drafts reserved
+    _, plan = plan_step(spec, [decoding("x", 10)], [], budget=3, blocks=blocks, max_model_len=100)
+    assert plan.ks == [3]  # the step's token budget
+
+
+def test_free_blocks_cap_the_drafts():
+    blocks = BlockManager(3, 4)
+    r = decoding("r", 10)
+    blocks.allocate(r, 10)  # 3 blocks, 12 slots: room for 2 drafts and no block left
+    _, plan = plan_step(Speculation(NgramProposer(), FixedPolicy(5), 5), [r], [], 100, blocks, 100)
+    assert plan.ks == [2] and blocks.num_free == 0
+
+
+@pytest.mark.parametrize("answer", [RuntimeError("broken"), SpecPlan([9]), SpecPlan([1, 1]), SpecPlan([-1]),
+                                    SpecPlan([1.5])])
+def test_a_failing_or_nonsensical_policy_costs_only_speculation(answer):
+    blocks = BlockManager(16, 4)
+    r = decoding("r", 10)
+    blocks.allocate(r, 10)
+    view, plan = plan_step(Speculation(NgramProposer(), Answer(answer), 4), [r], [], 100, blocks, 100)
+    assert view is None and plan.ks == [0] and plan.methods is None and len(r.block_table) == 3
+
+
+def test_lookups_are_shown_before_the_plan_and_proposers_checked():
+    r = decoding("r", 10)
+    r.token_ids[:] = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+    blocks = BlockManager(16, 4)
+    blocks.allocate(r, 10)
+    policy = Answer(SpecPlan([2], [LOOKUP]))
+    view, plan = plan_step(Speculation(SuffixProposer(4), policy, 4), [r], [], 100, blocks, 100)
+    assert plan.ks == [2] and plan.methods == [LOOKUP]
+    (tree,) = view.lookups
+    assert tree.tokens[:2] == [2, 3] and not view.draft_available  # suffix alone: no draft model to choose
+    # the draft model cannot be chosen where none is available
+    _, plan = plan_step(Speculation(SuffixProposer(4), Answer(SpecPlan([2], [DRAFT])), 4), [r], [], 100, blocks,
+                        100)
+    assert plan.ks == [0]
+
+
+def test_no_proposer_or_no_decoding_asks_no_policy():
+    policy = Answer(SpecPlan([1]))
+    blocks = BlockManager(16, 4)
+    assert plan_step(Speculation(None, policy, 4), [decoding("r", 5)], [], 100, blocks, 100)[1].ks == [0]
+    assert plan_step(Speculation(NgramProposer(), policy, 4), [], [], 100, blocks, 100)[1].ks == []
+    assert policy.views == []
