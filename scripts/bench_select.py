@@ -1,6 +1,6 @@
 """Per-step cost of the SmartSpec policy, by batch size: the k selection alone (select_k with a fitted cost model),
-and the policy's whole choose (acceptance estimates for the batch, caps, selection, probes), cold (before 8 requests
-have finished, when each estimate averages over prior strengths) and warm.
+and the policy's whole plan (the step's view built, acceptance estimates for the batch, caps, selection, probes),
+cold (before 8 requests have finished, when each estimate averages over prior strengths) and warm.
 
     python scripts/bench_select.py            # prints a table; writes results/bench_select.parquet
 """
@@ -28,7 +28,7 @@ def fitted(model: StepCostModel, rng: random.Random) -> None:
         model.observe(n, c, depth, depth * 2, 0.1 * depth, 0.25 + 0.012 * max(0, n - 8) + 2e-6 * c)
 
 
-def time_choose(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[float]:
+def time_plan(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[float]:
     policy = GoodputPolicy(key="bench")
     fitted(policy.cost, rng)
     if warm:  # enough finished requests for the prior's strength to be learned
@@ -69,8 +69,8 @@ def main() -> int:
                 samples.append(time.perf_counter() - t)
             rows.append(timing_row("select_k", batch, k_max, samples))
             for warm in (False, True):
-                rows.append(timing_row(f"choose ({'warm' if warm else 'cold'})", batch, k_max,
-                                       time_choose(batch, k_max, warm, rng)))
+                rows.append(timing_row(f"plan ({'warm' if warm else 'cold'})", batch, k_max,
+                                       time_plan(batch, k_max, warm, rng)))
     print(f"{'part':>15s} {'batch':>6s} {'K':>3s} {'median ms':>10s} {'p99 ms':>8s}")
     for r in rows:
         print(f"{r['part']:>15s} {r['batch']:6d} {r['k_max']:3d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f}")

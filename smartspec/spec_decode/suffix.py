@@ -10,7 +10,7 @@ that continue with its token, discounted for a short match (one matched token sa
 ten do); the policy calibrates confidences into acceptance probabilities online (`NodeCalibration`).
 
 Model-free and cheap: the lookups run before k is chosen, so the goodput policy sees the actual candidates
-(`candidates`), not a guess from the last step's."""
+(`lookups`), not a guess from the last step's."""
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
