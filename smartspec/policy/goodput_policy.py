@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,6 +16,33 @@ from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_value
 from smartspec.types.plan import DRAFT, RequestView, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
 from smartspec.types.tree import TokenTree
+
+
+@dataclass
+class _Step:
+    """One step's numbers while its plan is made."""
+    view: StepView
+    caps: list[int]  # the most each request may draft
+    tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
+    context: int  # and the context they attend over
+    now: float  # the clock of arrival_time
+
+    @property
+    def requests(self) -> list[RequestView]:
+        return self.view.requests
+
+    @property
+    def decode_context(self) -> int:
+        """The decoding requests' context alone."""
+        return self.context - self.view.prefill_context
+
+
+@dataclass
+class _Starts:
+    """A draft model's catch-up per request: seconds paid once before its first draft, spread over at most
+    horizon_cap steps."""
+    seconds: np.ndarray
+    horizon_cap: float
 
 
 def _expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
@@ -97,18 +125,16 @@ class GoodputPolicy(Policy):
     def plan(self, view: StepView) -> SpecPlan:
         """One entry point: chains and trees of one proposer (a k per request), or, where the view holds lookups,
         the proposer and k per request."""
-        shape = self._begin_step(view)
-        if shape is None:  # nothing measured yet: plain decoding is the one safe plan
+        step = self._begin_step(view)
+        if step is None:  # nothing measured yet: plain decoding is the one safe plan
             return SpecPlan.none(view)
-        now = time.monotonic() if view.now is None else view.now
         if view.lookups is not None:
-            return self._plan_proposers(view, *shape, now)
-        return self._plan_chains(view, *shape, now)
+            return self._plan_proposers(step)
+        return self._plan_chains(step)
 
-    def _plan_chains(self, view: StepView, caps: list[int], tokens: int, context: int, now: float) -> SpecPlan:
+    def _plan_chains(self, step: _Step) -> SpecPlan:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
-        requests, k_max = view.requests, view.k_max
-        base_tokens, base_context, prefilling = view.prefill_tokens, view.prefill_context, view.prefilling
+        requests, k_max, caps, tokens, context = step.requests, step.view.k_max, step.caps, step.tokens, step.context
         if self.tree_depth is None:
             raw_gains = self.acceptance.gains([r.request_id for r in requests], k_max)
             depth_of = np.arange(1, k_max + 1)
@@ -117,12 +143,10 @@ class GoodputPolicy(Policy):
                 self.tree_gains = TreeGains(k_max, self.prior_alpha)
             raw_gains = np.stack([self.tree_gains.curve(r.request_id) for r in requests])
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
-        start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))  # seconds, paid once per start
-        horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
-        gains = self._charge_starts(raw_gains, requests, caps, start_s, horizon_cap)
-        price = (self._prefill_step_price(gains, caps, depth_of, len(requests), context - base_context,
-                                          len(prefilling))
-                 if base_tokens else None)
+        starts = self._starts(step)
+        start_s = starts.seconds
+        gains = self._charge_starts(raw_gains, step, starts)
+        price = self._prefill_step_price(gains, step, depth_of) if step.view.prefill_tokens else None
         plans = plans_by_depth(gains, caps, depth_of, self.cost.predict, tokens, context, price)
         plan = best_plan(plans) if price is not None else self._shape_probe(plans)
         ks, predicted = list(plan.ks), plan.seconds
@@ -130,8 +154,7 @@ class GoodputPolicy(Policy):
         due = [i for i, r in enumerate(requests)
                if ks[i] == 0 and caps[i] > 0 and self.step >= self._probe_due.get(r.request_id, 0)]
         learning = self.acceptance.evidence < self.min_prior_evidence
-        worth = self._worth_probing(due, raw_gains, gains, requests, caps, depth_of, start_s, horizon_cap, plan,
-                                    tokens, context, price, together=learning)
+        worth = self._worth_probing(step, due, raw_gains, gains, depth_of, starts, plan, price, together=learning)
         budget = max(1, int(self.explore_fraction * len(requests)))
         for i in sorted(due, key=lambda i: start_s[i]):  # the cheapest probes first
             # a bounded probe: a request at k = 0 would otherwise never show it improved; once the prior is
@@ -148,16 +171,17 @@ class GoodputPolicy(Policy):
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
         return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(start_s, ks) if k)))
 
-    def _begin_step(self, view: StepView) -> tuple[list[int], int, int] | None:
-        """Count the step and see its requests; the caps on k and the step's tokens and context at k = 0, or None
-        while the cost model has measured nothing."""
+    def _begin_step(self, view: StepView) -> _Step | None:
+        """Count the step and see its requests; the step's numbers, or None while the cost model has measured
+        nothing."""
         self.step += 1
         for r in (*view.requests, *view.prefilling):
             self.arrivals.see(r.request_id, r.arrival_time)
         self.acceptance.tick(r.request_id for r in view.requests)
         if not self.cost.ready:
             return None
-        return self._caps(view), *self._step_shape(view)
+        return _Step(view, self._caps(view), *self._step_shape(view),
+                     time.monotonic() if view.now is None else view.now)
 
     @staticmethod
     def _caps(view: StepView) -> list[int]:
@@ -172,26 +196,25 @@ class GoodputPolicy(Policy):
         return (view.prefill_tokens + len(view.requests),
                 view.prefill_context + sum(r.num_tokens for r in view.requests))
 
-    def _plan_proposers(self, view: StepView, caps: list[int], tokens: int, context: int, now: float) -> SpecPlan:
+    def _plan_proposers(self, step: _Step) -> SpecPlan:
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
         tree's nodes valued by their calibrated confidences, the draft model's tokens by the request's acceptance
         rate, its catch-up charged as for chains. While the draft's acceptance prior is unlearned, a request the plan
         leaves at k = 0, that the lookups do not serve and whose catch-up is cheap, now and then probes the draft
         model with one token."""
+        view, caps, tokens, context = step.view, step.caps, step.tokens, step.context
         requests, k_max, use_draft = view.requests, view.k_max, view.draft_available
-        base_tokens, base_context, prefilling = view.prefill_tokens, view.prefill_context, view.prefilling
         b = len(requests)
         lookup = lookup_gains([node_values(t, self.calibration) for t in view.lookups], k_max)
         draft, start_s = None, np.zeros(b)
         if use_draft:
-            start_s = self.cost.predict_draft(0, 0, self._catchup_tokens(requests))
-            horizon_cap = self._steps_to_next_arrival(caps, tokens, context, now)
-            draft = self._charge_starts(self.acceptance.gains([r.request_id for r in requests], k_max), requests,
-                                        caps, start_s, horizon_cap)
+            starts = self._starts(step)
+            start_s = starts.seconds
+            draft = self._charge_starts(self.acceptance.gains([r.request_id for r in requests], k_max), step, starts)
         price = None
-        if base_tokens:  # as in _prefill_step_price: drafts must beat the decoding batch's own rate
-            alone = select_proposers(draft, lookup, caps, self.cost.predict, b, context - base_context)
-            price = alone.value * (b + max(1, len(prefilling))) / b
+        if view.prefill_tokens:  # as in _prefill_step_price: drafts must beat the decoding batch's own rate
+            alone = select_proposers(draft, lookup, caps, self.cost.predict, b, step.decode_context)
+            price = alone.value * (b + max(1, len(view.prefilling))) / b
         plan = select_proposers(draft, lookup, caps, self.cost.predict, tokens, context, price)
         methods, ks = plan.methods, plan.ks
         self._probing = set()
@@ -200,7 +223,7 @@ class GoodputPolicy(Policy):
             # only for a request the lookups do not serve, and whose catch-up costs a small share of the decoding
             # steps it would be spread over (longer prompts are drafted for once the prior says it pays). Decoding
             # steps alone: beside a prefill chunk the step is long, but the catch-up delays the batch all the same.
-            decode_s = float(self.cost.predict(b, context - base_context))
+            decode_s = float(self.cost.predict(b, step.decode_context))
             due = [i for i, r in enumerate(requests)
                    if ks[i] == 0 and caps[i] > 0 and lookup[i, 0] < 0.5
                    and self.step >= self._probe_due.get(r.request_id, 0)
@@ -216,16 +239,18 @@ class GoodputPolicy(Policy):
         self._chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, drafted) if k}
         return SpecPlan(ks, methods, predicted)
 
-    def _charge_starts(self, gains: np.ndarray, requests: list[RequestView], caps: list[int], start_s: np.ndarray,
-                       horizon_cap: float) -> np.ndarray:
-        if not start_s.any():
-            return gains
-        return charge_start_costs(gains, caps, self._start_cost_in_tokens(requests, caps, gains, start_s,
-                                                                          horizon_cap))
+    def _starts(self, step: _Step) -> _Starts:
+        return _Starts(self.cost.predict_draft(0, 0, self._catchup_tokens(step.requests)),
+                       self._steps_to_next_arrival(step))
 
-    def _worth_probing(self, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, requests: list[RequestView],
-                       caps: list[int], depth_of: np.ndarray, start_s: np.ndarray, horizon_cap: float, plan: Plan,
-                       tokens: int, context: int, price: float | None, together: bool) -> set[int]:
+    def _charge_starts(self, gains: np.ndarray, step: _Step, starts: _Starts) -> np.ndarray:
+        if not starts.seconds.any():
+            return gains
+        return charge_start_costs(gains, step.caps, self._start_cost_in_tokens(step, gains, starts))
+
+    def _worth_probing(self, step: _Step, due: list[int], raw_gains: np.ndarray, gains: np.ndarray,
+                       depth_of: np.ndarray, starts: _Starts, plan: Plan, price: float | None,
+                       together: bool) -> set[int]:
         """The requests in `due` (at k = 0 in the chosen plan) that would draft if their drafts were accepted almost
         surely (the estimator's ceiling), catch-up charged as usual.
 
@@ -244,17 +269,19 @@ class GoodputPolicy(Policy):
         up to its cap."""
         if not due:
             return set()
+        caps, tokens, context = step.caps, step.tokens, step.context
         k_top = raw_gains.shape[1]
         hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
         hopeful[due] = self.acceptance.first.max_alpha ** np.arange(1, k_top + 1)[None, :]
-        hopeful = self._charge_starts(hopeful, requests, caps, start_s, horizon_cap)
+        hopeful = self._charge_starts(hopeful, step, starts)
         j = np.arange(1, k_top + 1)
         m = plan.tokens + j
         t = self.cost.predict(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
         if together:
             hope = best_plan(plans_by_depth(hopeful, caps, depth_of, self.cost.predict, tokens, context, price))
             return {i for i in due if hope.ks[i] > 0
-                    and self._probe_pays(hope, plan, raw_gains[i, 0], start_s[i], float(t[0]), price, horizon_cap)}
+                    and self._probe_pays(hope, plan, raw_gains[i, 0], starts.seconds[i], float(t[0]), price,
+                                         starts.horizon_cap)}
         expected = _expected_tokens(gains, plan.ks)  # catch-up charged
         gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
         better = plan_value(gained, t[None, :], price) > plan.value
@@ -293,13 +320,12 @@ class GoodputPolicy(Policy):
         self.shape_probes += 1
         return max(near, key=lambda p: abs(p.tokens - best.tokens))  # the most different shape teaches the most
 
-    def _prefill_step_price(self, gains: np.ndarray, caps: list[int], depth_of: np.ndarray, b: int,
-                            decode_context: int, held: int) -> float:
+    def _prefill_step_price(self, gains: np.ndarray, step: _Step, depth_of: np.ndarray) -> float:
         """Tokens per second a draft must add to a step that carries prefill: the goodput the decode batch would
-        reach in a step of its own, times the requests this step holds (decoding + `held` prefilling) per decoding
-        request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs. b: the
-        decoding requests; decode_context: their context tokens."""
-        ks, t = select_from_gains(gains, caps, depth_of, self.cost.predict, b, decode_context)
+        reach in a step of its own, times the requests this step holds (decoding + prefilling) per decoding
+        request. Drafting in such a step makes the prefilling requests wait for tokens that are not theirs."""
+        b, held = len(step.requests), len(step.view.prefilling)
+        ks, t = select_from_gains(gains, step.caps, depth_of, self.cost.predict, b, step.decode_context)
         expected = _expected_tokens(gains, ks)
         return expected / t * (b + max(1, held)) / b
 
@@ -310,8 +336,7 @@ class GoodputPolicy(Policy):
         return np.array([max(0, r.num_tokens - 1 - self._draft_seen.get(r.request_id, 0)) for r in requests],
                         dtype=np.float64)
 
-    def _start_cost_in_tokens(self, requests: list[RequestView], caps: list[int], gains: np.ndarray,
-                              start_s: np.ndarray, horizon_cap: float) -> np.ndarray:
+    def _start_cost_in_tokens(self, step: _Step, gains: np.ndarray, starts: _Starts) -> np.ndarray:
         """A catch-up is paid once and serves the steps that follow: spread it over the steps the request would
         take to finish while drafting (at most catchup_horizon, since load may turn drafting off again), and price
         its seconds at the decoding batch's goodput without speculation.
@@ -320,22 +345,23 @@ class GoodputPolicy(Policy):
         second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
         worth and let whole batches start drafting in prefill steps (tested:
         test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
-        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
+        requests = step.requests
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.caps)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         remaining = np.array([max(1, r.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
-        horizon = np.clip(remaining / per_step, 1.0, horizon_cap)
+        horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
         decode_s = float(self.cost.predict(len(requests), sum(r.num_tokens for r in requests)))
-        return start_s / horizon * (len(requests) / decode_s)
+        return starts.seconds / horizon * (len(requests) / decode_s)
 
-    def _steps_to_next_arrival(self, caps: list[int], tokens: int, context: int, now: float) -> float:
+    def _steps_to_next_arrival(self, step: _Step) -> float:
         """The most steps a catch-up is spread over: catchup_horizon, or fewer where the next arrival is expected
         sooner. Steps are counted at the length of one in which every request drafts its cap (drafting steps are
         the ones a catch-up pays back in); the prior gap is catchup_horizon such steps, so with no arrivals seen
         the bound is catchup_horizon."""
-        sum_k = sum(caps)
-        step_s = max(1e-9, float(self.cost.predict(tokens + sum_k, context + sum_k,
-                                                   self._depth(max(caps, default=0)), sum_k)))
-        gap = self.arrivals.expected_gap(now, self.catchup_horizon * step_s)
+        sum_k = sum(step.caps)
+        step_s = max(1e-9, float(self.cost.predict(step.tokens + sum_k, step.context + sum_k,
+                                                   self._depth(max(step.caps, default=0)), sum_k)))
+        gap = self.arrivals.expected_gap(step.now, self.catchup_horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.catchup_horizon))
 
     def _depth(self, k: int) -> int:
