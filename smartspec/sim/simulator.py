@@ -1,8 +1,9 @@
 """The simulated step is the engine's (schedule -> plan -> propose -> verify -> accept -> commit -> observe) with
 the model replaced: the real Scheduler, BlockManager, planning (engine/planner.py: the policy, caps, draft block
-reservation) and commit (engine/commit.py), a step time from the profile's cost model, and accepted drafts sampled
-per token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded of two random replicas (Serve's
-power of two choices)."""
+reservation), propose stage (engine/drafter.py, over a stand-in draft that tracks what a draft model would have
+read) and commit (engine/commit.py); a step time from the profile's cost model, and accepted drafts sampled per
+token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded
+of two random replicas (Serve's power of two choices)."""
 from __future__ import annotations
 
 import heapq
@@ -11,20 +12,45 @@ import itertools
 import numpy as np
 
 from smartspec.engine.commit import commit_tokens, finish_request
+from smartspec.engine.drafter import propose
 from smartspec.engine.planner import Speculation, plan_step
 from smartspec.engine.scheduler import Scheduler, split_batch
 from smartspec.policy import make_policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.sim.profile import SimProfile
-from smartspec.spec_decode.proposer import Proposer
+from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.step_record import StepRecord
 
 
 class _SimProposer(Proposer):
-    """Stands for the draft model: always available, its drafts are sampled acceptances (see SimReplica.step)."""
+    """Stands for the draft model: drafts of placeholder tokens (their acceptance is sampled, see SimReplica.step),
+    and what a draft model would have read per request, so each proposal reports its catch-up as a real one does."""
     method = "sim"
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}  # tokens the draft has read per request (its catch-up is paid)
+        self.fed: dict[str, tuple[int, int]] = {}  # request -> (its tokens, k) when it last drafted
+
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
+        live = [(r, k) for r, k in zip(requests, ks) if k > 0]
+        catchup = sum(r.num_tokens - 1 - self.seen.get(r.request_id, 0) for r, _ in live)
+        self.fed.update((r.request_id, (r.num_tokens, k)) for r, k in live)
+        return Proposal([[0] * k if k > 0 else [] for k in ks], [None] * len(requests), catchup_tokens=catchup)
+
+    def sync(self, request: Request) -> None:
+        """The target committed: the draft read the context and its drafts up to the last, or to the first
+        rejected one."""
+        fed = self.fed.pop(request.request_id, None)
+        if fed is not None:
+            num_tokens, k = fed
+            accepted = request.num_tokens - num_tokens - 1
+            self.seen[request.request_id] = num_tokens + min(accepted, k - 1)
+
+    def release(self, request_id: str) -> None:
+        self.seen.pop(request_id, None)
+        self.fed.pop(request_id, None)
 
 
 class SimReplica:
@@ -47,7 +73,6 @@ class SimReplica:
             self.speculation.policy.observe_profile(records)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.alpha: dict[str, float] = {}
-        self.draft_seen: dict[str, int] = {}  # tokens a draft model has read per request (its catch-up is paid)
         self.steps = 0
 
     @property
@@ -62,15 +87,15 @@ class SimReplica:
         """Run one step starting at `now`; return its end time and the requests that finished in it."""
         batch = self.scheduler.schedule()
         decoding, prefill = split_batch(batch)
-        _, plan = plan_step(self.speculation, decoding, prefill,
-                            self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
-                            self.max_model_len, now=now)
+        view, plan = plan_step(self.speculation, decoding, prefill,
+                               self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
+                               self.max_model_len, now=now)
         ks = plan.ks
+        catchup = propose(self.speculation, view, decoding, plan).catchup_tokens
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of.get(s.request.request_id, 0)
                         for s in batch)
-        catchup = sum(r.num_tokens - 1 - self.draft_seen.get(r.request_id, 0) for r, k in zip(decoding, ks) if k)
         duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks), catchup)
         draft_s = float(self.profile.cost.predict_draft(max(ks, default=0), sum(ks), catchup)) if any(ks) else 0.0
         end, finished, accepted = now + duration, [], []
@@ -85,14 +110,13 @@ class SimReplica:
                 a += 1
             if req.request_id in k_of:
                 accepted.append(a)
-            if k:  # the draft read the context and its drafts but the last
-                self.draft_seen[req.request_id] = req.num_tokens + min(a, k - 1)
             # token ids stand for lengths (requests ignore EOS and have no stop tokens)
             done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len, end)
             if done.finish_reason is not None:
                 finish_request(req, done.finish_reason, self.scheduler, self.speculation, end)
-                self.draft_seen.pop(req.request_id, None)
                 finished.append(req)
+            elif self.speculation.proposer is not None:
+                self.speculation.proposer.sync(req)
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
