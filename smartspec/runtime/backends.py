@@ -11,13 +11,16 @@ cache, and returns the fp32 logits of the rows the step keeps. Today's backends:
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from smartspec.runtime import attention, kernels
 from smartspec.runtime.fast_linear import pack_linears
 from smartspec.runtime.fused_decoder import FusedDecoder
+
+if TYPE_CHECKING:
+    from smartspec.runtime.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ class Backend(Protocol):
     name: str
     uses_kernels: bool  # whether the CPU kernels compute it (they are batch-invariant: see docs/architecture.md)
 
-    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
         """logits [kept rows, vocab] (fp32) of one step; writes the step's k/v into kv_caches."""
 
 
@@ -39,7 +42,7 @@ class FusedKernelBackend:
     def __init__(self, fused: FusedDecoder) -> None:
         self.fused = fused
 
-    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
         return self.fused(inputs, kv_caches)
 
 
@@ -50,7 +53,7 @@ class ModulesBackend:
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
 
     @torch.inference_mode()
-    def execute(self, inputs, kv_caches: KVCaches) -> torch.Tensor:
+    def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
         dev = self.device
         attention.set_step(attention.StepAttention(
             kv_caches=kv_caches,
