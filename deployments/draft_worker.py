@@ -52,6 +52,7 @@ class DraftWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         target_tokenizer = load_model(target_model, weights=False).tokenizer
+        self.device = runtime.device
         self.proposer = make_draft_proposer(spec, replace(runtime, target_tokenizer=target_tokenizer))
         self.incarnation = uuid.uuid4().hex  # a restarted actor is a new incarnation with no request state
         self.mirrors: dict[str, Request] = {}
@@ -81,12 +82,12 @@ class DraftWorker:
         return {"incarnation": self.incarnation, "drafts": drafts, "unknown": unknown,
                 "catchup": proposal.catchup_tokens}
 
-    @staticmethod
-    def _mirror(rid: str, prompt: list[int], params: SamplingParams) -> Request:
+    def _mirror(self, rid: str, prompt: list[int], params: SamplingParams) -> Request:
         generator = None
         if not params.greedy:  # any randomness keeps the output lossless; a seed keeps it reproducible
-            generator = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                      else torch.seed() % 2**63)
+            # on the draft's device: a draw takes its generator's device
+            generator = torch.Generator(device=self.device).manual_seed(params.seed if params.seed is not None
+                                                                        else torch.seed() % 2**63)
         return Request(rid, list(prompt), params, generator)
 
     def release(self, request_id: str) -> None:

@@ -52,8 +52,9 @@ class LLMServer:
         from deployments.tp_workers import TPModelRunner
 
         gpus = 1 if cfg.device == "cuda" else 0
-        quantization = cfg.engine_config().quantization  # as the engine reads it ("auto" without kernels: None)
-        return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, "float32", cfg.device,
+        engine = cfg.engine_config()  # quantization and dtype as the engine reads them ("auto" resolved)
+        quantization, dtype = engine.quantization, engine.dtype
+        return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, dtype, cfg.device,
                                                     cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
                                                     quantization=quantization)
 

@@ -1,6 +1,7 @@
 """Engine configuration, validated where it enters."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from smartspec.models.loader import QUANTIZATIONS
@@ -22,8 +23,9 @@ class EngineConfig:
     seed: int = 0
     # The batch-invariant CPU kernels (fp32). False runs transformers' own linears and a torch attention.
     use_kernels: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
+    # "auto": bfloat16 on a GPU, float32 on the CPU (the CPU kernels compute in fp32); or float32, bfloat16, float16
+    dtype: str = "auto"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     # "auto": "gguf" for a model folder that holds a GGUF file (the bundled models), else None. "gguf": the
     # weights stay in the GGUF block formats and linears compute from them with int8 activations (llama.cpp's
     # numerics, AVX-512 VNNI); "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of
@@ -61,5 +63,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "auto" and not self.use_kernels:
             self.quantization = None  # the GGUF modes compute on the kernels
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -76,6 +76,7 @@ def test_placement_group_holds_replica_draft_and_tp_workers():
     ({"speculation": {"method": "ngram", "tree": {"max_nodes": 99}}}, "tree.max_nodes must be at most 63"),
     ({"step_trace_dir": "traces"}, "step_trace_dir must be an absolute path"),
     ({"quantization": "awq"}, "quantization"),
+    ({"dtype": "float8"}, "dtype"),
 ])
 def test_bad_app_config_is_refused_with_the_reason(args, message):
     with pytest.raises(ValueError, match=message):
@@ -87,6 +88,14 @@ def test_quantization_reaches_the_engine():
     assert AppConfig.model_validate({"model": "m"}).engine_config().quantization == "auto"
     assert AppConfig.model_validate({"model": "m", "quantization": None}).engine_config().quantization is None
     assert AppConfig.model_validate({"model": "m", "tensor_parallel_size": 2}).tensor_parallel_size == 2
+
+
+def test_dtype_reaches_the_engine():
+    """A served GPU replica runs bf16 unless told otherwise; the CPU stays fp32."""
+    assert AppConfig.model_validate({"model": "m", "device": "cuda"}).engine_config().dtype == "bfloat16"
+    assert AppConfig.model_validate({"model": "m"}).engine_config().dtype == "float32"
+    assert AppConfig.model_validate({"model": "m", "device": "cuda", "dtype": "float16"}).engine_config().dtype \
+        == "float16"
 
 
 def test_each_replica_traces_its_steps_to_a_folder_of_its_own(tmp_path):

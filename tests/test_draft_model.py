@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from smartspec import LLM
+from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.spec_decode.draft_model import DraftModelProposer
 from smartspec.spec_decode.factory import DraftRuntime, make_draft_proposer
-from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 

@@ -51,6 +51,16 @@ def test_bad_engine_configuration_is_rejected(tiny_qwen):
         LLM(tiny_qwen, num_kv_blocks=2, block_size=4, max_model_len=128)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float8")
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(device="tpu")
+
+
+def test_dtype_auto_is_fp32_on_the_cpu_and_bf16_on_a_gpu():
+    assert EngineConfig().dtype == "float32"  # the CPU kernels compute in fp32
+    assert EngineConfig(device="cuda").dtype == "bfloat16"
+    assert EngineConfig(device="cuda:1", dtype="float16").dtype == "float16"
 
 
 def test_stops_max_tokens_and_stop_strings(llm):

@@ -5,7 +5,7 @@ cache, and returns the fp32 logits of the rows the step keeps. Today's backends:
 
 - `FusedKernelBackend`: Llama-family layers on int8 GGUF weights, one CPU kernel call per decoder layer.
 - `ModulesBackend`: transformers' modules as written, attention through the paged cache (attention.py) on the CPU
-  kernels where they load, else on torch's reference path (any device).
+  kernels where they load, else on torch's scaled-dot-product attention over query groups (any device).
 
 `select_backend` picks the fastest that runs the model on its device and dtype."""
 from __future__ import annotations
@@ -55,6 +55,8 @@ class ModulesBackend:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
         dev = self.device
+        groups = None if self.uses_kernels else attention.group_queries(
+            inputs.seq_of, inputs.kv_len, inputs.block_tables, inputs.tree_base, inputs.tree_mask, dev)
         attention.set_step(attention.StepAttention(
             kv_caches=kv_caches,
             slots=inputs.slots.to(dev),
@@ -64,6 +66,7 @@ class ModulesBackend:
             use_kernels=self.uses_kernels,
             tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
             tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
+            groups=groups,
         ))
         try:
             out = self.model(

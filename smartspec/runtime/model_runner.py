@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smartspec.runtime.attention import NO_TREE
 from smartspec.runtime.backends import select_backend
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.page_arena import PageArena
@@ -28,7 +29,6 @@ def _kv_geometry(cfg) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-NO_TREE = 2**31 - 1  # tree_base of a token outside any tree: no cache position is masked
 
 
 @dataclass

@@ -79,7 +79,7 @@ class DraftTreeProposer(DraftModelProposer):
             keys = q
         else:
             q = self._fit_vocab(target_probs(logits, req.params))
-            uniform = torch.rand(q.shape, generator=req.generator).clamp_(min=1e-20)
+            uniform = torch.rand(q.shape, generator=req.generator, device=q.device).clamp_(min=1e-20)
             keys = q.log() - (-uniform.log()).log()  # Gumbel top-k: an ordered draw without replacement
             g.child_probs[node] = q
         top = torch.topk(keys, min(self.branching, int((q > 0).sum())))

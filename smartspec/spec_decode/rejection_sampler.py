@@ -30,7 +30,7 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     for j, tok in enumerate(draft):
         q_tok = 1.0 if q is None else float(q[j, tok])
         p_tok = float(p[j, tok])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=p.device))  # p and the generator share a device
         if u * q_tok < p_tok:  # u < p/q, without dividing by a q that may be tiny
             out.append(tok)
             continue
@@ -84,7 +84,7 @@ def accept_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
         for child in tree.children(node):
             tok = tree.tokens[child]
             q_tok = 1.0 if q is None else float(q[tok])
-            u = float(torch.rand((), generator=generator))
+            u = float(torch.rand((), generator=generator, device=p.device))
             if u * q_tok < float(residual[tok]):
                 accepted = child
                 break
