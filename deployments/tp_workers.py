@@ -14,7 +14,8 @@ import torch
 
 from smartspec.models.loader import LoadedModel
 from smartspec.runtime.block_manager import BlockManager
-from smartspec.runtime.model_runner import ForwardItem, StepInputs, kv_heads_per_rank, prepare_step
+from smartspec.runtime.model_runner import ForwardItem, kv_heads_per_rank, prepare_step
+from smartspec.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,14 @@ cache, and returns the fp32 logits of the rows the step keeps. Today's backends:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from smartspec.runtime import attention, kernels
 from smartspec.runtime.fast_linear import pack_linears
 from smartspec.runtime.fused_decoder import FusedDecoder
-
-if TYPE_CHECKING:
-    from smartspec.runtime.model_runner import StepInputs
+from smartspec.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

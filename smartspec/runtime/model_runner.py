@@ -10,6 +10,7 @@ from smartspec.runtime.attention import NO_TREE
 from smartspec.runtime.backends import select_backend
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.page_arena import PageArena
+from smartspec.runtime.step_inputs import StepInputs
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 
@@ -43,20 +44,6 @@ class ForwardItem:
     positions: list[int] | None = None  # default: start, start + 1, ...
     tree_base: int | None = None
     tree_masks: list[int] | None = None
-
-
-@dataclass
-class StepInputs:
-    """A step's packed inputs, as plain CPU tensors: what a tensor-parallel rank needs to run the same step."""
-    ids: torch.Tensor  # [T] token ids
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] cache slot of each token's k/v
-    block_tables: torch.Tensor  # [B, max_blocks]
-    seq_of: torch.Tensor  # [T] row of block_tables each token belongs to
-    kv_len: torch.Tensor  # [T] a token sees its sequence's positions [0, kv_len)
-    keep: torch.Tensor  # rows whose logits are returned
-    tree_base: torch.Tensor | None = None  # [T] int32, when the step holds a token tree
-    tree_mask: torch.Tensor | None = None  # [T] int64
 
 
 def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
