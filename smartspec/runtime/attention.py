@@ -66,12 +66,9 @@ def group_queries(seq_of: torch.Tensor, kv_len: torch.Tensor, block_tables: torc
     """The step's sequences in query groups: every sequence of at most LONG_QUERY tokens (decodes, verify chains,
     token trees, short chunks) in one group, each longer prefill chunk in its own, so padding wastes at most the
     short rows' width. Inputs are the step's host tensors (a sequence's tokens are contiguous)."""
-    seqs = seq_of.tolist()
-    spans, start = [], 0  # (row of block_tables, first token, end)
-    for t in range(1, len(seqs) + 1):
-        if t == len(seqs) or seqs[t] != seqs[start]:
-            spans.append((seqs[start], start, t))
-            start = t
+    rows, counts = torch.unique_consecutive(seq_of, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    spans = [(row, end - n, end) for row, n, end in zip(rows.tolist(), counts.tolist(), ends)]  # (row, first, end)
     short = [s for s in spans if s[2] - s[1] <= LONG_QUERY]
     members = ([short] if short else []) + [[s] for s in spans if s[2] - s[1] > LONG_QUERY]
     return [_group(m, kv_len, block_tables, tree_base, tree_mask, device) for m in members]

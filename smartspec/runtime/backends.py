@@ -90,6 +90,4 @@ def select_backend(model: torch.nn.Module, device: torch.device, use_kernels: bo
         return ModulesBackend(model, device, uses_kernels=False)
     pack_linears(model, ext)
     fused = FusedDecoder.build(model, ext) if tp_size == 1 else None
-    # the modules stay ready too: a fused backend can be swapped for them (the tests compare the two)
-    modules = ModulesBackend(model, device, uses_kernels=True)
-    return FusedKernelBackend(fused) if fused is not None else modules
+    return FusedKernelBackend(fused) if fused is not None else ModulesBackend(model, device, uses_kernels=True)
