@@ -161,7 +161,7 @@ class OpenAIIngress:
             # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
             params = body.sampling_params(None if chat else self.max_tokens_default)
         except ValueError as exc:
-            raise HTTPError(422, str(exc)) from None
+            raise HTTPError(422, str(exc), getattr(exc, "field", None)) from None
         if body.speculation is not None:
             params["max_speculative_tokens"] = body.speculation.max_k
         payloads = ([{"messages": [m.model_dump() for m in body.messages]}] if chat
@@ -187,7 +187,7 @@ class OpenAIIngress:
         for first in firsts:
             if first["type"] == "error":
                 self._cancel(streams)
-                raise HTTPError(first["status"], first["message"])
+                raise HTTPError(first["status"], first["message"], first.get("param"))
         return streams, firsts
 
     @staticmethod

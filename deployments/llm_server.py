@@ -24,8 +24,8 @@ from smartspec.types.sampling_params import SamplingParams
 logger = logging.getLogger("ray.serve")
 
 
-def _error(status: int, message: str) -> dict:
-    return {"type": "error", "status": status, "message": message}
+def _error(status: int, message: str, param: str | None = None) -> dict:
+    return {"type": "error", "status": status, "message": message, "param": param}
 
 
 @serve.deployment(name="LLMServer")
@@ -99,7 +99,8 @@ class LLMServer:
             if body.get("echo"):
                 accepted.update(self._echo(prompt))
         except (ValueError, TypeError, KeyError) as exc:  # bad prompt, sampling fields or values; over the context
-            yield _error(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc))
+            yield _error(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc),
+                         getattr(exc, "field", None))
             return
         except RuntimeError as exc:  # the engine stopped after an error: this replica is unhealthy
             yield _error(503, str(exc))

@@ -24,8 +24,6 @@ class StreamOptions(BaseModel):
 # OpenAI (and vLLM) request fields this server does not implement, with the values that mean "not used": a
 # request that sets one to anything else is refused with a 400 naming it, never answered as if it were honoured.
 UNSUPPORTED = {
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
     "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
@@ -44,6 +42,10 @@ def unsupported_field(data: dict) -> tuple[str, str] | None:
     return None
 
 
+SAMPLING_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
+                     "min_tokens")
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields no generation depends on (user, store, metadata)
     model: str
@@ -58,7 +60,32 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[str, float] = Field(default_factory=dict)  # token id (a JSON key: a string) -> bias in [-100, 100]
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
     speculation: SpeculationOverride | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_controls_are_unset(cls, data):
+        """Clients send null for a sampling control they do not set: it means the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in SAMPLING_CONTROLS}
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        try:
+            ids = {int(k): b for k, b in v.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys are token ids (integers as strings)") from None
+        if any(k < 0 for k in ids) or any(not -100 <= b <= 100 for b in ids.values()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        return ids
 
     @field_validator("stop")
     @classmethod
@@ -72,8 +99,12 @@ class _Common(BaseModel):
         """SamplingParams fields; max_tokens None = up to the end of the context (the replica knows it)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         fields = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                      seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos, **self.logprob_fields())
-        SamplingParams(**{**fields, "max_tokens": max_tokens or 1})  # checked here, built in the replica
+                      seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                      repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p,
+                      min_tokens=self.min_tokens, **self.logprob_fields())
+        # checked here, built in the replica (which knows the context's end when max_tokens is None)
+        SamplingParams(**{**fields, "max_tokens": max_tokens or max(1, self.min_tokens)})
         return fields
 
     def logprob_fields(self) -> dict:

@@ -310,8 +310,14 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     ({"model": "tiny", "prompt": "y" * 600}, 400, "the context holds 512"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "token ids must be integers"),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, "`presence_penalty` is not supported"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "`logit_bias` is not supported"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 10}}, 422, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 422, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "min_p": -0.1}, 422, "min_p"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
+     "`response_format` is not supported"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
@@ -321,6 +327,28 @@ def test_bad_input_gets_openai_error(app, body, status, message):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["code"] == status and err["type"]
+    if message.isidentifier():  # a field's name: the error names it as its param
+        assert err["param"] == message, err
+
+
+def test_sampling_controls_are_served_as_the_offline_engine_makes_them(app, tiny_qwen):
+    """Penalties, logit_bias, min_p and min_tokens through the openai client, on replicas that speculate: the
+    greedy text is the offline engine's without speculation; null means unset."""
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    controls = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={70: 5.0},
+                    min_p=0.1, min_tokens=12)
+    want = llm.generate(PROMPTS[2], SamplingParams(max_tokens=24, **controls))[0]
+    assert want.text != llm.generate(PROMPTS[2], SamplingParams(max_tokens=24))[0].text
+    client = _client(app)
+    extra = {k: controls[k] for k in ("repetition_penalty", "min_p", "min_tokens")}
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                    presence_penalty=0.8, frequency_penalty=0.5, logit_bias={"70": 5.0},
+                                    extra_body=extra)
+    assert got.choices[0].text == want.text
+    assert got.model_dump()["choices"][0]["speculation"]["num_draft_tokens"] > 0  # drafts verified under them
+    r = httpx.post(f"{app}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                   "presence_penalty": None, "logit_bias": None}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_chat_logprobs_are_the_offline_engines_and_stream_alike(app, tiny_qwen):

@@ -53,9 +53,7 @@ class AsyncEngine:
         if self.errored is not None:
             raise RuntimeError(f"engine stopped after an error: {self.errored!r}")
         params = params or SamplingParams()
-        ids = self.engine.tokenize(prompt)
-        if len(ids) >= self.engine.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.engine.max_model_len}")
+        ids = self.engine.check_request(prompt, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()

@@ -36,7 +36,7 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
         delta = append_text(tokenizer, req) if tokenizer is not None else ""
         if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in stop_token_ids):
             reason = "stop"
-        elif (cut := find_stop(req, delta)) is not None:
+        elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:
             req.text = req.text[:cut]
             reason = "stop"
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:

@@ -33,7 +33,7 @@ from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 from smartspec.types.plan import SpecPlan
 from smartspec.types.request import Request
-from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.sampling_params import ParamError, SamplingParams
 from smartspec.types.step_record import StepRecord, VerifiedTree
 from smartspec.types.tree import TokenTree
 
@@ -141,15 +141,23 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
 
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, once the request is known to fit this model: its context and vocabulary."""
+        ids = self.tokenize(prompt)
+        if (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
+            raise ParamError("logit_bias", f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                           f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             f"(max_model_len), leaving no room to generate")
+        return ids
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             f"(max_model_len), leaving no room to generate")
+        ids = self.check_request(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -217,7 +225,7 @@ class LLMEngine:
         logits = self.runner.forward(items)
         t_accept = time.perf_counter()
         logits, sampled = take_prompt_logprobs(items, logits)
-        new_tokens = accept_drafts(sampled, logits, drafted.drafts)
+        new_tokens = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids)
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, new_tokens)
         t_end = time.perf_counter()
         record = self._record(step_number, items, decoding, sum(s.num_tokens for s in prefill), plan, drafted,

@@ -1,15 +1,20 @@
 """From logits to tokens: greedy, or temperature / top-k / top-p sampling with per-request generators."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from smartspec.types.sampling_params import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from: logits [..., V] -> probs after temperature, top-k, top-p.
-    Speculative acceptance applies the same function to target and draft logits."""
+    """The distribution a sampled request draws from: logits [..., V] -> probs after temperature, min-p, top-k,
+    top-p. Speculative acceptance applies the same function to target and draft logits."""
     x = logits.float() / params.temperature
+    if params.min_p > 0:  # relative to the most likely token: log p < log(min_p) + max log p
+        floor = x.amax(dim=-1, keepdim=True) + math.log(params.min_p)
+        x = x.masked_fill(x < floor, float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

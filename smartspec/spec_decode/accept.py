@@ -2,17 +2,22 @@
 lossless rules of rejection_sampler.py; requests without drafts sample their one token in one batched call."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
+from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import sample_tokens
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept, accept_tree
 
 
-def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft]) -> dict[str, list[int]]:
+def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
+                  eos_token_ids: Collection[int] = ()) -> dict[str, list[int]]:
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
     token); drafts: request -> its draft."""
+    logits = controlled(items, logits, drafts, eos_token_ids)
     out, plain_rows, plain = {}, [], []
     row = 0
     for it in items:
@@ -32,4 +37,27 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     if plain:
         tokens = sample_tokens(logits[plain_rows], [r.params for r in plain], [r.generator for r in plain])
         out.update((r.request_id, [t]) for r, t in zip(plain, tokens))
+    return out
+
+
+def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
+               eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits with the rows of requests whose sampling controls read their history reshaped: row j of a chain
+    after the first j draft tokens, a tree's node rows after the path to the node."""
+    out, row = logits, 0
+    for it in items:
+        req, n = it.request, it.num_logits
+        if n and req.params.reshapes_logits:
+            draft = drafts.get(req.request_id)
+            if draft is None:
+                prefixes = [[]]
+            elif draft.tree is not None:
+                prefixes = [[]] + draft.tree.paths()
+            else:
+                prefixes = [draft.tokens[:j] for j in range(n)]
+            if out is logits:
+                out = logits.float().clone()
+            out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
+                                              req.output_token_ids, prefixes, eos_token_ids)
+        row += n
     return out

@@ -12,6 +12,7 @@ import torch
 
 from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import target_probs
 from smartspec.spec_decode.proposer import Proposal, Proposer
@@ -100,10 +101,14 @@ class DraftModelProposer(Proposer):
             for row, (i, ds, _) in enumerate(live):
                 ds.num_computed_tokens = ds.num_tokens
                 req = requests[i]
+                row_logits = logits[row]
+                if req.params.reshapes_logits:  # drafts that follow the target's controls are accepted more
+                    row_logits = reshape_logits(logits[row:row + 1], req.params, req.prompt_token_ids,
+                                                ds.output_token_ids, [[]])[0]
                 if req.params.greedy:
-                    tok = int(logits[row].argmax())
+                    tok = int(row_logits.argmax())
                 else:
-                    q = self._fit_vocab(target_probs(logits[row], req.params))
+                    q = self._fit_vocab(target_probs(row_logits, req.params))
                     tok = int(torch.multinomial(q, 1, generator=req.generator))
                     probs[i].append(q)
                 tokens[i].append(tok)

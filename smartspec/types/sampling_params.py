@@ -5,6 +5,17 @@ import math
 from dataclasses import dataclass, field
 
 
+class ParamError(ValueError):
+    """A request field with a value out of its range; `field` names it (what the API's 4xx reports as param)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # raised in one Ray process and read in another
+        return ParamError, (self.field, str(self))
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -21,6 +32,14 @@ class SamplingParams:
     # None = not computed. prompt_logprobs: the same for the prompt's tokens (the first has none).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Controls that reshape the target's logits from the request's history (runtime/logits_controls.py), applied
+    # to every verified position with the draft tokens before it, so speculation stays lossless with them.
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from the logit of each token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0: logits of tokens in the prompt or output divided (> 0) or multiplied
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
+    min_tokens: int = 0  # end-of-sequence, stop token ids and stop strings take effect after this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -28,28 +47,60 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise ParamError("seed", f"seed must be a non-negative integer, got {self.seed!r}")
         m = self.max_speculative_tokens
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
-            raise ValueError(f"max_speculative_tokens must be an integer >= 0, got {m!r}")
+            raise ParamError("max_speculative_tokens", f"max_speculative_tokens must be an integer >= 0, got {m!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 20):
-                raise ValueError(f"{name} must be an integer in [0, 20] (alternatives per token), got {n!r}")
+                raise ParamError(name, f"{name} must be an integer in [0, 20] (alternatives per token), got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2 <= v <= 2:
+                raise ParamError(name, f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ParamError("repetition_penalty",
+                             f"repetition_penalty must be a number in (0, 10], got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ParamError("min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ParamError("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias)
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not _number(bias) \
+                    or not -100 <= bias <= 100:
+                raise ParamError("logit_bias", f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; "
+                                 f"got {tok!r}: {bias!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise ParamError("stop", f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ParamError("stop_token_ids",
+                             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether a logits row depends on the tokens before it (penalties, bias, min_tokens): then each verified
+        position is reshaped with its own history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

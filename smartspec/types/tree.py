@@ -65,6 +65,13 @@ class TokenTree:
             masks.append(masks[p + 1] | (1 << (i + 1)))
         return [signed64(m) for m in masks]
 
+    def paths(self) -> list[list[int]]:
+        """The tokens from the root down to each node, node included (what the target has seen after it)."""
+        out: list[list[int]] = []
+        for tok, p in zip(self.tokens, self.parents):
+            out.append((out[p] if p >= 0 else []) + [tok])
+        return out
+
     def follow(self, tokens: list[int]) -> list[int]:
         """The nodes a sequence of accepted tokens walks down from the root (siblings' tokens are distinct)."""
         path, node = [], -1
