@@ -162,6 +162,11 @@ class OpenAIIngress:
             params = body.sampling_params(None if chat else self.max_tokens_default)
         except ValueError as exc:
             raise HTTPError(422, str(exc), getattr(exc, "field", None)) from None
+        try:
+            if (structured := body.structured()) is not None:
+                params["structured"] = structured[0]
+        except (ValueError, TypeError) as exc:  # a schema, regex or grammar the library refuses
+            raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
         if body.speculation is not None:
             params["max_speculative_tokens"] = body.speculation.max_k
         payloads = ([{"messages": [m.model_dump() for m in body.messages]}] if chat

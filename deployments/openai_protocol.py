@@ -8,13 +8,58 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smartspec.types.sampling_params import SamplingParams
+from smartspec.structured.compile import grammar_of
+from smartspec.types.sampling_params import ParamError, SamplingParams, StructuredOutput
 
 
 class SpeculationOverride(BaseModel):
     """Per-request experiment knob: cap this request's speculation (0 = never speculate)."""
     model_config = ConfigDict(extra="forbid")
     max_k: int = Field(ge=0, le=32)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # description
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict = Field(default_factory=dict, alias="schema")  # an empty schema: any JSON value
+    strict: bool | None = None  # always strict here: the output is constrained to the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (JSON mode), or json_schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is \"json_schema\"")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")  # a JSON schema (or its text)
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance) or GBNF
+
+    def spec(self) -> dict:
+        return {"json": _schema(self.json_, "structured_outputs.json"), "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
+                "grammar": self.grammar}
+
+
+def _schema(value: dict | str | None, field: str) -> dict | None:
+    """A JSON schema given as an object or as its text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise ParamError(field, f"{field} is not valid JSON") from None
 
 
 class StreamOptions(BaseModel):
@@ -26,8 +71,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "prediction": (None,), "audio": (None,),
+    "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None, []),
 }
 
@@ -66,6 +110,13 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] = Field(default_factory=dict)  # token id (a JSON key: a string) -> bias in [-100, 100]
     min_p: float = Field(0.0, ge=0, le=1)
     min_tokens: int = Field(0, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     speculation: SpeculationOverride | None = None
 
     @model_validator(mode="before")
@@ -109,6 +160,31 @@ class _Common(BaseModel):
 
     def logprob_fields(self) -> dict:
         return {}
+
+    def structured(self) -> tuple[dict, str] | None:
+        """The output's constraint as StructuredOutput fields, and the request field it came from (what an error
+        names); None: free text. One source at most; a grammar that does not compile raises ParamError."""
+        sources = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            sources.append(({"json": schema} if schema else {"json_object": True}, "response_format"))
+        if self.structured_outputs is not None:
+            sources.append((self.structured_outputs.spec(), "structured_outputs"))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if (value := getattr(self, name)) is not None:
+                key = name.removeprefix("guided_")
+                sources.append(({key: _schema(value, name) if key == "json" else value}, name))
+        if len(sources) > 1:
+            raise ParamError(sources[1][1], f"one output constraint at a time; got {[n for _, n in sources]}")
+        if not sources:
+            return None
+        spec, field = sources[0]
+        try:
+            grammar_of(StructuredOutput(**spec))
+        except ParamError as exc:
+            raise ParamError(field if field != "structured_outputs" else exc.field, str(exc)) from None
+        return {k: v for k, v in spec.items() if v not in (None, False)}, field
 
 
 def _is_batch(prompt) -> bool:

@@ -18,6 +18,7 @@ LAYERS = [
     "smartspec.lazy",         # the lazy-attribute helper for package __init__ files
     "smartspec.types",        # plain data: requests, sampling params, step records, trees, the policy's view
     "smartspec.runtime",      # executes forwards: KV blocks, model runner and backends, attention, sampling
+    "smartspec.structured",   # grammars for structured outputs (llguidance): masks, draft cuts, forced tokens
     "smartspec.models",       # finds and loads models (GGUF parts from PyPI, HF directories)
     "smartspec.policy",       # how many tokens each request speculates: numbers in, a plan out
     "smartspec.spec_decode",  # proposers, lossless acceptance, the proposer factory, SpeculativeConfig

@@ -2,6 +2,7 @@
 One Ray instance for the whole module (start-up is the slow part); stopped at the end."""
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -316,8 +317,13 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     ({"model": "tiny", "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 422, "min_tokens"),
     ({"model": "tiny", "prompt": "x", "min_p": -0.1}, 422, "min_p"),
-    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400,
-     "`response_format` is not supported"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "invalid JSON schema"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a["}}, 400, "invalid regex"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 422, "response_format"),
+    ({"model": "tiny", "prompt": "x", "prediction": {"type": "content", "content": "x"}}, 400,
+     "`prediction` is not supported"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
@@ -329,6 +335,37 @@ def test_bad_input_gets_openai_error(app, body, status, message):
     assert message in err["message"] and err["code"] == status and err["type"]
     if message.isidentifier():  # a field's name: the error names it as its param
         assert err["param"] == message, err
+
+
+def test_structured_outputs_through_the_openai_client(app, tiny_qwen):
+    """response_format json_schema on chat, streamed and not, on replicas that speculate: valid against the schema
+    and the offline engine's greedy output without speculation; a regex and a choice on completions."""
+    import jsonschema
+
+    from smartspec.types.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["name", "n"], "additionalProperties": False}
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    messages = [{"role": "user", "content": "Give a name and a number as JSON."}]
+    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = llm.generate(prompt, SamplingParams(max_tokens=100, structured=StructuredOutput(json=schema)))[0].text
+    client = _client(app)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, temperature=0,
+                                         response_format=fmt)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want), schema)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    text = client.completions.create(model="tiny", prompt="email:", max_tokens=40, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": "[a-z]{3,8}@test\\.org"}})
+    assert re.fullmatch(r"[a-z]{3,8}@test\.org", text.choices[0].text), text.choices[0].text
+    pick = client.completions.create(model="tiny", prompt="mood:", max_tokens=10, temperature=0,
+                                     extra_body={"guided_choice": ["happy", "sad"]})
+    assert pick.choices[0].text in ("happy", "sad")
 
 
 def test_sampling_controls_are_served_as_the_offline_engine_makes_them(app, tiny_qwen):

@@ -9,6 +9,7 @@ from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.request import Request, RequestStatus
 
 
@@ -19,9 +20,11 @@ class Committed:
 
 
 def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
-                  stop_token_ids, max_model_len: int, now: float, tokenizer=None) -> Committed:
+                  stop_token_ids, max_model_len: int, now: float, tokenizer=None,
+                  grammar: RequestGrammar | None = None) -> Committed:
     """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens.
-    tokenizer None: no text (the simulator's token ids stand for lengths only)."""
+    tokenizer None: no text (the simulator's token ids stand for lengths only). grammar: a structured request's,
+    advanced over the tokens taken; once it is complete the request stops."""
     # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
     # not make, go back
     blocks.truncate(req, req.num_tokens + len(new) - 1)
@@ -41,6 +44,9 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
             reason = "stop"
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
             reason = "length"
+        if grammar is not None and reason != "stop":
+            grammar.commit([tok])
+            reason = "stop" if grammar.finished else reason
         if reason:
             break
     if reason is None:

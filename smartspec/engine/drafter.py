@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from smartspec.engine.planner import Speculation
 from smartspec.spec_decode.proposer import Draft
+from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.plan import SpecPlan, StepView
 from smartspec.types.request import Request
 
@@ -47,3 +48,38 @@ def propose(spec: Speculation, view: StepView | None, decoding: list[Request], p
         logger.exception("policy %r failed to prune trees; verifying them whole", spec.policy.name)
     return Drafted({r.request_id: Draft(t.tokens, None, t) for r, t in zip(decoding, trees) if len(t)}, catchup,
                    predicted)
+
+
+def cut_to_grammars(drafted: Drafted, grammars: dict[str, RequestGrammar]) -> Drafted:
+    """Drafts of structured requests end before the first token their grammar forbids: no row is verified that
+    could only be rejected. A sampled chain keeps the draft distribution of the cut position (`Draft.probs` one row
+    longer than its tokens): the target's token there comes from the residual, exactly as if the forbidden token
+    had been verified and rejected. A sampled tree is kept whole (its forbidden nodes are rejected, at probability
+    0, by the recursive rule); other trees lose their forbidden nodes."""
+    if not grammars:
+        return drafted
+    drafts = dict(drafted.drafts)
+    for rid, draft in drafted.drafts.items():
+        grammar = grammars.get(rid)
+        if grammar is None:
+            continue
+        if draft.tree is None:
+            n = grammar.valid_prefix(draft.tokens)
+            if n == len(draft.tokens):
+                continue
+            if draft.probs is not None:
+                drafts[rid] = Draft(draft.tokens[:n], draft.probs[:n + 1])
+            elif n:
+                drafts[rid] = Draft(draft.tokens[:n], None)
+            else:
+                del drafts[rid]
+        elif not draft.tree.child_probs:
+            keep = [i for i, path in enumerate(draft.tree.paths()) if grammar.valid_prefix(path) == len(path)]
+            if len(keep) == len(draft.tree):
+                continue
+            if keep:
+                tree = draft.tree.select(keep)
+                drafts[rid] = Draft(tree.tokens, None, tree)
+            else:
+                del drafts[rid]
+    return Drafted(drafts, drafted.catchup_tokens, drafted.predicted_s)

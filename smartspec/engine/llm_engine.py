@@ -15,7 +15,7 @@ import torch
 
 from smartspec.config import EngineConfig
 from smartspec.engine.commit import commit_tokens, finish_request
-from smartspec.engine.drafter import Drafted, propose
+from smartspec.engine.drafter import Drafted, cut_to_grammars, propose
 from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logprobs, take_text
 from smartspec.engine.planner import Speculation, plan_step
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
@@ -30,6 +30,8 @@ from smartspec.runtime.page_arena import release_freed_memory
 from smartspec.spec_decode.accept import accept_drafts
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
 from smartspec.spec_decode.proposer import Proposer
+from smartspec.structured.compile import grammar_of
+from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 from smartspec.types.plan import SpecPlan
 from smartspec.types.request import Request
@@ -89,6 +91,9 @@ class LLMEngine:
                       else None)
         self.last_step: StepRecord | None = None  # the last observed step, for callers that inspect steps
         self.requests: dict[str, Request] = {}
+        # structured outputs: each such request's grammar, at its committed tokens
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        self.grammars: dict[str, RequestGrammar] = {}
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
@@ -150,6 +155,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
+        if params.structured is not None:
+            grammar_of(params.structured)
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -166,6 +173,8 @@ class LLMEngine:
             gen = (torch.Generator(device=self.config.device).manual_seed(params.seed)
                    if params.seed is not None else self._generator)
         req = Request(request_id, ids, params, gen)
+        if params.structured is not None:
+            self.grammars[request_id] = self.grammar_compiler.matcher(params.structured)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -174,6 +183,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.grammars.pop(request_id, None)
         finish_request(req, "abort", self.scheduler, self.speculation, time.monotonic())
         return output_of(req, [], take_text(req))
 
@@ -219,13 +229,13 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
         view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len)
         t_draft = time.perf_counter()
-        drafted = propose(spec, view, decoding, plan)
+        drafted = cut_to_grammars(propose(spec, view, decoding, plan), self.grammars)
         items = [self._forward_item(s, drafted) for s in batch]
         t_verify = time.perf_counter()
         logits = self.runner.forward(items)
         t_accept = time.perf_counter()
         logits, sampled = take_prompt_logprobs(items, logits)
-        new_tokens = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids)
+        new_tokens = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, new_tokens)
         t_end = time.perf_counter()
         record = self._record(step_number, items, decoding, sum(s.num_tokens for s in prefill), plan, drafted,
@@ -274,9 +284,11 @@ class LLMEngine:
                 logprobs = [token_logprob(logits[first_row[req.request_id] + r], tok, req.params.logprobs)
                             for r, tok in zip(rows, new)]
             done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
-                                 self.stop_token_ids, self.max_model_len, now, self.tokenizer)
+                                 self.stop_token_ids, self.max_model_len, now, self.tokenizer,
+                                 self.grammars.get(req.request_id))
             if done.finish_reason is not None:
                 self.requests.pop(req.request_id, None)
+                self.grammars.pop(req.request_id, None)
                 finish_request(req, done.finish_reason, self.scheduler, spec, time.monotonic())
             elif spec.proposer is not None:
                 spec.proposer.sync(req)

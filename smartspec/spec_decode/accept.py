@@ -11,13 +11,15 @@ from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import sample_tokens
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept, accept_tree
+from smartspec.structured.matcher import RequestGrammar, apply_masks
 
 
 def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-                  eos_token_ids: Collection[int] = ()) -> dict[str, list[int]]:
+                  eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None) \
+        -> dict[str, list[int]]:
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
-    token); drafts: request -> its draft."""
-    logits = controlled(items, logits, drafts, eos_token_ids)
+    token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens."""
+    logits = controlled(items, logits, drafts, eos_token_ids, grammars or {})
     out, plain_rows, plain = {}, [], []
     row = 0
     for it in items:
@@ -41,13 +43,14 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
 
 
 def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-               eos_token_ids: Collection[int]) -> torch.Tensor:
-    """The logits with the rows of requests whose sampling controls read their history reshaped: row j of a chain
-    after the first j draft tokens, a tree's node rows after the path to the node."""
+               eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar]) -> torch.Tensor:
+    """The logits with the rows of requests whose sampling controls or grammar read their history reshaped, and
+    masked: row j of a chain after the first j draft tokens, a tree's node rows after the path to the node."""
     out, row = logits, 0
     for it in items:
         req, n = it.request, it.num_logits
-        if n and req.params.reshapes_logits:
+        grammar = grammars.get(req.request_id)
+        if n and (req.params.reshapes_logits or grammar is not None):
             draft = drafts.get(req.request_id)
             if draft is None:
                 prefixes = [[]]
@@ -57,7 +60,12 @@ def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str,
                 prefixes = [draft.tokens[:j] for j in range(n)]
             if out is logits:
                 out = logits.float().clone()
-            out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
-                                              req.output_token_ids, prefixes, eos_token_ids)
+            if req.params.reshapes_logits:
+                out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
+                                                  req.output_token_ids, prefixes, eos_token_ids)
+            if grammar is not None:
+                rows = out[row:row + n]
+                apply_masks(rows, *grammar.masks(prefixes))
+                out[row:row + n] = rows
         row += n
     return out

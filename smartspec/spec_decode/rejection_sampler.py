@@ -25,7 +25,9 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     """p [k+1, V]: target probabilities; q [k, V]: the draft's (None = one-hot at the draft tokens).
 
     Token j is accepted with probability min(1, p(x)/q(x)); the first rejection is replaced by a sample from
-    norm(max(p - q, 0)) and ends the step; if all k are accepted, a bonus token is drawn from p[k]."""
+    norm(max(p - q, 0)) and ends the step; if all k are accepted, a bonus token is drawn from p[k]. q [k+1, V]:
+    the draft's (k+1)-th token was cut as one p forbids (a grammar), a certain rejection: the last token is then
+    drawn from the residual norm(max(p[k] - q[k], 0)), as that rejection would have drawn it."""
     out = []
     for j, tok in enumerate(draft):
         q_tok = 1.0 if q is None else float(q[j, tok])
@@ -43,7 +45,11 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
             residual = p[j]
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
         return out
-    out.append(int(torch.multinomial(p[len(draft)], 1, generator=generator)))
+    last = p[len(draft)]
+    if q is not None and q.shape[0] > len(draft):
+        residual = torch.clamp(last - q[len(draft)], min=0.0)
+        last = residual if float(residual.sum()) > 0.0 else last
+    out.append(int(torch.multinomial(last, 1, generator=generator)))
     return out
 
 

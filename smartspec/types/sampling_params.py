@@ -16,6 +16,33 @@ class ParamError(ValueError):
         return ParamError, (self.field, str(self))
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match; exactly one is set (vLLM's `structured_outputs` fields). Compiled into a
+    grammar per request by smartspec.structured, which names the field of a schema or grammar it rejects."""
+    json: dict | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) or GBNF
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ParamError("structured_outputs", f"structured_outputs takes exactly one of json, json_object, "
+                                                   f"regex, choice, grammar; got {set_ or 'none'}")
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ParamError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ParamError(f"structured_outputs.{name}", f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ParamError("structured_outputs.choice", "structured_outputs.choice must be non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -40,6 +67,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
     min_tokens: int = 0  # end-of-sequence, stop token ids and stop strings take effect after this many tokens
+    # the output must match this (a JSON schema, regex, choice or grammar); every verified position is masked
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +113,10 @@ class SamplingParams:
                     or not -100 <= bias <= 100:
                 raise ParamError("logit_bias", f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; "
                                  f"got {tok!r}: {bias!r}")
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutput(**self.structured)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ParamError("structured_outputs", f"structured must be a StructuredOutput, got {self.structured!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ParamError("stop", f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

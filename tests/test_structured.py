@@ -1,0 +1,175 @@
+"""Structured outputs: JSON schemas, JSON mode, regexes, choices and grammars (llguidance) hold on every output, with
+and without speculation; greedy structured output is the same token for token either way; a draft is cut at the
+first token its grammar forbids, and a cut sampled draft still yields the target's distribution (chi-square)."""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from test_rejection_sampler import CHI2_CRIT, K, V, chi2
+from test_speculative import PROMPTS, MixedPolicy, make, run_staggered
+
+from smartspec import SamplingParams
+from smartspec.engine.drafter import Drafted, cut_to_grammars
+from smartspec.runtime.sampler import target_probs
+from smartspec.spec_decode.proposer import Draft
+from smartspec.spec_decode.rejection_sampler import accept_sampled
+from smartspec.types.sampling_params import ParamError, StructuredOutput
+from smartspec.types.tree import TokenTree
+
+WORD = {"type": "string", "maxLength": 6}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": WORD, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"customer_full_name": WORD, "order_identifier": {"type": "integer",
+     "minimum": 1, "maximum": 9999}, "express_delivery": {"type": "boolean"}},
+     "required": ["customer_full_name", "order_identifier", "express_delivery"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "event"}, "when": {"type": "string", "pattern":
+     "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}, "required": ["kind", "when"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+     {"type": "null"}]}}, "required": ["answer"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {"type": "object",
+     "properties": {"sku": WORD, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["sku", "qty"],
+     "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
+    {"type": "object", "properties": {"status": {"enum": ["open", "closed"]}, "priority": {"type": "integer",
+     "minimum": 1, "maximum": 5}, "title": WORD}, "required": ["status", "priority", "title"],
+     "additionalProperties": False},
+]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (160, 140, 150, 120)]
+
+
+def structured(params: list[SamplingParams], spec: StructuredOutput) -> list[SamplingParams]:
+    return [SamplingParams(**{**p.__dict__, "structured": spec}) for p in params]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen):
+    return make(tiny_qwen)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_json_schema_outputs_validate(plain, schema):
+    for out in plain.generate(PROMPTS, structured(PARAMS, StructuredOutput(json=schema))):
+        assert out.finish_reason == "stop", out.text  # the grammar completed, before the length limit
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("spec, check", [
+    (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+    (StructuredOutput(regex=r"[a-z]{2,6}@(example|test)\.(com|org)"),
+     lambda t: re.fullmatch(r"[a-z]{2,6}@(example|test)\.(com|org)", t)),
+    (StructuredOutput(choice=["positive", "negative", "neutral"]), lambda t: t in ("positive", "negative", "neutral")),
+    (StructuredOutput(grammar='start: "(" num (" + " num)* ")"\nnum: /[0-9]{1,2}/'),
+     lambda t: re.fullmatch(r"\([0-9]{1,2}( \+ [0-9]{1,2})*\)", t)),
+    (StructuredOutput(grammar='root ::= "yes" | "no" | "maybe"'), lambda t: t in ("yes", "no", "maybe")),  # GBNF
+], ids=["json_object", "regex", "choice", "lark", "gbnf"])
+def test_other_constraints_hold(plain, spec, check):
+    for out in plain.generate(PROMPTS, structured(PARAMS, spec)):
+        assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+SPECS = [StructuredOutput(json=SCHEMAS[0]), StructuredOutput(json=SCHEMAS[8]),
+         StructuredOutput(regex=r"[a-z]{2,6}@(example|test)\.(com|org)"), StructuredOutput(choice=["alpha", "beta"])]
+
+
+@pytest.fixture(scope="module")
+def plain_structured(plain):
+    return {i: [o.token_ids for o in plain.generate(PROMPTS, structured(PARAMS, s))] for i, s in enumerate(SPECS)}
+
+
+@pytest.mark.parametrize("index", range(len(SPECS)))
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self", "self-tree"])
+def test_greedy_structured_speculation_equals_plain(method, index, tiny_qwen, tiny_qwen_draft, plain_structured):
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "policy": MixedPolicy(),
+            "model": tiny_qwen_draft if method == "draft_model" else tiny_qwen}
+    if method in ("ngram", "suffix"):
+        spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
+    if method == "self-tree":
+        spec["tree"] = {"max_nodes": 8, "max_depth": 3, "branching": 2}
+    llm = make(tiny_qwen, spec)
+    assert run_staggered(llm, PROMPTS, structured(PARAMS, SPECS[index])) == plain_structured[index]
+    assert not llm.engine.grammars  # finished requests let their grammars go
+    m = llm.engine.speculation.metrics
+    if index == 0 and method in ("suffix", "self", "self-tree"):  # rows masked after accepted draft tokens
+        assert m.accepted_per_position[1] > 0, m
+
+
+def test_seeded_sampled_structured_speculation_is_valid_and_reproducible(tiny_qwen, tiny_qwen_draft):
+    spec = {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3, "policy": "fixed"}
+    params = structured([SamplingParams(max_tokens=160, temperature=0.9, seed=5, ignore_eos=True)],
+                        StructuredOutput(json=SCHEMAS[4]))[0]
+    a = [o.text for o in make(tiny_qwen, spec).generate(PROMPTS, params)]
+    assert a == [o.text for o in make(tiny_qwen, spec).generate(PROMPTS, params)]
+    for text in a:
+        jsonschema.validate(json.loads(text), SCHEMAS[4])
+
+
+class AllowedTokens:
+    """A stand-in grammar over a fixed set of allowed tokens, for the draft cut alone."""
+
+    def __init__(self, allowed):
+        self.allowed = set(allowed)
+
+    def valid_prefix(self, tokens):
+        n = 0
+        while n < len(tokens) and tokens[n] in self.allowed:
+            n += 1
+        return n
+
+
+def test_drafts_are_cut_at_the_first_forbidden_token():
+    q = torch.full((4, 10), 0.1)
+    tree = TokenTree([1, 7, 2, 3], [-1, -1, 0, 2], [1.0] * 4)
+    drafted = Drafted({"greedy": Draft([1, 2, 7, 3], None), "sampled": Draft([1, 7, 2, 3], q),
+                       "first": Draft([7, 1], None), "tree": Draft(tree.tokens, None, tree),
+                       "free": Draft([7, 7], None)}, 3, 0.5)
+    grammars = {r: AllowedTokens([1, 2, 3]) for r in ("greedy", "sampled", "first", "tree")}
+    cut = cut_to_grammars(drafted, grammars).drafts
+    assert cut["greedy"] == Draft([1, 2], None)
+    assert cut["sampled"].tokens == [1] and cut["sampled"].probs.shape == (2, 10)  # the cut position's q kept
+    assert "first" not in cut and cut["free"] == Draft([7, 7], None)
+    assert cut["tree"].tokens == [1, 2, 3] and cut["tree"].tree.parents == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("keep_q_row", [True, False])
+def test_a_cut_sampled_draft_still_follows_the_target_distribution(keep_q_row):
+    """Forbidden tokens have p = 0; the draft (which knows nothing of the grammar) draws them with q > 0. Cut with
+    the cut position's q kept, the step's tokens follow p at every position; dropping that row (sampling the cut
+    position from p) is wrong, and the same test catches it."""
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(K + 1, V, generator=g) * 1.5
+    logits[:, [1, 4]] = float("-inf")  # the grammar forbids tokens 1 and 4 everywhere
+    p = target_probs(logits, params)
+    q = target_probs(torch.randn(K, V, generator=g) * 1.5, params)
+    by_index = [[] for _ in range(K + 1)]
+    for _ in range(12000):
+        draft = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(K)]
+        n = next((j for j, t in enumerate(draft) if t in (1, 4)), K)
+        rows = q[:n + 1] if keep_q_row and n < K else q[:n]
+        for j, tok in enumerate(accept_sampled(p, draft[:n], rows, g)):
+            by_index[j].append(tok)
+    stats = [chi2(s, p[j]) for j, s in enumerate(by_index) if len(s) > 500]
+    assert len(stats) >= 3
+    assert (max(stats) < CHI2_CRIT) == keep_q_row, stats
+
+
+def test_invalid_schemas_and_grammars_are_refused_naming_the_field(plain):
+    bad = [(StructuredOutput(json={"type": "bogus"}), "structured_outputs.json"),
+           (StructuredOutput(regex="a[b"), "structured_outputs.regex"),
+           (StructuredOutput(grammar="start: ("), "structured_outputs.grammar")]
+    for spec, field in bad:
+        with pytest.raises(ParamError) as err:
+            plain.engine.add_request("hi", SamplingParams(structured=spec))
+        assert err.value.field == field, err.value
+    with pytest.raises(ParamError, match="exactly one"):
+        StructuredOutput(regex="a", choice=["b"])
