@@ -259,13 +259,14 @@ class OpenAIIngress:
         choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i], gen.logprobs(i, entries[i], prompt_entries[i]))
                    for i in range(len(streams))]
         self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
-        return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat)
+        details = proto.prediction_details(specs) if gen.body.prediction is not None else None
+        return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat, details)
 
     async def _sse(self, rid, streams, gen: proto.Generation, include_usage: bool = False):
         chat, prompt_tokens = gen.chat, gen.prompt_tokens
         endpoint = "chat" if chat else "completions"
         start, created = time.monotonic(), int(time.time())
-        first_token, total = None, [0] * len(streams)
+        first_token, total, specs = None, [0] * len(streams), [None] * len(streams)
         completed, status = False, 499
         try:
             if chat:
@@ -279,9 +280,11 @@ class OpenAIIngress:
                 if text or (logprobs is not None and item["token_ids"]):
                     yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs)
                 if item["finished"]:
+                    specs[i] = item["spec"]
                     yield proto.stream_chunk(rid, self.model_name, i, None, item["finish_reason"], chat, created)
             if include_usage:
-                yield proto.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total))
+                details = proto.prediction_details(specs) if gen.body.prediction is not None else None
+                yield proto.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total), details)
             yield proto.sse("[DONE]")
             completed = True
         except asyncio.CancelledError:

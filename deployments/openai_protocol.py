@@ -52,6 +52,15 @@ class StructuredOutputs(BaseModel):
                 "grammar": self.grammar}
 
 
+def _joined_text_parts(v):
+    """OpenAI's list of content parts, of which text parts are served (joined); a string stays itself."""
+    if isinstance(v, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are served")
+        return "".join(p["text"] for p in v)
+    return v
+
+
 def _schema(value: dict | str | None, field: str) -> dict | None:
     """A JSON schema given as an object or as its text."""
     if not isinstance(value, str):
@@ -60,6 +69,18 @@ def _schema(value: dict | str | None, field: str) -> dict | None:
         return json.loads(value)
     except ValueError:
         raise ParamError(field, f"{field} is not valid JSON") from None
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: the text the answer is expected to be, mostly (a file being edited)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str = Field(min_length=1)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        return _joined_text_parts(v)
 
 
 class StreamOptions(BaseModel):
@@ -71,7 +92,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "prediction": (None,), "audio": (None,),
+    "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None, []),
 }
 
@@ -117,6 +138,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prediction: Prediction | None = None
     speculation: SpeculationOverride | None = None
 
     @model_validator(mode="before")
@@ -153,7 +175,8 @@ class _Common(BaseModel):
                       seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos,
                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p,
-                      min_tokens=self.min_tokens, **self.logprob_fields())
+                      min_tokens=self.min_tokens, prediction=self.prediction.content if self.prediction else None,
+                      **self.logprob_fields())
         # checked here, built in the replica (which knows the context's end when max_tokens is None)
         SamplingParams(**{**fields, "max_tokens": max_tokens or max(1, self.min_tokens)})
         return fields
@@ -222,12 +245,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, v):
-        if isinstance(v, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                   for p in v):
-                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are served")
-            return "".join(p["text"] for p in v)
-        return v
+        return _joined_text_parts(v)
 
 
 class ChatCompletionRequest(_Common):
@@ -250,15 +268,25 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, details: dict | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if details is not None:
+        out["completion_tokens_details"] = details
+    return out
+
+
+def prediction_details(specs: list[dict | None]) -> dict:
+    """usage.completion_tokens_details of a request with a predicted output: its draft tokens from the prediction
+    that verification accepted and rejected, over its choices."""
+    return {name: sum((s or {}).get(name, 0) for s in specs)
+            for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
 
 
 def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                        chat: bool) -> dict:
+                        chat: bool, details: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, details)}
 
 
 def token_entries(tokenizer, logprobs) -> list[dict | None]:
@@ -316,9 +344,10 @@ def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reas
     return f"data: {json.dumps(body)}\n\n"
 
 
-def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int) -> str:
+def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int,
+                details: dict | None = None) -> str:
     return sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, details)})
 
 
 def sse(data: dict | str) -> str:

@@ -21,6 +21,7 @@ class CompletionOutput:
     latency_s: float  # arrival to finish
     logprobs: list[TokenLogprob] | None = None  # per output token, when SamplingParams.logprobs asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), when asked
+    speculation: dict | None = None  # this request's draft counters (SpecDecodeMetrics.as_dict())
 
 
 class LLM:
@@ -57,5 +58,6 @@ class LLM:
             results.append(CompletionOutput(
                 prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
                 m["first_token_time"] - m["arrival_time"], m["finish_time"] - m["arrival_time"],
-                logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs))
+                logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs,
+                m["spec_decode"]))
         return results

@@ -322,8 +322,7 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a["}}, 400, "invalid regex"),
     ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
     ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 422, "response_format"),
-    ({"model": "tiny", "prompt": "x", "prediction": {"type": "content", "content": "x"}}, 400,
-     "`prediction` is not supported"),
+    ({"model": "tiny", "prompt": "x", "prediction": {"type": "file", "content": "x"}}, 422, "prediction.type"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
@@ -333,7 +332,7 @@ def test_bad_input_gets_openai_error(app, body, status, message):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert message in err["message"] and err["code"] == status and err["type"]
-    if message.isidentifier():  # a field's name: the error names it as its param
+    if message.replace(".", "_").isidentifier():  # a field's name: the error names it as its param
         assert err["param"] == message, err
 
 
@@ -366,6 +365,35 @@ def test_structured_outputs_through_the_openai_client(app, tiny_qwen):
     pick = client.completions.create(model="tiny", prompt="mood:", max_tokens=10, temperature=0,
                                      extra_body={"guided_choice": ["happy", "sad"]})
     assert pick.choices[0].text in ("happy", "sad")
+
+
+def test_predicted_outputs_are_drafted_and_counted_in_usage(app, tiny_qwen):
+    """OpenAI's prediction: the answer is unchanged, the prediction's tokens are drafted and the usage says how many
+    were accepted and rejected (unary and streamed)."""
+    from smartspec.types.sampling_params import StructuredOutput
+
+    llm = LLM(tiny_qwen, num_kv_blocks=256, max_model_len=512)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # random weights write arbitrary bytes, which do not survive as text: a regex keeps the answer to letters
+    letters = {"structured_outputs": {"regex": "[a-z ]{48,60}"}, "ignore_eos": True}
+    want = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True,
+                                               structured=StructuredOutput(regex="[a-z ]{48,60}")))[0].text
+    predicted = want[:30] + "X" + want[31:]  # an edit in the middle
+    client = _client(app)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                         prediction={"type": "content", "content": predicted}, extra_body=letters)
+    assert got.choices[0].message.content == want
+    details = got.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 24 and details.rejected_prediction_tokens >= 0
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0,
+                                            prediction={"type": "content", "content": predicted}, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=letters)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 24
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert plain.usage.completion_tokens_details is None  # only requests with a prediction carry the details
 
 
 def test_sampling_controls_are_served_as_the_offline_engine_makes_them(app, tiny_qwen):

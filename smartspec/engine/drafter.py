@@ -7,9 +7,11 @@ import time
 from dataclasses import dataclass, field
 
 from smartspec.engine.planner import Speculation
+from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Draft
+from smartspec.spec_decode.suffix import crop
 from smartspec.structured.matcher import RequestGrammar
-from smartspec.types.plan import SpecPlan, StepView
+from smartspec.types.plan import LOOKUP, SpecPlan, StepView
 from smartspec.types.request import Request
 
 logger = logging.getLogger(__name__)
@@ -23,8 +25,25 @@ class Drafted:
     predicted_s: float | None = None  # the step's predicted time, once trees are pruned (else the plan's)
 
 
-def propose(spec: Speculation, view: StepView | None, decoding: list[Request], plan: SpecPlan) -> Drafted:
+def propose(spec: Speculation, view: StepView | None, decoding: list[Request], plan: SpecPlan,
+            hints: list[Hint] | None = None) -> Drafted:
+    """The plan's drafts: requests that drew their hint (a lookup, where hints were offered) take its chain, the
+    others what the proposer makes of their k."""
     if spec.proposer is None or not any(plan.ks):
+        return Drafted(predicted_s=plan.predicted_s)
+    hinted = {}
+    if hints is not None and plan.methods is not None:
+        hinted = {i: crop(h.tree, k) for i, (h, m, k) in enumerate(zip(hints, plan.methods, plan.ks))
+                  if m == LOOKUP and h.source and k}
+    drafted = _proposed(spec, view, decoding, SpecPlan([0 if i in hinted else k for i, k in enumerate(plan.ks)],
+                                                       plan.methods, plan.predicted_s))
+    for i, tree in hinted.items():
+        drafted.drafts[decoding[i].request_id] = Draft(tree.tokens, None, tree, hints[i].source)
+    return drafted
+
+
+def _proposed(spec: Speculation, view: StepView | None, decoding: list[Request], plan: SpecPlan) -> Drafted:
+    if not any(plan.ks):
         return Drafted(predicted_s=plan.predicted_s)
     t0 = time.perf_counter()
     try:
@@ -68,9 +87,9 @@ def cut_to_grammars(drafted: Drafted, grammars: dict[str, RequestGrammar]) -> Dr
             if n == len(draft.tokens):
                 continue
             if draft.probs is not None:
-                drafts[rid] = Draft(draft.tokens[:n], draft.probs[:n + 1])
+                drafts[rid] = draft._replace(tokens=draft.tokens[:n], probs=draft.probs[:n + 1])
             elif n:
-                drafts[rid] = Draft(draft.tokens[:n], None)
+                drafts[rid] = draft._replace(tokens=draft.tokens[:n])
             else:
                 del drafts[rid]
         elif not draft.tree.child_probs:
@@ -79,7 +98,7 @@ def cut_to_grammars(drafted: Drafted, grammars: dict[str, RequestGrammar]) -> Dr
                 continue
             if keep:
                 tree = draft.tree.select(keep)
-                drafts[rid] = Draft(tree.tokens, None, tree)
+                drafts[rid] = draft._replace(tokens=tree.tokens, tree=tree)
             else:
                 del drafts[rid]
     return Drafted(drafts, drafted.catchup_tokens, drafted.predicted_s)

@@ -29,6 +29,7 @@ from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.page_arena import release_freed_memory
 from smartspec.spec_decode.accept import accept_drafts
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
+from smartspec.spec_decode.hints import PREDICTION, RequestHints
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.structured.compile import grammar_of
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
@@ -94,6 +95,7 @@ class LLMEngine:
         # structured outputs: each such request's grammar, at its committed tokens
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         self.grammars: dict[str, RequestGrammar] = {}
+        self.hints = RequestHints()  # predicted outputs; each step, the drafts requests carry
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
@@ -175,6 +177,9 @@ class LLMEngine:
         req = Request(request_id, ids, params, gen)
         if params.structured is not None:
             self.grammars[request_id] = self.grammar_compiler.matcher(params.structured)
+        if params.prediction:
+            self.hints.add_prediction(request_id, self.tokenizer(params.prediction, add_special_tokens=False).input_ids
+                                      if isinstance(params.prediction, str) else list(params.prediction))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -184,6 +189,7 @@ class LLMEngine:
         if req is None:
             return None
         self.grammars.pop(request_id, None)
+        self.hints.release(request_id)
         finish_request(req, "abort", self.scheduler, self.speculation, time.monotonic())
         return output_of(req, [], take_text(req))
 
@@ -227,9 +233,10 @@ class LLMEngine:
             return StepResult([], None, 0)
         decoding, prefill = split_batch(batch)
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
-        view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len)
+        hints = self.hints.step_hints(decoding, self.grammars, spec.k_max) if spec.proposer is not None else None
+        view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints)
         t_draft = time.perf_counter()
-        drafted = cut_to_grammars(propose(spec, view, decoding, plan), self.grammars)
+        drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)
         items = [self._forward_item(s, drafted) for s in batch]
         t_verify = time.perf_counter()
         logits = self.runner.forward(items)
@@ -285,10 +292,12 @@ class LLMEngine:
                             for r, tok in zip(rows, new)]
             done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
                                  self.stop_token_ids, self.max_model_len, now, self.tokenizer,
-                                 self.grammars.get(req.request_id))
+                                 self.grammars.get(req.request_id),
+                                 draft is not None and draft.source == PREDICTION)
             if done.finish_reason is not None:
                 self.requests.pop(req.request_id, None)
                 self.grammars.pop(req.request_id, None)
+                self.hints.release(req.request_id)
                 finish_request(req, done.finish_reason, self.scheduler, spec, time.monotonic())
             elif spec.proposer is not None:
                 spec.proposer.sync(req)

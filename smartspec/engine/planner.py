@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView
@@ -53,23 +54,31 @@ def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: i
 
 
 def plan_step(spec: Speculation, decoding: list[Request], prefill: list[ScheduledRequest], budget: int,
-              blocks: BlockManager, max_model_len: int, now: float | None = None) -> tuple[StepView | None, SpecPlan]:
+              blocks: BlockManager, max_model_len: int, now: float | None = None,
+              hints: list[Hint] | None = None) -> tuple[StepView | None, SpecPlan]:
     """The step's view (None where no policy was asked) and its plan, capped, with the drafts' blocks reserved.
-    budget: the step's tokens left for drafts; now: the clock of arrival_time (None: time.monotonic())."""
+    budget: the step's tokens left for drafts; now: the clock of arrival_time (None: time.monotonic()); hints: the
+    drafts requests carry (spec_decode/hints.py), offered to the policy as lookups beside the proposer's own."""
     b = len(decoding)
     proposer = spec.proposer
     if proposer is None or not decoding or not proposer.available:
         return None, SpecPlan([0] * b)
     try:
-        lookups = proposer.lookups(decoding, spec.k_max)
-        view = step_view(decoding, prefill, spec.k_max, now, lookups,
-                         proposer.draft_available if lookups is not None else False)
+        own = proposer.lookups(decoding, spec.k_max)
+        lookups, draft_available = own, proposer.draft_available if own is not None else False
+        if hints is not None:  # the configured proposer is then the alternative to each request's lookup
+            lookups = [h.tree if h.source else own[i] if own is not None else h.tree for i, h in enumerate(hints)]
+            draft_available = proposer.draft_available if own is not None else True
+        view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available)
         plan = spec.policy.plan(view)
         _check(plan, view)
     except Exception:
         logger.exception("policy %r failed; this step runs without speculation", spec.policy.name)
         return None, SpecPlan([0] * b)
-    ks = cap_and_reserve(plan.ks, decoding, budget, blocks, max_model_len)
+    ks = plan.ks
+    if hints is not None and own is None:  # a lookup chosen where there is none drafts nothing
+        ks = [0 if m == LOOKUP and not len(t) else k for k, m, t in zip(ks, plan.methods, lookups)]
+    ks = cap_and_reserve(ks, decoding, budget, blocks, max_model_len)
     return view, SpecPlan(ks, plan.methods, plan.predicted_s)
 
 

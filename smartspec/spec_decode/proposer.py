@@ -31,6 +31,7 @@ class Draft(NamedTuple):
     tokens: list[int]  # a chain's draft tokens, or a tree's node tokens
     probs: torch.Tensor | None  # a chain's draft distributions (None: deterministic)
     tree: TokenTree | None = None
+    source: str | None = None  # a hint's source (spec_decode/hints.py); None: the proposer's
 
 
 class Proposer:

@@ -11,6 +11,9 @@ class SpecDecodeMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts whose token j was accepted
+    # of the draft tokens, those from a predicted output (OpenAI's usage.completion_tokens_details)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
@@ -22,6 +25,10 @@ class SpecDecodeMetrics:
             self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
+
+    def record_prediction(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted_prediction_tokens += num_accepted
+        self.rejected_prediction_tokens += num_proposed - num_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -35,4 +42,6 @@ class SpecDecodeMetrics:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
-                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
+                "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens}

@@ -69,6 +69,9 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-sequence, stop token ids and stop strings take effect after this many tokens
     # the output must match this (a JSON schema, regex, choice or grammar); every verified position is masked
     structured: StructuredOutput | None = None
+    # the output the client expects (OpenAI's predicted outputs: the file being edited), as text or token ids:
+    # drafted from where the output has got to in it, priced by the policy like any proposer
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +120,10 @@ class SamplingParams:
             self.structured = StructuredOutput(**self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ParamError("structured_outputs", f"structured must be a StructuredOutput, got {self.structured!r}")
+        if self.prediction is not None and not (
+                isinstance(self.prediction, str) or isinstance(self.prediction, list)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction)):
+            raise ParamError("prediction", "prediction must be text or a list of token ids")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ParamError("stop", f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
