@@ -13,6 +13,11 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments import openai_protocol as proto
 from deployments.metrics import IngressMetrics, render_replica_metrics
+from deployments.tools import CallStream, ToolError, template_messages
+from deployments.tools import functions as tool_functions
+from deployments.tools import parse as parse_tool_calls
+from smartspec.structured.compile import grammar_of
+from smartspec.types.sampling_params import StructuredOutput
 
 api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with goodput-chosen speculation")
 
@@ -149,7 +154,7 @@ class OpenAIIngress:
         try:
             body = schema.model_validate(data)
         except ValidationError as exc:
-            raise HTTPError(422, *_validation_message(exc)) from None
+            raise HTTPError(400, *_validation_message(exc)) from None
         if body.model != self.model_name:
             raise HTTPError(404, f"The model `{body.model}` does not exist; this server serves "
                                  f"`{self.model_name}`", "model")
@@ -161,15 +166,26 @@ class OpenAIIngress:
             # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
             params = body.sampling_params(None if chat else self.max_tokens_default)
         except ValueError as exc:
-            raise HTTPError(422, str(exc), getattr(exc, "field", None)) from None
+            raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
+        tools = None
         try:
             if (structured := body.structured()) is not None:
                 params["structured"] = structured[0]
-        except (ValueError, TypeError) as exc:  # a schema, regex or grammar the library refuses
+            if chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
+                tools, calls = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
+                                              body.tool_choice if isinstance(body.tool_choice, str) or
+                                              body.tool_choice is None else body.tool_choice.model_dump())
+                if calls is not None:
+                    if structured is not None:
+                        raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
+                                                       f"tool calls; it cannot also follow {structured[1]}")
+                    params["structured"] = {"tool_calls": calls, "parallel_tool_calls": body.parallel_tool_calls}
+                    grammar_of(StructuredOutput(**params["structured"]))
+        except (ValueError, TypeError) as exc:  # a schema, regex, grammar or tool the library refuses
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
         if body.speculation is not None:
             params["max_speculative_tokens"] = body.speculation.max_k
-        payloads = ([{"messages": [m.model_dump() for m in body.messages]}] if chat
+        payloads = ([{"messages": template_messages([m.model_dump() for m in body.messages]), "tools": tools}] if chat
                     else [{"prompt": prompt, "echo": body.echo} for prompt in body.prompts()])
         streams = []
         try:
@@ -256,8 +272,12 @@ class OpenAIIngress:
         except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
             self._cancel(streams)
             raise HTTPError(500, f"generation failed: {exc!r}") from None
-        choices = [proto.choice(i, texts[i], reasons[i], chat, specs[i], gen.logprobs(i, entries[i], prompt_entries[i]))
-                   for i in range(len(streams))]
+        choices = []
+        for i in range(len(streams)):
+            text, calls = parse_tool_calls(texts[i]) if gen.reads_tool_calls else (texts[i], [])
+            reason = "tool_calls" if calls and reasons[i] == "stop" else reasons[i]
+            choices.append(proto.choice(i, text, reason, chat, specs[i],
+                                        gen.logprobs(i, entries[i], prompt_entries[i]), calls))
         self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
         details = proto.prediction_details(specs) if gen.body.prediction is not None else None
         return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat, details)
@@ -267,6 +287,7 @@ class OpenAIIngress:
         endpoint = "chat" if chat else "completions"
         start, created = time.monotonic(), int(time.time())
         first_token, total, specs = None, [0] * len(streams), [None] * len(streams)
+        calls = [CallStream() for _ in streams] if gen.reads_tool_calls else None
         completed, status = False, 499
         try:
             if chat:
@@ -277,11 +298,19 @@ class OpenAIIngress:
                 total[i] = item["completion_tokens"]
                 text = gen.text(i, item)
                 logprobs = gen.logprobs(i, item.get("logprobs") or [], item.get("prompt_logprobs"))
-                if text or (logprobs is not None and item["token_ids"]):
-                    yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs)
+                made = []
+                if calls is not None:  # content before and between tool-call blocks; each block as it closes
+                    text, made = calls[i].feed(text)
+                    text += calls[i].finish() if item["finished"] else ""
+                if text or made or (logprobs is not None and item["token_ids"]):
+                    yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs,
+                                             tool_calls=made)
                 if item["finished"]:
                     specs[i] = item["spec"]
-                    yield proto.stream_chunk(rid, self.model_name, i, None, item["finish_reason"], chat, created)
+                    reason = item["finish_reason"]
+                    if calls is not None and calls[i].num_calls and reason == "stop":
+                        reason = "tool_calls"
+                    yield proto.stream_chunk(rid, self.model_name, i, None, reason, chat, created)
             if include_usage:
                 details = proto.prediction_details(specs) if gen.body.prediction is not None else None
                 yield proto.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total), details)

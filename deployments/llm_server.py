@@ -78,7 +78,8 @@ class LLMServer:
         tokenizer = self.engine.tokenizer
         if not tokenizer.chat_template:
             raise ValueError(f"model {self.cfg.name!r} has no chat template; use /v1/completions")
-        return tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(body["messages"], tools=body.get("tools") or None, tokenize=False,
+                                             add_generation_prompt=True)
 
     async def generate(self, body: dict) -> AsyncIterator[dict]:
         """body: {"prompt": str | [ids]} or {"messages": [...]}, "params": SamplingParams fields, "request_id"."""

@@ -91,7 +91,7 @@ class StreamOptions(BaseModel):
 # request that sets one to anything else is refused with a 400 naming it, never answered as if it were honoured.
 UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None, []),
 }
@@ -237,10 +237,33 @@ class CompletionRequest(_Common):
         return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str  # or OpenAI's list of content parts, of which text parts are served (joined)
+    # or OpenAI's list of content parts, of which text parts are served (joined); None: an assistant's tool calls
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -248,10 +271,36 @@ class ChatMessage(BaseModel):
         return _joined_text_parts(v)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -322,10 +371,12 @@ def completion_logprobs(entries: list[dict | None], first_tokens: list[str] | No
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool, spec: dict | None = None,
-           logprobs: dict | None = None) -> dict:
+def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, spec: dict | None = None,
+           logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     body = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if chat
             else {"index": index, "text": text, "logprobs": logprobs})
+    if tool_calls:
+        body["message"]["tool_calls"] = tool_calls
     body["finish_reason"] = finish_reason
     if spec is not None:
         body["speculation"] = spec  # proposed / accepted draft tokens of this choice (a SmartSpec extension)
@@ -333,9 +384,12 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, spec: d
 
 
 def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
-                 created: int, role: bool = False, logprobs: dict | None = None) -> str:
+                 created: int, role: bool = False, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> str:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
     else:
@@ -372,6 +426,8 @@ class Generation:
         self.prompt_first_tokens = [a.get("prompt_first_token") for a in accepted]
         self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
         self.offsets = [0] * len(accepted)  # completions: where each choice's next token starts in its text
+        # chat with tools the model may call: its answers are read for tool-call blocks
+        self.reads_tool_calls = chat and bool(body.tools) and body.tool_choice != "none"
 
     def text(self, index: int, item: dict) -> str:
         """A delta's text; the first of an echoing completion starts with its prompt."""

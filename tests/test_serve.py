@@ -301,28 +301,28 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
 @pytest.mark.parametrize("body, status, message", [
     ("{not json", 400, "not valid JSON"),
     ("[1, 2]", 400, "must be a JSON object"),
-    ({"model": "tiny"}, 422, "prompt: Field required"),
-    ({"prompt": "x"}, 422, "model: Field required"),
+    ({"model": "tiny"}, 400, "prompt: Field required"),
+    ({"prompt": "x"}, 400, "model: Field required"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "The model `gpt-4` does not exist"),
-    ({"model": "tiny", "prompt": "x", "temperature": 3}, 422, "temperature"),
-    ({"model": "tiny", "prompt": "x", "top_p": 0}, 422, "top_p"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "n": 0}, 422, "n:"),
+    ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n:"),
     ({"model": "tiny", "prompt": "y" * 600}, 400, "the context holds 512"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "token ids must be integers"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 422, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 10}}, 422, "logit_bias"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 10}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 422, "min_tokens"),
-    ({"model": "tiny", "prompt": "x", "min_p": -0.1}, 422, "min_p"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "min_p": -0.1}, 400, "min_p"),
     ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}}, 400, "invalid JSON schema"),
     ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a["}}, 400, "invalid regex"),
     ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
-    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 422, "response_format"),
-    ({"model": "tiny", "prompt": "x", "prediction": {"type": "file", "content": "x"}}, 422, "prediction.type"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"model": "tiny", "prompt": "x", "prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
@@ -365,6 +365,53 @@ def test_structured_outputs_through_the_openai_client(app, tiny_qwen):
     pick = client.completions.create(model="tiny", prompt="mood:", max_tokens=10, temperature=0,
                                      extra_body={"guided_choice": ["happy", "sad"]})
     assert pick.choices[0].text in ("happy", "sad")
+
+
+def test_a_tool_calling_round_trip_through_the_openai_client(app):
+    """question -> tool_calls (required, then a named function; unary and streamed) -> the tool's result -> an
+    answer; bad tools are refused naming the field."""
+    import jsonschema
+
+    from test_tools import ADD, WEATHER
+
+    client = _client(app)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    got = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD],
+                                         tool_choice="required", max_tokens=200, temperature=0)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD], max_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False, temperature=0)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    # streamed: the calls arrive as deltas that add up to the unary answer's
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD],
+                                                 tool_choice="required", max_tokens=200, temperature=0,
+                                                 stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [d.index for d in deltas] == list(range(len(deltas))) and all(d.id for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the tool's result goes back; with tool_choice auto the model answers (random weights: text, no call)
+    follow = messages + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in choice.message.tool_calls]
+    answer = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER, ADD], max_tokens=8,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for body, param in [({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+                         "tools.0.function.name"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice")]:
+        r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": messages, **body},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_predicted_outputs_are_drafted_and_counted_in_usage(app, tiny_qwen):
@@ -442,7 +489,7 @@ def test_chat_logprobs_are_the_offline_engines_and_stream_alike(app, tiny_qwen):
                                               extra_body={"ignore_eos": True})
     assert [e.logprob for e in out.choices[0].logprobs.content] == [lp.logprob for lp in want.logprobs]
     r = httpx.post(f"{app}/v1/chat/completions", json={**body, "logprobs": False}, timeout=60)
-    assert r.status_code == 422 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
     plain = httpx.post(f"{app}/v1/chat/completions", json={k: v for k, v in body.items() if "logprobs" not in k},
                        timeout=120).json()
     assert plain["choices"][0]["logprobs"] is None
@@ -505,7 +552,7 @@ def test_a_batch_of_token_prompts_with_echo_is_answered_per_prompt(app, tiny_qwe
         assert choice["logprobs"] == one["logprobs"] and choice["text"] == one["text"]
         assert len(choice["logprobs"]["tokens"]) == len(ids) + 1
     r = httpx.post(f"{app}/v1/completions", json={**body, "prompt": [[1, 2], []]}, timeout=60)
-    assert r.status_code == 422 and "no empty prompt" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "no empty prompt" in r.json()["error"]["message"]
 
 
 def test_chat_content_parts_are_text(app):
@@ -519,15 +566,15 @@ def test_chat_content_parts_are_text(app):
     assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
     r = httpx.post(f"{app}/v1/chat/completions", json={**body, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, timeout=60)
-    assert r.status_code == 422 and "only text content parts" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "only text content parts" in r.json()["error"]["message"]
 
 
 def test_chat_errors(app):
     r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=60)
-    assert r.status_code == 422 and "messages" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.post(f"{app}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard",
                                                                                          "content": "x"}]}, timeout=60)
-    assert r.status_code == 422 and "role" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
 
 
 def test_proposers_chosen_per_request_are_served_from_the_config(ray_serve, tiny_qwen, tiny_qwen_draft, reference):

@@ -21,10 +21,15 @@ ANY_OBJECT = {"type": "object"}
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_of(spec: StructuredOutput) -> tuple[str, str]:
+def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tuple[str, str]:
     """(llguidance grammar, the request field it came from); a grammar llguidance rejects raises ParamError naming
-    that field."""
-    if spec.json is not None or spec.json_object:
+    that field. tool_tags_are_tokens: the tokenizer has `<tool_call>` and `</tool_call>` as tokens of their own
+    (Qwen2.5), which the grammar must then name as tokens, not spell out."""
+    if spec.tool_calls is not None:
+        field, what = "tools", "tool parameters schema"
+        grammar = llguidance.LLMatcher.grammar_from_lark(
+            tool_calls_lark(spec.tool_calls, tool_tags_are_tokens, spec.parallel_tool_calls))
+    elif spec.json is not None or spec.json_object:
         field, what = "structured_outputs.json", "JSON schema"
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json or ANY_OBJECT),
@@ -44,6 +49,18 @@ def grammar_of(spec: StructuredOutput) -> tuple[str, str]:
     if error and not error.startswith("WARNING"):
         raise ParamError(field, f"invalid {what}: {error.strip().splitlines()[0][:300]}")
     return grammar, field
+
+
+def tool_calls_lark(functions: list[dict], tags_are_tokens: bool, several: bool = True) -> str:
+    """One or more calls (several: False, one), each `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`,
+    newline-separated; the arguments valid for the named function's parameters."""
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               "arguments": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+    open_tag, close_tag = ("<tool_call>", "</tool_call>") if tags_are_tokens else ('"<tool_call>"', '"</tool_call>"')
+    start = 'start: call ("\\n" call)*' if several else "start: call"
+    return f'{start}\ncall: {open_tag} "\\n" %json {json.dumps(schema)} "\\n" {close_tag}\n'
 
 
 def _lark_or_gbnf(text: str) -> str:

@@ -27,6 +27,9 @@ class GrammarCompiler:
         self._hf, self.vocab_size, self.end_token_ids = tokenizer, vocab_size, sorted(end_token_ids)
         self._tokenizer = None
         self._lock = threading.Lock()
+        # Qwen2.5's tool-call tags are tokens of their own; a tokenizer without them spells them out
+        self.tool_tags_are_tokens = all(len(tokenizer.encode(t, add_special_tokens=False)) == 1
+                                        for t in ("<tool_call>", "</tool_call>"))
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -39,7 +42,7 @@ class GrammarCompiler:
             return self._tokenizer
 
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
-        grammar, field = grammar_of(spec)
+        grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ParamError(field, f"invalid {field.split('.')[-1]}: {matcher.get_error()[:300]}")

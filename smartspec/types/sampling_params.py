@@ -25,13 +25,21 @@ class StructuredOutput:
     regex: str | None = None
     choice: list[str] | None = None  # one of these strings
     grammar: str | None = None  # a Lark grammar (llguidance's dialect) or GBNF
+    # one or more tool calls in the Hermes / Qwen2.5 format, `<tool_call>\n{"name": ..., "arguments": {...}}\n
+    # </tool_call>`, each naming one of these functions ({"name", "parameters": a JSON schema}) with valid arguments
+    tool_calls: list[dict] | None = None
+    parallel_tool_calls: bool = True  # False: exactly one call
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "tool_calls") if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
             raise ParamError("structured_outputs", f"structured_outputs takes exactly one of json, json_object, "
                                                    f"regex, choice, grammar; got {set_ or 'none'}")
+        if self.tool_calls is not None and (not self.tool_calls or any(
+                not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
+                for f in self.tool_calls)):
+            raise ParamError("tools", "each tool needs a function name")
         if self.json is not None and not isinstance(self.json, dict):
             raise ParamError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an object)")
         for name in ("regex", "grammar"):
