@@ -22,7 +22,7 @@ def _serve_config(path: Path) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("path", ["config.yaml", "config-light.yaml", "cluster/rayservice.yaml",
+@pytest.mark.parametrize("path", ["config.yaml", "config-light.yaml", "config-gpu.yaml", "cluster/rayservice.yaml",
                                   "cluster/rayservice-gpu.yaml"])
 def test_serve_config_validates_against_ray_serve_schema(path):
     config = _serve_config(ROOT / path)

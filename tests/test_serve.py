@@ -371,7 +371,6 @@ def test_a_tool_calling_round_trip_through_the_openai_client(app):
     """question -> tool_calls (required, then a named function; unary and streamed) -> the tool's result -> an
     answer; bad tools are refused naming the field."""
     import jsonschema
-
     from test_tools import ADD, WEATHER
 
     client = _client(app)

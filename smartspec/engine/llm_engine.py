@@ -96,6 +96,7 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         self.grammars: dict[str, RequestGrammar] = {}
         self.hints = RequestHints()  # predicted outputs; each step, the drafts requests carry
+        self.request_hints = spec.request_hints if spec else False
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
@@ -233,7 +234,8 @@ class LLMEngine:
             return StepResult([], None, 0)
         decoding, prefill = split_batch(batch)
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
-        hints = self.hints.step_hints(decoding, self.grammars, spec.k_max) if spec.proposer is not None else None
+        hints = (self.hints.step_hints(decoding, self.grammars, spec.k_max)
+                 if spec.proposer is not None and self.request_hints else None)
         view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints)
         t_draft = time.perf_counter()
         drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)

@@ -58,6 +58,8 @@ class SpeculativeConfig:
     draft_num_cpus: float = 0.25
     draft_num_threads: int | None = None
     suffix_cache_tokens: int = 65536  # method "suffix": the most tokens of finished outputs it looks up in
+    # the drafts requests carry (spec_decode/hints.py): tokens a grammar forces, a predicted output's continuation
+    request_hints: bool = True
 
     def __post_init__(self) -> None:
         self.tree = TreeConfig.parse(self.tree)
@@ -87,6 +89,8 @@ class SpeculativeConfig:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
         if not isinstance(self.policy, (str, Policy)):
             raise ValueError(f"policy must be a name or a Policy, got {type(self.policy).__name__}")
+        if not isinstance(self.request_hints, bool):
+            raise ValueError(f"request_hints must be true or false, got {self.request_hints!r}")
         if not isinstance(self.draft_actor, bool):
             raise ValueError(f"draft_actor must be true or false, got {self.draft_actor!r}")
         if isinstance(self.draft_num_cpus, bool) or not isinstance(self.draft_num_cpus, (int, float)) \
