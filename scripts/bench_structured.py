@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--parts", nargs="+", default=["mask", "json", "edit"], choices=["mask", "json", "edit"])
     ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="K: the most tokens a request speculates in a step")
     ap.add_argument("--num-json", type=int, default=len(ORDERS))
     ap.add_argument("--num-edits", type=int, default=2)
     ap.add_argument("--out", default="results/structured")
@@ -139,8 +140,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    results = {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft}
-    spec = SpeculativeConfig(method="draft_model", model=args.draft, num_speculative_tokens=4, policy="smartspec")
+    results = {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "k": args.k}
+    spec = SpeculativeConfig(method="draft_model", model=args.draft, num_speculative_tokens=args.k, policy="smartspec")
     llm = LLM(args.target, speculative_config=spec, max_model_len=2048, kv_cache_gib=1.0)
     tok = llm.tokenizer
     smartspec_policy, off = llm.engine.speculation.policy, OffPolicy()

@@ -18,6 +18,7 @@ from smartspec.types.tree import MAX_TREE_NODES, TokenTree
 GRAMMAR = "grammar"  # Draft.source of forced tokens
 PREDICTION = "prediction"  # Draft.source of a predicted output's tokens
 EMPTY = TokenTree([], [], [])
+LIKELY = 0.9  # the confidence of forced bytes' usual tokenization, past the certain forced tokens
 
 
 @dataclass
@@ -58,8 +59,11 @@ class RequestHints:
     def _hint(self, req: Request, grammar: RequestGrammar | None, budget: int) -> Hint:
         if budget <= 0:
             return Hint(EMPTY, None)
-        if grammar is not None and (forced := grammar.forced_tokens()[:budget]):
-            return Hint(TokenTree.chain(forced), GRAMMAR)
+        if grammar is not None:
+            forced, certain = grammar.forced_tokens()
+            if forced := forced[:budget]:
+                return Hint(TokenTree.chain(forced, [1.0 if i < certain else LIKELY for i in range(len(forced))]),
+                            GRAMMAR)
         index = self.predictions.get(req.request_id)
         if index is None:
             return Hint(EMPTY, None)

@@ -2,9 +2,10 @@
 each draft prefix, how far a draft stays valid, and the tokens the grammar forces.
 
 llguidance over xgrammar: on the 151,936-token Qwen2.5 vocabulary on this project's CPUs both compute a mask in
-well under 0.1 ms a token (docs/benchmarks.md, `scripts/bench_grammar.py`), a thousandth of a decode step;
-llguidance installs with no dependencies (xgrammar pulls triton into a CPU install), rolls back consumed tokens
-(rejected drafts) and reports the tokens a grammar forces (`forced_tokens`)."""
+well under 0.1 ms a token (xgrammar ~0.01 ms, llguidance ~0.04 ms; `scripts/bench_structured.py --parts mask`,
+docs/benchmarks.md), a thousandth of a decode step either way; llguidance installs with no dependencies (xgrammar
+pulls triton into a CPU install), rolls back consumed tokens (rejected drafts) and reports the tokens and bytes a
+grammar forces (`forced_tokens`: jump-forward)."""
 from __future__ import annotations
 
 import threading
@@ -46,15 +47,15 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ParamError(field, f"invalid {field.split('.')[-1]}: {matcher.get_error()[:300]}")
-        return RequestGrammar(matcher, self.tokenizer().vocab_size)
+        return RequestGrammar(matcher, self.tokenizer())
 
 
 class RequestGrammar:
     """A request's grammar state at its committed tokens. Drafts are walked into it and rolled back, so between
     steps it always stands at the committed output."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
+        self.matcher, self.tokenizer, self.vocab_size = matcher, tokenizer, tokenizer.vocab_size
 
     @property
     def finished(self) -> bool:
@@ -65,9 +66,21 @@ class RequestGrammar:
         """How many of these tokens, from the committed state, the grammar allows in a row."""
         return self.matcher.validate_tokens(tokens) if tokens else 0
 
-    def forced_tokens(self) -> list[int]:
-        """The tokens the grammar allows as the only continuation from here (keys, braces, `": "`)."""
-        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+    def forced_tokens(self) -> tuple[list[int], int]:
+        """The tokens the grammar forces from here (keys, braces, `": "`), and how many of them are certain.
+
+        llguidance's forced tokens stop where the next token is ambiguous (after `":`, the value may begin in the
+        same token as ` "`); the forced bytes go on. Their usual tokenization follows, as likely tokens: the
+        target verifies them like any draft, and where it tokenizes otherwise they are simply rejected."""
+        if self.matcher.is_stopped():
+            return [], 0
+        tokens = list(self.matcher.compute_ff_tokens())
+        forced = self.matcher.compute_ff_bytes()
+        done = len(self.tokenizer.decode_bytes(tokens))
+        if len(forced) > done and forced[:done] == self.tokenizer.decode_bytes(tokens):
+            tail = self.tokenizer.tokenize_bytes(forced[done:])
+            tokens += tail[:self.valid_prefix(tokens + tail) - len(tokens)]
+        return tokens, len(self.matcher.compute_ff_tokens())
 
     def masks(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, list[bool]]:
         """Bitmasks [n, ceil(V / 32)] of the tokens allowed after each prefix (draft tokens after the committed
