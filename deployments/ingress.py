@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from deployments import openai_protocol as proto
+from deployments import openai_responses as wire
 from deployments.metrics import IngressMetrics, render_replica_metrics
 from deployments.tools import CallStream, ToolError, template_messages
 from deployments.tools import functions as tool_functions
@@ -29,7 +30,7 @@ class HTTPError(Exception):
 
 
 def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(proto.error_body(status, message, param), status_code=status)
+    return JSONResponse(wire.error_body(status, message, param), status_code=status)
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -116,23 +117,23 @@ class OpenAIIngress:
         result = await self._begin({**body, "stream": False}, proto.ChatCompletionRequest if chat
                                    else proto.CompletionRequest, chat)
         if isinstance(result, HTTPError):
-            return proto.error_body(result.status, result.message, result.param)
+            return wire.error_body(result.status, result.message, result.param)
         rid, gen, streams = result
         try:
             return await self._collect(rid, streams, gen)
         except HTTPError as exc:
-            return proto.error_body(exc.status, exc.message)
+            return wire.error_body(exc.status, exc.message)
 
     async def create_stream(self, body: dict, chat: bool = False):
         """Call with handle.options(stream=True): OpenAI stream chunks as dicts (no [DONE]), or one error dict."""
         result = await self._begin({**body, "stream": True}, proto.ChatCompletionRequest if chat
                                    else proto.CompletionRequest, chat)
         if isinstance(result, HTTPError):
-            yield proto.error_body(result.status, result.message, result.param)
+            yield wire.error_body(result.status, result.message, result.param)
             return
         rid, gen, streams = result
         async for chunk in self._sse(rid, streams, gen):
-            if chunk != proto.sse("[DONE]"):
+            if chunk != wire.sse("[DONE]"):
                 yield json.loads(chunk[len("data: "):])
 
     async def _begin(self, data, schema, chat: bool):
@@ -143,7 +144,7 @@ class OpenAIIngress:
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return exc
-        return proto.new_id("chatcmpl" if chat else "cmpl"), proto.Generation(body, chat, accepted), streams
+        return wire.new_id("chatcmpl" if chat else "cmpl"), wire.Generation(body, chat, accepted), streams
 
     def _parse(self, data, schema):
         if not isinstance(data, dict):
@@ -247,7 +248,7 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, rid, streams, gen: proto.Generation):
+    async def _collect(self, rid, streams, gen: wire.Generation):
         chat, prompt_tokens = gen.chat, gen.prompt_tokens
         endpoint = "chat" if chat else "completions"
         start = time.monotonic()
@@ -276,13 +277,13 @@ class OpenAIIngress:
         for i in range(len(streams)):
             text, calls = parse_tool_calls(texts[i]) if gen.reads_tool_calls else (texts[i], [])
             reason = "tool_calls" if calls and reasons[i] == "stop" else reasons[i]
-            choices.append(proto.choice(i, text, reason, chat, specs[i],
+            choices.append(wire.choice(i, text, reason, chat, specs[i],
                                         gen.logprobs(i, entries[i], prompt_entries[i]), calls))
         self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
-        details = proto.prediction_details(specs) if gen.body.prediction is not None else None
-        return proto.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat, details)
+        details = wire.prediction_details(specs) if gen.body.prediction is not None else None
+        return wire.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat, details)
 
-    async def _sse(self, rid, streams, gen: proto.Generation, include_usage: bool = False):
+    async def _sse(self, rid, streams, gen: wire.Generation, include_usage: bool = False):
         chat, prompt_tokens = gen.chat, gen.prompt_tokens
         endpoint = "chat" if chat else "completions"
         start, created = time.monotonic(), int(time.time())
@@ -292,7 +293,7 @@ class OpenAIIngress:
         try:
             if chat:
                 for i in range(len(streams)):
-                    yield proto.stream_chunk(rid, self.model_name, i, None, None, chat, created, role=True)
+                    yield wire.stream_chunk(rid, self.model_name, i, None, None, chat, created, role=True)
             async for i, item in self._merged(streams):
                 first_token = first_token or time.monotonic()
                 total[i] = item["completion_tokens"]
@@ -303,25 +304,25 @@ class OpenAIIngress:
                     text, made = calls[i].feed(text)
                     text += calls[i].finish() if item["finished"] else ""
                 if text or made or (logprobs is not None and item["token_ids"]):
-                    yield proto.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs,
+                    yield wire.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs,
                                              tool_calls=made)
                 if item["finished"]:
                     specs[i] = item["spec"]
                     reason = item["finish_reason"]
                     if calls is not None and calls[i].num_calls and reason == "stop":
                         reason = "tool_calls"
-                    yield proto.stream_chunk(rid, self.model_name, i, None, reason, chat, created)
+                    yield wire.stream_chunk(rid, self.model_name, i, None, reason, chat, created)
             if include_usage:
-                details = proto.prediction_details(specs) if gen.body.prediction is not None else None
-                yield proto.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total), details)
-            yield proto.sse("[DONE]")
+                details = wire.prediction_details(specs) if gen.body.prediction is not None else None
+                yield wire.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total), details)
+            yield wire.sse("[DONE]")
             completed = True
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
             status = 500
-            yield proto.sse(proto.error_body(status, f"generation failed: {exc!r}"))
-            yield proto.sse("[DONE]")
+            yield wire.sse(wire.error_body(status, f"generation failed: {exc!r}"))
+            yield wire.sse("[DONE]")
         finally:
             if completed:
                 self.metrics.observe(endpoint, prompt_tokens, sum(total), start, first_token, time.monotonic())

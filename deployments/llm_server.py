@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppConfig
-from deployments.openai_protocol import token_entries
+from deployments.openai_responses import token_entries
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer

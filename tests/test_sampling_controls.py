@@ -84,18 +84,26 @@ def controlled(controls: dict) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, **controls) for n in (40, 25, 33, 12)]
 
 
-@pytest.mark.parametrize("index", range(len(CONTROLS)))
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self", "self-tree"])
-def test_greedy_speculation_with_controls_equals_plain(method, index, tiny_qwen, tiny_qwen_draft, plain_controlled):
-    """"self": the target drafts for itself, so every draft token is what plain decoding makes and verification
-    accepts deep runs only if each row is reshaped with the draft tokens before it."""
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "policy": MixedPolicy(),
-            "model": tiny_qwen_draft if method == "draft_model" else tiny_qwen}
+# "self": the target drafts for itself, so every draft token is what plain decoding makes: verification accepts
+# deep runs only if each row is reshaped (or masked) with the draft tokens before it
+METHODS = ["ngram", "suffix", "draft_model", "self", "self-tree"]
+
+
+def mixed_spec(method: str, target: str, draft: str) -> dict:
+    """A speculative config of METHODS, with k changing per request and step (MixedPolicy)."""
     if method in ("ngram", "suffix"):
-        spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
+        return {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "policy": MixedPolicy(),
+            "model": draft if method == "draft_model" else target}
     if method == "self-tree":
         spec["tree"] = {"max_nodes": 8, "max_depth": 3, "branching": 2}
-    llm = make(tiny_qwen, spec)
+    return spec
+
+
+@pytest.mark.parametrize("index", range(len(CONTROLS)))
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculation_with_controls_equals_plain(method, index, tiny_qwen, tiny_qwen_draft, plain_controlled):
+    llm = make(tiny_qwen, mixed_spec(method, tiny_qwen, tiny_qwen_draft))
     assert run_staggered(llm, PROMPTS, controlled(CONTROLS[index])) == plain_controlled[index]
     m = llm.engine.speculation.metrics
     if method.startswith("self"):

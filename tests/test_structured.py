@@ -8,7 +8,8 @@ import jsonschema
 import pytest
 import torch
 from test_rejection_sampler import CHI2_CRIT, K, V, chi2
-from test_speculative import PROMPTS, MixedPolicy, make, run_staggered
+from test_sampling_controls import METHODS, mixed_spec
+from test_speculative import PROMPTS, make, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.engine.drafter import Drafted, cut_to_grammars
@@ -87,15 +88,9 @@ def plain_structured(plain):
 
 
 @pytest.mark.parametrize("index", range(len(SPECS)))
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self", "self-tree"])
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_structured_speculation_equals_plain(method, index, tiny_qwen, tiny_qwen_draft, plain_structured):
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "policy": MixedPolicy(),
-            "model": tiny_qwen_draft if method == "draft_model" else tiny_qwen}
-    if method in ("ngram", "suffix"):
-        spec = {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
-    if method == "self-tree":
-        spec["tree"] = {"max_nodes": 8, "max_depth": 3, "branching": 2}
-    llm = make(tiny_qwen, spec)
+    llm = make(tiny_qwen, mixed_spec(method, tiny_qwen, tiny_qwen_draft))
     assert run_staggered(llm, PROMPTS, structured(PARAMS, SPECS[index])) == plain_structured[index]
     assert not llm.engine.grammars  # finished requests let their grammars go
     m = llm.engine.speculation.metrics

@@ -1,0 +1,143 @@
+"""The OpenAI wire format's answers: responses, stream chunks, usage, logprobs in each endpoint's shape, and error
+bodies; `Generation` assembles one request's answer from its n generations."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, details: dict | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if details is not None:
+        out["completion_tokens_details"] = details
+    return out
+
+
+def prediction_details(specs: list[dict | None]) -> dict:
+    """usage.completion_tokens_details of a request with a predicted output: its draft tokens from the prediction
+    that verification accepted and rejected, over its choices."""
+    return {name: sum((s or {}).get(name, 0) for s in specs)
+            for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                        chat: bool, details: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, details)}
+
+
+def token_entries(tokenizer, logprobs) -> list[dict | None]:
+    """TokenLogprobs (smartspec.types.logprobs) as plain dicts with each token's text, for the wire (None stays
+    None: a prompt's first token, which nothing predicts)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [None if lp is None else {"token": text(lp.token_id), "logprob": lp.logprob,
+                                     "top": [[text(t), v] for t, v in lp.top]} for lp in logprobs]
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(t, v) for t, v in e["top"]]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[dict | None], first_tokens: list[str] | None = None, offset: int = 0) -> dict:
+    """The legacy completions shape; entries None (a prompt's first token) get a null logprob, their token text
+    from first_tokens, in order."""
+    first = iter(first_tokens or [])
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        token = next(first) if e is None else e["token"]
+        tokens.append(token)
+        values.append(None if e is None else e["logprob"])
+        tops.append(None if e is None else {t: v for t, v in e["top"]})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, spec: dict | None = None,
+           logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    body = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if chat
+            else {"index": index, "text": text, "logprobs": logprobs})
+    if tool_calls:
+        body["message"]["tool_calls"] = tool_calls
+    body["finish_reason"] = finish_reason
+    if spec is not None:
+        body["speculation"] = spec  # proposed / accepted draft tokens of this choice (a SmartSpec extension)
+    return body
+
+
+def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
+                 created: int, role: bool = False, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> str:
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
+    else:
+        c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int,
+                details: dict | None = None) -> str:
+    return sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, details)})
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class Generation:
+    """One request's answer as it streams in from its n generations: the echoed prompt and the logprobs of each
+    choice in the shape its endpoint uses (chat: content entries; completions: token lists with text offsets)."""
+
+    def __init__(self, body: CompletionRequest | ChatCompletionRequest, chat: bool, accepted: list[dict]) -> None:
+        self.body, self.chat = body, chat
+        self.prompt_tokens = sum(a["prompt_tokens"] for a in accepted[::body.n])  # each prompt once
+        self.echo = not chat and body.echo
+        self.prompt_texts = [a.get("prompt_text", "") for a in accepted]
+        self.prompt_first_tokens = [a.get("prompt_first_token") for a in accepted]
+        self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
+        self.offsets = [0] * len(accepted)  # completions: where each choice's next token starts in its text
+        # chat with tools the model may call: its answers are read for tool-call blocks
+        self.reads_tool_calls = chat and bool(body.tools) and body.tool_choice != "none"
+
+    def text(self, index: int, item: dict) -> str:
+        """A delta's text; the first of an echoing completion starts with its prompt."""
+        return (self.prompt_texts[index] + item["text"]) if self.echo and item.get("first") else item["text"]
+
+    def logprobs(self, index: int, entries: list[dict], prompt_entries: list | None = None) -> dict | None:
+        """Choice `index`'s logprobs for these output entries (and the prompt's, echoed), None when not asked."""
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        firsts = None
+        if self.echo and prompt_entries is not None:
+            entries, firsts = list(prompt_entries) + list(entries), [self.prompt_first_tokens[index]]
+        out = completion_logprobs(entries, firsts, self.offsets[index])
+        self.offsets[index] += sum(len(t) for t in out["tokens"])
+        return out
