@@ -180,7 +180,9 @@ class OpenAIIngress:
                     if structured is not None:
                         raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
                                                        f"tool calls; it cannot also follow {structured[1]}")
-                    params["structured"] = {"tool_calls": calls, "parallel_tool_calls": body.parallel_tool_calls}
+                    # one call of a named function; with "required", up to one per tool given (or one)
+                    several = body.parallel_tool_calls and body.tool_choice == "required"
+                    params["structured"] = {"tool_calls": calls, "max_tool_calls": len(calls) if several else 1}
                     grammar_of(StructuredOutput(**params["structured"]))
         except (ValueError, TypeError) as exc:  # a schema, regex, grammar or tool the library refuses
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None

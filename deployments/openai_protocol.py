@@ -47,8 +47,8 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None  # Lark (llguidance) or GBNF
 
     def spec(self) -> dict:
-        return {"json": _schema(self.json_, "structured_outputs.json"), "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
-                "grammar": self.grammar}
+        return {"json": _schema(self.json_, "structured_outputs.json"), "json_object": self.json_object,
+                "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
 
 
 def _joined_text_parts(v):

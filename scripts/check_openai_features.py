@@ -98,22 +98,22 @@ def main() -> None:
         except (ValueError, jsonschema.ValidationError):
             ok = False
         record(f"json_schema {i:2d}", ok, text == plain.choices[0].message.content, text, s)
-    for check, kw, valid in [
-        ("json_object", {"response_format": {"type": "json_object"}},
+    for check, prompt, kw, valid in [
+        ("json_object", "Describe the planet Mars in JSON, in three short fields.",
+         {"response_format": {"type": "json_object"}},
          lambda t: isinstance(json.loads(t), dict)),
-        ("regex (an email)", {"extra_body": {"structured_outputs": {"regex": r"[a-z]+@[a-z]+\.(com|org)"}}},
-         lambda t: re.fullmatch(r"[a-z]+@[a-z]+\.(com|org)", t)),
-        ("choice", {"extra_body": {"structured_outputs": {"choice": ["positive", "negative", "neutral"]}}},
-         lambda t: t in ("positive", "negative", "neutral")),
-        ("penalties, logit_bias, min_p, min_tokens", {"presence_penalty": 0.5, "frequency_penalty": 0.5,
-                                                      "logit_bias": {"198": -5}, "extra_body": {
-                                                          "repetition_penalty": 1.1, "min_p": 0.05,
-                                                          "min_tokens": 20}}, lambda t: len(t) > 0),
+        ("regex (an email)", "Write a support email address for a company called Acme.",
+         {"extra_body": {"structured_outputs": {"regex": r"[a-z]{1,20}@[a-z]{1,20}\.(com|org)"}}},
+         lambda t: re.fullmatch(r"[a-z]{1,20}@[a-z]{1,20}\.(com|org)", t)),
+        ("choice", "The sentiment of 'great service, thank you!' is", {"extra_body": {"structured_outputs": {
+            "choice": ["positive", "negative", "neutral"]}}}, lambda t: t == "positive"),
+        ("penalties, logit_bias, min_p, min_tokens", "Write a haiku about the sea.", {
+            "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"198": -5},
+            "extra_body": {"repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 20}}, lambda t: len(t) > 0),
     ]:
-        messages = [{"role": "user", "content": "Give a contact email for an example company, or the sentiment "
-                                                "of 'great service', as asked, in JSON where asked."}]
-        r, s = ask(messages, max_tokens=96, **dict(kw))
-        plain, _ = ask(messages, no_spec=True, max_tokens=96, **dict(kw))
+        messages = [{"role": "user", "content": prompt}]
+        r, s = ask(messages, max_tokens=160, **dict(kw))
+        plain, _ = ask(messages, no_spec=True, max_tokens=160, **dict(kw))
         text = r.choices[0].message.content
         try:
             ok = bool(valid(text))
@@ -125,25 +125,32 @@ def main() -> None:
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
         r, s = ask(messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
         plain, _ = ask(messages, no_spec=True, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
+        def answer(resp):
+            msg = resp.choices[0].message
+            return [c.function.model_dump() for c in msg.tool_calls or []] or msg.content
+
         calls = r.choices[0].message.tool_calls or []
         ok = r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather" \
             and json.loads(calls[0].function.arguments).get("city")
-        record(f"tool_choice {choice if isinstance(choice, str) else 'named'}", ok,
-               [c.function.model_dump() for c in calls] ==
-               [c.function.model_dump() for c in plain.choices[0].message.tool_calls or []],
-               json.dumps([c.function.model_dump() for c in calls]), s)
+        if choice == "auto":  # the model's own choice: answered either way, and the detail says which
+            ok = r.choices[0].finish_reason in ("stop", "tool_calls")
+        record(f"tool_choice {choice if isinstance(choice, str) else 'named'}", ok, answer(r) == answer(plain),
+               json.dumps(answer(r)), s)
     stream = client.chat.completions.create(model=args.model, messages=messages, tools=[WEATHER, TIME],
                                             tool_choice="required", temperature=0, max_tokens=128, stream=True)
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     record("tool_calls streamed", deltas and deltas[0].function.name == "get_weather", None,
            json.dumps([d.function.model_dump() for d in deltas]))
     first, _ = ask(messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=128)
-    call = first.choices[0].message.tool_calls[0]
-    follow = messages + [first.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
-    r, s = ask(follow, tools=[WEATHER, TIME], max_tokens=64)
-    answer = r.choices[0].message.content or ""
-    record("tool result -> answer", "18" in answer and r.choices[0].finish_reason == "stop", None, answer, s)
+    follow = messages + [first.choices[0].message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "18 C and sunny"}
+        for c in first.choices[0].message.tool_calls]
+    for choice in ("none", "auto"):  # auto: the model's choice (answer, or call again); the detail says which
+        r, s = ask(follow, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64)
+        answer = r.choices[0].message.content or ""
+        ok = "18" in answer if choice == "none" else r.choices[0].finish_reason in ("stop", "tool_calls")
+        record(f"tool result -> answer ({choice})", ok and r.choices[0].finish_reason != "length", None,
+               answer or json.dumps([c.function.model_dump() for c in r.choices[0].message.tool_calls or []]), s)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": args.model, "rows": rows},
                                          indent=1))

@@ -23,7 +23,7 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
     if spec.tool_calls is not None:
         field, what = "tools", "tool parameters schema"
         grammar = llguidance.LLMatcher.grammar_from_lark(
-            tool_calls_lark(spec.tool_calls, tool_tags_are_tokens, spec.parallel_tool_calls))
+            tool_calls_lark(spec.tool_calls, tool_tags_are_tokens, spec.max_tool_calls))
     elif spec.json is not None or spec.json_object:
         field, what = "structured_outputs.json", "JSON schema"
         try:
@@ -46,15 +46,16 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
     return grammar, field
 
 
-def tool_calls_lark(functions: list[dict], tags_are_tokens: bool, several: bool = True) -> str:
-    """One or more calls (several: False, one), each `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`,
-    newline-separated; the arguments valid for the named function's parameters."""
+def tool_calls_lark(functions: list[dict], tags_are_tokens: bool, max_calls: int = 1) -> str:
+    """One to max_calls calls, each `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, newline-separated;
+    the arguments valid for the named function's parameters. A bound, because a model made to call tools that
+    was not trained for this format goes on calling (the next city, and the next) rather than end."""
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
     open_tag, close_tag = ("<tool_call>", "</tool_call>") if tags_are_tokens else ('"<tool_call>"', '"</tool_call>"')
-    start = 'start: call ("\\n" call)*' if several else "start: call"
+    start = "start: call" + ' ("\\n" call' * (max_calls - 1) + ")?" * (max_calls - 1)
     return f'{start}\ncall: {open_tag} "\\n" %json {json.dumps(schema)} "\\n" {close_tag}\n'
 
 

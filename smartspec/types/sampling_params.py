@@ -28,7 +28,7 @@ class StructuredOutput:
     # one or more tool calls in the Hermes / Qwen2.5 format, `<tool_call>\n{"name": ..., "arguments": {...}}\n
     # </tool_call>`, each naming one of these functions ({"name", "parameters": a JSON schema}) with valid arguments
     tool_calls: list[dict] | None = None
-    parallel_tool_calls: bool = True  # False: exactly one call
+    max_tool_calls: int = 1  # calls in a row at most
 
     def __post_init__(self) -> None:
         set_ = [k for k in ("json", "regex", "choice", "grammar", "tool_calls") if getattr(self, k) is not None]
@@ -40,6 +40,9 @@ class StructuredOutput:
                 not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
                 for f in self.tool_calls)):
             raise ParamError("tools", "each tool needs a function name")
+        if not isinstance(self.max_tool_calls, int) or isinstance(self.max_tool_calls, bool) \
+                or self.max_tool_calls < 1:
+            raise ParamError("tools", f"max_tool_calls must be an integer >= 1, got {self.max_tool_calls!r}")
         if self.json is not None and not isinstance(self.json, dict):
             raise ParamError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an object)")
         for name in ("regex", "grammar"):
