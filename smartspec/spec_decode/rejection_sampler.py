@@ -27,30 +27,30 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     Token j is accepted with probability min(1, p(x)/q(x)); the first rejection is replaced by a sample from
     norm(max(p - q, 0)) and ends the step; if all k are accepted, a bonus token is drawn from p[k]. q [k+1, V]:
     the draft's (k+1)-th token was cut as one p forbids (a grammar), a certain rejection: the last token is then
-    drawn from the residual norm(max(p[k] - q[k], 0)), as that rejection would have drawn it."""
-    out = []
-    for j, tok in enumerate(draft):
-        q_tok = 1.0 if q is None else float(q[j, tok])
-        p_tok = float(p[j, tok])
-        u = float(torch.rand((), generator=generator, device=p.device))  # p and the generator share a device
-        if u * q_tok < p_tok:  # u < p/q, without dividing by a q that may be tiny
-            out.append(tok)
-            continue
-        if q is None:
-            residual = p[j].clone()
-            residual[tok] = 0.0
-        else:
-            residual = torch.clamp(p[j] - q[j], min=0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing to correct toward
-            residual = p[j]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    last = p[len(draft)]
-    if q is not None and q.shape[0] > len(draft):
-        residual = torch.clamp(last - q[len(draft)], min=0.0)
-        last = residual if float(residual.sum()) > 0.0 else last
-    out.append(int(torch.multinomial(last, 1, generator=generator)))
-    return out
+    drawn from the residual norm(max(p[k] - q[k], 0)), as that rejection would have drawn it.
+
+    The k uniforms are drawn at once and compared on p's device (independent draws: the same law as one at a
+    time), so a request costs two reads to the host, not two a draft token."""
+    k, dev = len(draft), p.device
+    n = 0
+    if k:
+        rows, tokens = torch.arange(k, device=dev), torch.tensor(draft, device=dev)
+        p_tok = p[rows, tokens]
+        q_tok = torch.ones_like(p_tok) if q is None else q[rows, tokens]
+        u = torch.rand(k, generator=generator, device=dev)
+        accepted = u * q_tok < p_tok  # u < p/q, without dividing by a q that may be tiny
+        n = int(accepted.int().cumprod(0).sum())  # the accepted run before the first rejection
+    last = p[n]
+    if n < k and q is None:  # rejected a deterministic draft: its token's mass goes
+        residual = last.clone()
+        residual[draft[n]] = 0.0
+    elif q is not None and q.shape[0] > n:  # rejected (or cut) a sampled draft
+        residual = torch.clamp(last - q[n], min=0.0)
+    else:
+        residual = last
+    # p == q up to rounding leaves no residual: the rejection had probability ~0, so draw from p
+    residual = torch.where(residual.sum() > 0.0, residual, last)
+    return list(draft[:n]) + [int(torch.multinomial(residual, 1, generator=generator))]
 
 
 def accept(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
