@@ -173,17 +173,15 @@ class OpenAIIngress:
             if (structured := body.structured()) is not None:
                 params["structured"] = structured[0]
             if chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
-                tools, calls = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
-                                              body.tool_choice if isinstance(body.tool_choice, str) or
-                                              body.tool_choice is None else body.tool_choice.model_dump())
-                if calls is not None:
+                choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+                tools, constraint = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
+                                                   choice, body.parallel_tool_calls)
+                if constraint is not None:
                     if structured is not None:
                         raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
                                                        f"tool calls; it cannot also follow {structured[1]}")
-                    # one call of a named function; with "required", up to one per tool given (or one)
-                    several = body.parallel_tool_calls and body.tool_choice == "required"
-                    params["structured"] = {"tool_calls": calls, "max_tool_calls": len(calls) if several else 1}
-                    grammar_of(StructuredOutput(**params["structured"]))
+                    grammar_of(StructuredOutput(**constraint))
+                    params["structured"] = constraint
         except (ValueError, TypeError) as exc:  # a schema, regex, grammar or tool the library refuses
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
         if body.speculation is not None:

@@ -21,20 +21,21 @@ class ToolError(ValueError):
         self.field = field
 
 
-def functions(tools: list[dict], tool_choice) -> tuple[list[dict], list[dict] | None]:
-    """(the tools as the chat template takes them, the functions the answer must call; None: free to choose).
-    tools: OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}]."""
+def functions(tools: list[dict], tool_choice, parallel: bool = True) -> tuple[list[dict], dict | None]:
+    """(the tools as the chat template takes them, the answer's constraint as StructuredOutput fields; None: the
+    model is free to call or not). tools: OpenAI's [{"type": "function", "function": {"name", "description",
+    "parameters"}}]. A named function is called once; "required" calls up to one per tool (parallel), else one."""
     names = [t["function"]["name"] for t in tools]
     if tool_choice in (None, "auto", "none"):
         return ([] if tool_choice == "none" else tools), None
     if tool_choice == "required":
         if not tools:
             raise ToolError("tool_choice", "tool_choice \"required\" needs tools")
-        return tools, [_callable(t) for t in tools]
+        return tools, {"tool_calls": [_callable(t) for t in tools], "max_tool_calls": len(tools) if parallel else 1}
     name = tool_choice["function"]["name"]
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names function {name!r}, which is not among tools {names}")
-    return tools, [_callable(tools[names.index(name)])]
+    return tools, {"tool_calls": [_callable(tools[names.index(name)])], "max_tool_calls": 1}
 
 
 def _callable(tool: dict) -> dict:

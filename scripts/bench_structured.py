@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import time
@@ -115,7 +114,8 @@ def run_one(llm: LLM, prompt: str, params: SamplingParams) -> dict:
     wall = time.perf_counter() - t0
     spec = out.speculation or {}
     decode_s = max(out.latency_s - out.ttft_s, 1e-9)
-    return {"latency_s": wall, "tokens": len(out.token_ids), "tpot_ms": 1000 * decode_s / max(len(out.token_ids) - 1, 1),
+    return {"latency_s": wall, "tokens": len(out.token_ids),
+            "tpot_ms": 1000 * decode_s / max(len(out.token_ids) - 1, 1),
             "acceptance": spec.get("acceptance_rate"), "accepted_prediction_tokens": spec.get(
                 "accepted_prediction_tokens"), "text": out.text, "finish_reason": out.finish_reason}
 
@@ -172,7 +172,8 @@ def main() -> None:
                    ("draft + prediction", smartspec_policy, True, None)]
         prompts = [chat("Rename the variable `total` to `running_sum` in this file. Reply with the whole file and "
                         f"nothing else.\n\n```python\n{f}```") for f in files]
-        runs += bench(llm, "edit", configs, prompts, args.cycles, 700, predictions=[f"```python\n{f}```" for f in files])
+        runs += bench(llm, "edit", configs, prompts, args.cycles, 700,
+                      predictions=[f"```python\n{f}```" for f in files])
     results["runs"] = runs
     (out_dir / "bench_structured.json").write_text(json.dumps(results, indent=1))
     if runs:
@@ -227,7 +228,6 @@ def report(runs: list[dict], results: dict, out_dir: Path) -> None:
     ax.set_title(f"structured and predicted outputs, {results['target']}, {results['cpu'][:40]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_dir / "bench_structured.png", dpi=120)
-    assert all(math.isfinite(s["latency_s"]) for s in summary)
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ def test_tool_choice_decides_the_prompt_and_the_constraint():
     assert functions([WEATHER], "auto") == ([WEATHER], None)
     assert functions([WEATHER], "none") == ([], None)  # the tools stay out of the prompt
     _, calls = functions([WEATHER, ADD], "required")
-    assert [c["name"] for c in calls] == ["get_weather", "add"]
+    assert [c["name"] for c in calls["tool_calls"]] == ["get_weather", "add"] and calls["max_tool_calls"] == 2
+    assert functions([WEATHER, ADD], "required", parallel=False)[1]["max_tool_calls"] == 1
     _, calls = functions([WEATHER, ADD], {"type": "function", "function": {"name": "add"}})
-    assert [c["name"] for c in calls] == ["add"]
+    assert [c["name"] for c in calls["tool_calls"]] == ["add"] and calls["max_tool_calls"] == 1
     with pytest.raises(ToolError, match="not among tools") as err:
         functions([WEATHER], {"type": "function", "function": {"name": "nope"}})
     assert err.value.field == "tool_choice"
@@ -76,8 +77,7 @@ def test_assistant_calls_reach_the_template_with_object_arguments():
 @pytest.mark.parametrize("most", [1, 2])
 def test_required_calls_are_valid_with_and_without_speculation(tiny_qwen, tiny_qwen_draft, most):
     _, calls = functions([WEATHER, ADD], "required")
-    params = [SamplingParams(max_tokens=200, structured=StructuredOutput(tool_calls=calls,
-                                                                         max_tool_calls=most))] * 4
+    params = [SamplingParams(max_tokens=200, structured=StructuredOutput(**{**calls, "max_tool_calls": most}))] * 4
     plain = make(tiny_qwen).generate(PROMPTS, params)
     spec = {"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 4, "policy": "fixed"}
     assert [o.token_ids for o in make(tiny_qwen, spec).generate(PROMPTS, params)] == [o.token_ids for o in plain]
@@ -98,7 +98,7 @@ def test_qwen_template_and_tool_tags_as_tokens():
 
     llm = LLM("qwen2.5-coder-0.5b", num_kv_blocks=64, max_model_len=512)
     _, calls = functions([WEATHER], "required")
-    grammar = llm.engine.grammar_compiler.matcher(StructuredOutput(tool_calls=calls))
+    grammar = llm.engine.grammar_compiler.matcher(StructuredOutput(**calls))
     assert llm.engine.grammar_compiler.tool_tags_are_tokens
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
     ids = llm.tokenizer(call, add_special_tokens=False).input_ids

@@ -67,7 +67,7 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
         own = proposer.lookups(decoding, spec.k_max)
         lookups, draft_available = own, proposer.draft_available if own is not None else False
         if hints is not None:  # the configured proposer is then the alternative to each request's lookup
-            lookups = [h.tree if h.source else own[i] if own is not None else h.tree for i, h in enumerate(hints)]
+            lookups = [h.tree if h.source or own is None else own[i] for i, h in enumerate(hints)]
             draft_available = proposer.draft_available if own is not None else True
         view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available)
         plan = spec.policy.plan(view)

@@ -63,9 +63,7 @@ def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str,
             if req.params.reshapes_logits:
                 out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
                                                   req.output_token_ids, prefixes, eos_token_ids)
-            if grammar is not None:
-                rows = out[row:row + n]
-                apply_masks(rows, *grammar.masks(prefixes))
-                out[row:row + n] = rows
+            if grammar is not None:  # in place, on the view of this request's rows
+                apply_masks(out[row:row + n], *grammar.masks(prefixes))
         row += n
     return out

@@ -33,19 +33,16 @@ class RequestHints:
     decoding request's best hint."""
 
     def __init__(self) -> None:
-        self.predictions: dict[str, SuffixIndex] = {}
-        self.prediction_heads: dict[str, list[int]] = {}
+        self.predictions: dict[str, SuffixIndex] = {}  # request -> its prediction, indexed under its id
 
     def add_prediction(self, request_id: str, tokens: list[int]) -> None:
         if tokens:
             index = SuffixIndex()
             index.extend(request_id, tokens)
             self.predictions[request_id] = index
-            self.prediction_heads[request_id] = tokens[:MAX_TREE_NODES]
 
     def release(self, request_id: str) -> None:
         self.predictions.pop(request_id, None)
-        self.prediction_heads.pop(request_id, None)
 
     def step_hints(self, requests: list[Request], grammars: dict[str, RequestGrammar], budget: int) \
             -> list[Hint] | None:
@@ -68,7 +65,7 @@ class RequestHints:
         if index is None:
             return Hint(EMPTY, None)
         if not req.num_output_tokens:  # nothing to align yet: the prediction's start
-            return Hint(TokenTree.chain(self.prediction_heads[req.request_id][:budget]), PREDICTION)
+            return Hint(TokenTree.chain(index.seqs[req.request_id][:budget]), PREDICTION)
         found = index.occurrences(req.token_ids)
         if not found:
             return Hint(EMPTY, None)

@@ -75,12 +75,12 @@ class RequestGrammar:
         if self.matcher.is_stopped():
             return [], 0
         tokens = list(self.matcher.compute_ff_tokens())
-        forced = self.matcher.compute_ff_bytes()
-        done = len(self.tokenizer.decode_bytes(tokens))
-        if len(forced) > done and forced[:done] == self.tokenizer.decode_bytes(tokens):
-            tail = self.tokenizer.tokenize_bytes(forced[done:])
-            tokens += tail[:self.valid_prefix(tokens + tail) - len(tokens)]
-        return tokens, len(self.matcher.compute_ff_tokens())
+        certain = len(tokens)
+        forced, done = self.matcher.compute_ff_bytes(), self.tokenizer.decode_bytes(tokens)
+        if len(forced) > len(done) and forced.startswith(done):
+            tail = self.tokenizer.tokenize_bytes(forced[len(done):])
+            tokens += tail[:self.valid_prefix(tokens + tail) - certain]
+        return tokens, certain
 
     def masks(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, list[bool]]:
         """Bitmasks [n, ceil(V / 32)] of the tokens allowed after each prefix (draft tokens after the committed
@@ -88,15 +88,12 @@ class RequestGrammar:
         bitmask = llguidance.torch.allocate_token_bitmask(len(prefixes), self.vocab_size)
         valid = []
         for i, prefix in enumerate(prefixes):
-            ok = self.valid_prefix(prefix) == len(prefix)
-            valid.append(ok)
-            if not ok:
-                continue
-            if prefix:
-                self.matcher.consume_tokens(prefix)
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
-            if prefix:
-                self.matcher.rollback(len(prefix))
+            taken = self.matcher.try_consume_tokens(prefix) if prefix else 0  # stops at a forbidden token
+            valid.append(taken == len(prefix))
+            if valid[-1]:
+                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
+            if taken:
+                self.matcher.rollback(taken)
         return bitmask, valid
 
     def commit(self, tokens: list[int]) -> None:
