@@ -108,6 +108,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        blocks = self.engine.blocks
+        return blocks.num_blocks * blocks.block_size
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)
 

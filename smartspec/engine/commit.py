@@ -9,6 +9,7 @@ from smartspec.engine.detokenizer import append_text, find_stop
 from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.spec_decode.hints import PREDICTION
 from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.request import Request, RequestStatus
 
@@ -21,18 +22,18 @@ class Committed:
 
 def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
                   stop_token_ids, max_model_len: int, now: float, tokenizer=None,
-                  grammar: RequestGrammar | None = None, from_prediction: bool = False) -> Committed:
+                  grammar: RequestGrammar | None = None, source: str | None = None) -> Committed:
     """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
-    from_prediction: drafted from its predicted output. tokenizer None: no text (the simulator's token ids stand
+    source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the simulator's token ids stand
     for lengths only). grammar: a structured request's, advanced over the tokens taken; once it is complete the
     request stops."""
     # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
     # not make, go back
     blocks.truncate(req, req.num_tokens + len(new) - 1)
-    req.spec.record(proposed, len(new) - 1)
-    if from_prediction:
+    req.spec.record(proposed, len(new) - 1, source)
+    if source == PREDICTION:
         req.spec.record_prediction(proposed, len(new) - 1)
-    spec.metrics.record(proposed, len(new) - 1)
+    spec.metrics.record(proposed, len(new) - 1, source)
     if req.first_token_time is None:
         req.first_token_time = now
     added, reason = [], None

@@ -52,12 +52,14 @@ def _proposed(spec: Speculation, view: StepView | None, decoding: list[Request],
         logger.exception("proposer failed; this step runs without speculation")
         return Drafted(predicted_s=plan.predicted_s)
     catchup = proposal.catchup_tokens
+    sources = plan.methods or [spec.proposer.method] * len(decoding)
     if proposal.trees is None:
-        return Drafted({r.request_id: Draft(t, q) for r, t, q in zip(decoding, proposal.tokens, proposal.probs)
-                        if t}, catchup, plan.predicted_s)
+        return Drafted({r.request_id: Draft(t, q, None, m) for r, t, q, m in
+                        zip(decoding, proposal.tokens, proposal.probs, sources) if t}, catchup, plan.predicted_s)
     if plan.methods is not None:  # the policy chose on the lookups themselves: nothing to prune
-        return Drafted({r.request_id: Draft(t, q, tree) for r, t, q, tree in
-                        zip(decoding, proposal.tokens, proposal.probs, proposal.trees) if t}, catchup, plan.predicted_s)
+        return Drafted({r.request_id: Draft(t, q, tree, m) for r, t, q, tree, m in
+                        zip(decoding, proposal.tokens, proposal.probs, proposal.trees, sources) if t}, catchup,
+                       plan.predicted_s)
     trees, predicted = proposal.trees, plan.predicted_s
     try:
         pruned = spec.policy.prune(view, plan.ks, trees, time.perf_counter() - t0)
@@ -65,8 +67,8 @@ def _proposed(spec: Speculation, view: StepView | None, decoding: list[Request],
         predicted = pruned.predicted_s if pruned.predicted_s is not None else predicted
     except Exception:
         logger.exception("policy %r failed to prune trees; verifying them whole", spec.policy.name)
-    return Drafted({r.request_id: Draft(t.tokens, None, t) for r, t in zip(decoding, trees) if len(t)}, catchup,
-                   predicted)
+    return Drafted({r.request_id: Draft(t.tokens, None, t, m) for r, t, m in zip(decoding, trees, sources) if len(t)},
+                   catchup, predicted)
 
 
 def cut_to_grammars(drafted: Drafted, grammars: dict[str, RequestGrammar]) -> Drafted:

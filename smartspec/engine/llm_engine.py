@@ -29,7 +29,7 @@ from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.page_arena import release_freed_memory
 from smartspec.spec_decode.accept import accept_drafts
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
-from smartspec.spec_decode.hints import PREDICTION, RequestHints
+from smartspec.spec_decode.hints import RequestHints
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.structured.compile import grammar_of
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
@@ -209,7 +209,21 @@ class LLMEngine:
                 "draft_available": proposer.draft_available if proposer is not None else None,
                 "draft_failures": proposer.failures if proposer is not None else None,
                 "draft_incarnation": proposer.incarnation if proposer is not None else None,
-                "policy_state": sp.policy.export_state()}
+                "policy_state": sp.policy.export_state(), "max_num_seqs": self.scheduler.max_num_seqs,
+                **self.load_costs()}
+
+    def load_costs(self, context: int = 512, chunk: int = 256) -> dict:
+        """What more load costs here, from the policy's fits (None where it has none), for routing and autoscaling:
+        `request_speed`, the tokens per second of one request at batch sizes 1, 2, 4, ... up to max_num_seqs (for
+        the running requests' mean context, else `context`), and `prefill_s_per_token`, a prompt token's share of
+        a `chunk`-token prefill."""
+        policy, cap, running = self.speculation.policy, self.scheduler.max_num_seqs, self.scheduler.running
+        sizes = sorted({min(2 ** i, cap) for i in range(cap.bit_length() + 1)})
+        if running:
+            context = sum(r.num_tokens for r in running) // len(running)
+        full, one = policy.step_seconds(chunk + 1, context + chunk), policy.step_seconds(1, context)
+        return {"request_speed": policy.request_speed(sizes, context, self.speculation.k_max),
+                "prefill_s_per_token": max(0.0, full - one) / chunk if full is not None else None}
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -295,7 +309,7 @@ class LLMEngine:
             done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
                                  self.stop_token_ids, self.max_model_len, now, self.tokenizer,
                                  self.grammars.get(req.request_id),
-                                 draft is not None and draft.source == PREDICTION)
+                                 draft.source if draft is not None else None)
             if done.finish_reason is not None:
                 self.requests.pop(req.request_id, None)
                 self.grammars.pop(req.request_id, None)

@@ -40,6 +40,17 @@ class Policy:
     def release(self, request_id: str) -> None:
         """Called when a request ends."""
 
+    def request_speed(self, batch_sizes: list[int], context: int, k_max: int) -> dict[int, float] | None:
+        """Per b in batch_sizes: the tokens per second one request is expected to get while b requests of about
+        `context` tokens decode together, at the speculation this policy would choose. None: the policy has no
+        measure of it (routing and autoscaling then fall back to measured rates)."""
+        return None
+
+    def step_seconds(self, tokens: int, context: int) -> float | None:
+        """The predicted time of a step of `tokens` batched tokens over `context` tokens of context, without drafts;
+        None: the policy does not model step time."""
+        return None
+
     # ---- state shared across replicas (a policy that learns shares it) --------------------------------------
     def export_state(self) -> dict | None:
         return None

@@ -446,6 +446,28 @@ class GoodputPolicy(Policy):
         if state.get("cost"):
             self.cost.import_state(state["cost"])
 
+    def request_speed(self, batch_sizes: list[int], context: int, k_max: int) -> dict[int, float] | None:
+        """From the fitted step cost and the shared acceptance prior: per batch size b, the best over a common k of
+        a request's expected tokens per step, 1 + a1 (1 + a2 + ... + a2^(k-1)), over the predicted time of a step
+        of b such requests. A small batch can afford a larger k, so its request speed rises by more than the
+        step's time falls."""
+        if not self.cost.ready:
+            return None
+        first, later = self.acceptance.first.prior, self.acceptance.later.prior
+        speeds = {}
+        for b in batch_sizes:
+            best = 0.0
+            for k in range(k_max + 1):
+                tokens = 1.0 + first * sum(later ** j for j in range(k))
+                seconds = float(self.cost.predict(b * (k + 1), b * context, k, b * k))
+                if seconds > 0:
+                    best = max(best, tokens / seconds)
+            speeds[b] = best
+        return speeds
+
+    def step_seconds(self, tokens: int, context: int) -> float | None:
+        return float(self.cost.predict_verify(tokens, context)) if self.cost.ready else None
+
     def _acceptance_stats(self) -> dict:
         first, later = self.acceptance.first, self.acceptance.later
         return {"alpha_prior": first.prior, "alpha_prior_later": later.prior, "prior_strength": first.prior_strength}

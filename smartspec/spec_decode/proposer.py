@@ -31,7 +31,9 @@ class Draft(NamedTuple):
     tokens: list[int]  # a chain's draft tokens, or a tree's node tokens
     probs: torch.Tensor | None  # a chain's draft distributions (None: deterministic)
     tree: TokenTree | None = None
-    source: str | None = None  # a hint's source (spec_decode/hints.py); None: the proposer's
+    # who made it: the proposer's method ("draft_model", "ngram", "suffix") or a hint's source ("grammar",
+    # "prediction", spec_decode/hints.py); counted apart in the spec-decode metrics
+    source: str | None = None
 
 
 class Proposer:

@@ -14,13 +14,21 @@ class SpecDecodeMetrics:
     # of the draft tokens, those from a predicted output (OpenAI's usage.completion_tokens_details)
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # the three counters per source of the drafts: source -> [drafts, draft tokens, accepted tokens] (sources:
+    # "draft_model", "ngram", "suffix", "grammar", "prediction")
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def record(self, num_proposed: int, num_accepted: int, source: str | None = None) -> None:
         if num_proposed == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
+        if source is not None:
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_proposed
+            counts[2] += num_accepted
         if len(self.accepted_per_position) < num_proposed:
             self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
         for j in range(num_accepted):
@@ -44,4 +52,6 @@ class SpecDecodeMetrics:
                 "accepted_per_position": list(self.accepted_per_position),
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
                 "accepted_prediction_tokens": self.accepted_prediction_tokens,
-                "rejected_prediction_tokens": self.rejected_prediction_tokens}
+                "rejected_prediction_tokens": self.rejected_prediction_tokens,
+                "by_source": {source: {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a}
+                              for source, (d, t, a) in sorted(self.by_source.items())}}
