@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, AutoscalingConfig
 from deployments.controller import GoodputController
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
@@ -20,16 +20,31 @@ def llm_server_options(cfg: AppConfig) -> dict:
     bundles += [tp_bundle] * (cfg.tensor_parallel_size if cfg.tensor_parallel_size > 1 else 0)
     options = {"ray_actor_options": {"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
                "max_ongoing_requests": cfg.max_ongoing_requests, "max_queued_requests": cfg.max_queued_requests,
-               "health_check_period_s": 10, "graceful_shutdown_timeout_s": 5}
+               "health_check_period_s": 10, "graceful_shutdown_timeout_s": cfg.drain_timeout_s}
     if len(bundles) > 1:
         options.update(placement_group_bundles=bundles, placement_group_strategy="PACK")
+    if cfg.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = cfg.max_replicas_per_node
+    if cfg.router == "goodput":
+        options["request_router_config"] = {"request_router_class": "deployments.router:GoodputRouter",
+                                            "request_routing_stats_period_s": cfg.router_stats_period_s,
+                                            "request_routing_stats_timeout_s": max(5.0, cfg.router_stats_period_s)}
     if cfg.autoscaling is not None:
-        a = cfg.autoscaling
-        options["autoscaling_config"] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-                                         "target_ongoing_requests": a.target_ongoing_requests}
+        options["autoscaling_config"] = autoscaling_config(cfg.autoscaling)
     else:
         options["num_replicas"] = cfg.num_replicas
     return options
+
+
+def autoscaling_config(a: AutoscalingConfig) -> dict:
+    config = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+              "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
+              "downscale_delay_s": a.downscale_delay_s, "look_back_period_s": a.look_back_period_s,
+              "metrics_interval_s": min(1.0, a.look_back_period_s)}
+    if a.policy == "goodput":
+        config["policy"] = {"policy_function": "deployments.autoscaling:goodput_policy",
+                            "policy_kwargs": {"min_speed_fraction": a.min_speed_fraction}}
+    return config
 
 
 def build_app(args: dict | None = None) -> Application:

@@ -16,9 +16,24 @@ class Strict(BaseModel):
 
 
 class AutoscalingConfig(Strict):
+    """Replicas scale between min_replicas and max_replicas (deployments/autoscaling.py has the rule)."""
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(2, ge=1)
+    # goodput: scale to keep each request at min_speed_fraction of its speed alone, from the replicas' fitted
+    # costs; ongoing: Serve's rule, requests / target_ongoing_requests (also goodput's until costs are fitted)
+    policy: Literal["goodput", "ongoing"] = "goodput"
+    min_speed_fraction: float = Field(0.5, gt=0, le=1)
     target_ongoing_requests: float = Field(8, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)  # a decision must hold this long before it is carried out
+    downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(10.0, gt=0)  # the replicas' numbers are averaged over this window
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.min_replicas ({self.min_replicas}) is above max_replicas "
+                             f"({self.max_replicas})")
+        return self
 
 
 class AppConfig(Strict):
@@ -47,6 +62,12 @@ class AppConfig(Strict):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None  # set: replicas scale by ongoing requests, num_replicas ignored
     replica_num_cpus: float = Field(0.5, gt=0)
+    max_replicas_per_node: int | None = Field(None, ge=1)  # e.g. 1: replicas on distinct nodes
+    # goodput: requests go where their expected latency is least (prefix cache, queue, request speed;
+    # deployments/router.py); default: Serve's power-of-two-choices on queue length
+    router: Literal["goodput", "default"] = "goodput"
+    router_stats_period_s: float = Field(1.0, gt=0)  # how often replicas send the router their costs and prefixes
+    drain_timeout_s: float = Field(120.0, ge=0)  # a replica being removed finishes its requests for this long
     # admission: a replica takes at most max_ongoing_requests; beyond that Serve queues up to max_queued_requests
     # per caller and then refuses (503); a replica whose engine already holds max_waiting requests not yet
     # running answers 429

@@ -30,14 +30,23 @@ class ControllerState:
         return merge_states(others) if others else {}
 
     def status(self) -> dict:
+        """Per replica: where it runs (node_id, pid), its load (running, waiting, in_flight), its prefix cache
+        (prefix_cache_hit_rate and the counts), what the policy chose (steps.chosen_k) and achieved (steps.
+        goodput_tokens_per_s), its request speed by batch size, the speculation counters by proposer; and the
+        merged policy state."""
         now = time.monotonic()
         replicas = {rid: {"age_s": round(now - t, 2), **{k: v for k, v in r.items() if k != "policy"},
+                          "prefix_cache_hit_rate": _hit_rate(r.get("prefix_cache")),
                           "alpha_prior": (r.get("policy") or {}).get("alpha_prior"),
                           "alpha_prior_later": (r.get("policy") or {}).get("alpha_prior_later"),
                           "prior_strength": (r.get("policy") or {}).get("prior_strength")}
                     for rid, (t, r) in self.reports.items()}
         policies = [r["policy"] for _, r in self.reports.values() if r.get("policy")]
         return {"replicas": replicas, "merged_policy": merge_states(policies) if policies else None}
+
+
+def _hit_rate(counts: dict | None) -> float | None:
+    return counts["hits"] / counts["queries"] if counts and counts.get("queries") else None
 
 
 @serve.deployment(name="GoodputController", num_replicas=1, ray_actor_options={"num_cpus": 0.05},

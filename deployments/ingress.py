@@ -11,8 +11,10 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from deployments import metrics
 from deployments import openai_protocol as proto
 from deployments import openai_responses as wire
+from deployments.failover import RESTART, FailoverStream
 from deployments.metrics import IngressMetrics, render_replica_metrics
 from deployments.tools import CallStream, ToolError, template_messages
 from deployments.tools import functions as tool_functions
@@ -75,7 +77,9 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        text = self.metrics.render()
+        # the router's counters through their module: Serve may carry this class to the replica by value, with copies
+        # of its module's objects
+        text = self.metrics.render() + metrics.ROUTING.render()
         try:
             text += render_replica_metrics(await asyncio.wait_for(self.controller.status.remote(), 5))
         except Exception:
@@ -196,7 +200,7 @@ class OpenAIIngress:
                     p = dict(params)
                     if p["seed"] is not None:
                         p["seed"] += i  # n samples from one seed: distinct, and reproducible
-                    streams.append(self.server.options(stream=True).generate.remote({**payload, "params": p}))
+                    streams.append(FailoverStream(self._generate, {**payload, "params": p}, body.stream))
             firsts = [await anext(s) for s in streams]
         except BackPressureError as exc:
             self._cancel(streams)
@@ -211,6 +215,9 @@ class OpenAIIngress:
                 self._cancel(streams)
                 raise HTTPError(first["status"], first["message"], first.get("param"))
         return streams, firsts
+
+    def _generate(self, payload: dict):
+        return self.server.options(stream=True).generate.remote(payload)
 
     @staticmethod
     def _cancel(streams) -> None:
@@ -258,6 +265,9 @@ class OpenAIIngress:
         first_token = None
         try:
             async for i, item in self._merged(streams):
+                if item["type"] == RESTART["type"]:  # retried whole on another replica: its tokens so far are void
+                    texts[i], entries[i], prompt_entries[i], counts[i] = "", [], None, 0
+                    continue
                 first_token = first_token or time.monotonic()
                 texts[i] += gen.text(i, item)
                 entries[i] += item.get("logprobs") or []
@@ -273,6 +283,8 @@ class OpenAIIngress:
         except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
             self._cancel(streams)
             raise HTTPError(500, f"generation failed: {exc!r}") from None
+        finally:
+            self.metrics.failed_over(streams)
         choices = []
         for i in range(len(streams)):
             text, calls = parse_tool_calls(texts[i]) if gen.reads_tool_calls else (texts[i], [])
@@ -324,6 +336,7 @@ class OpenAIIngress:
             yield wire.sse(wire.error_body(status, f"generation failed: {exc!r}"))
             yield wire.sse("[DONE]")
         finally:
+            self.metrics.failed_over(streams)
             if completed:
                 self.metrics.observe(endpoint, prompt_tokens, sum(total), start, first_token, time.monotonic())
             else:  # the client went away (or a replica failed): cancelling the streams aborts the requests

@@ -8,14 +8,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
 
+from deployments.autoscaling import autoscaling_metrics
 from deployments.config import AppConfig
 from deployments.openai_responses import token_entries
+from deployments.routing import CHUNK_CHARS, ServedPrefixes, prefix_keys, prompt_text
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
@@ -40,6 +43,11 @@ class LLMServer:
                                                           draft_factory=self._draft_factory()))
         self.controller = controller
         self.controller_errors = 0
+        # what the router reads (record_routing_stats): the prefix keys of the prompts served lately, and how many
+        # characters a prompt token has here
+        self.served = ServedPrefixes(4096)
+        self.prompt_chars = self.prompt_tokens = 0
+        self.request_s: float | None = None  # a request's time from acceptance to its end, moving average
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
         logger.info("LLMServer %s ready: %s, speculation %s", self.replica_id, self.cfg.model,
                     self.cfg.speculation.as_dict() if self.cfg.speculation else None)
@@ -96,7 +104,11 @@ class LLMServer:
             params = SamplingParams(**fields)
             rid = body.get("request_id") or uuid.uuid4().hex
             num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
-            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens}
+            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens, "replica": self.replica_id}
+            text = prompt_text(body)
+            self.served.add(prefix_keys(text))
+            self.prompt_chars += len(text)
+            self.prompt_tokens += num_prompt_tokens
             if body.get("echo"):
                 accepted.update(self._echo(prompt))
         except (ValueError, TypeError, KeyError) as exc:  # bad prompt, sampling fields or values; over the context
@@ -107,10 +119,14 @@ class LLMServer:
             yield _error(503, str(exc))
             return
         tokenizer = self.engine.tokenizer
+        started = time.monotonic()
         try:
             yield accepted
             first = True
             async for out in stream:
+                if out.finished:
+                    took = time.monotonic() - started
+                    self.request_s = took if self.request_s is None else 0.9 * self.request_s + 0.1 * took
                 yield {"type": "delta", "first": first, "text": out.new_text, "token_ids": out.new_token_ids,
                        "finished": out.finished, "finish_reason": out.finish_reason,
                        "completion_tokens": len(out.token_ids),
@@ -138,6 +154,26 @@ class LLMServer:
         out["in_flight"] = self.engine.num_in_flight
         out["controller_errors"] = self.controller_errors
         return out
+
+    async def record_routing_stats(self) -> dict:
+        """What the goodput router weighs this replica by (Serve asks every router_stats_period_s)."""
+        cpt = self.prompt_chars / self.prompt_tokens if self.prompt_tokens else None
+        if cpt:  # about as many prefix keys as the KV cache holds tokens
+            self.served.capacity = max(64, int(self.engine.kv_capacity_tokens * cpt / CHUNK_CHARS))
+        return {"time": time.time(), "ongoing": self.engine.num_in_flight, "max_num_seqs": self.cfg.max_num_seqs,
+                **await self._load_costs(), "chars_per_token": cpt, "request_s": self.request_s,
+                "prefix_keys": self.served.snapshot()}
+
+    async def record_autoscaling_stats(self) -> dict:
+        """What the goodput autoscaling policy reads of this replica (deployments/autoscaling.py)."""
+        costs = await self._load_costs()
+        return autoscaling_metrics(self.engine.num_in_flight, self.cfg.max_num_seqs, costs.get("request_speed"))
+
+    async def _load_costs(self) -> dict:
+        try:
+            return await asyncio.wait_for(self.engine.call(lambda e: e.load_costs()), 5)
+        except Exception:  # the engine is busy starting or has failed: load alone tells
+            return {}
 
     async def _report_loop(self) -> None:
         while True:

@@ -24,6 +24,12 @@ class IngressMetrics:
         self.e2e = Histogram("smartspec_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
                              registry=r)
 
+        self.retries = Counter("smartspec_failover_retries", "Generations retried on another replica after theirs "
+                               "failed (deployments/failover.py)", registry=r)
+
+    def failed_over(self, streams) -> None:
+        self.retries.inc(sum(len(getattr(s, "failures", ())) for s in streams))
+
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
@@ -40,6 +46,25 @@ class IngressMetrics:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class RoutingMetrics:
+    """The goodput router's decisions, counted in the process it routes from (the ingress renders them)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter("smartspec_routing_decisions", "Requests the goodput router sent to a replica, by "
+                                 "why it ranked first: affinity (its prefix cache), load, retry (after a failure)",
+                                 ["replica", "reason"], registry=self.registry)
+
+    def chosen(self, replica: str, reason: str) -> None:
+        self.decisions.labels(replica, reason).inc()
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+ROUTING = RoutingMetrics()  # one per process: Serve builds the router, the ingress in the same process renders it
 
 
 def _line(name: str, labels: dict, value) -> str:
@@ -68,6 +93,8 @@ REPLICA_FAMILIES = {
                                              ("prefix_cache", "queries")),
     "smartspec_prefix_cache_hits_total": ("counter", "Prompt tokens whose KV the prefix cache held",
                                           ("prefix_cache", "hits")),
+    "smartspec_prefix_cache_hit_rate": ("gauge", "Prompt tokens the prefix cache held / prompt tokens looked up",
+                                        (None, "prefix_cache_hit_rate")),
     "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate of a draft's first token",
                                    (None, "alpha_prior")),
     "smartspec_acceptance_prior_later": ("gauge", ("The policy's shared acceptance estimate of each later draft "
@@ -78,10 +105,27 @@ REPLICA_FAMILIES = {
 }
 
 
+# family -> (help, the counter's key in spec_decode.by_source.<source>)
+SOURCE_FAMILIES = {
+    "smartspec_spec_decode_num_drafts_by_source_total": ("Drafts, by who drafted them", "num_drafts"),
+    "smartspec_spec_decode_num_draft_tokens_by_source_total": ("Draft tokens proposed, by who drafted them",
+                                                               "num_draft_tokens"),
+    "smartspec_spec_decode_num_accepted_tokens_by_source_total": ("Draft tokens accepted, by who drafted them",
+                                                                  "num_accepted_tokens"),
+}
+
+
 def render_replica_metrics(status: dict) -> str:
-    """The controller's status view as Prometheus text, one series per replica (chosen k: one per k too);
-    a value a replica does not report is left out."""
+    """The controller's status view as Prometheus text, one series per replica (chosen k: one per k too; the
+    speculation counters by source: one per proposer); a value a replica does not report is left out."""
     out = []
+    replicas = status.get("replicas") or {}
+    for name, (doc, key) in SOURCE_FAMILIES.items():
+        lines = [_line(name, {"replica": replica, "source": source}, counts[key])
+                 for replica, r in replicas.items()
+                 for source, counts in ((r.get("spec_decode") or {}).get("by_source") or {}).items()]
+        if lines:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", *lines]
     for name, (kind, doc, (section, key)) in REPLICA_FAMILIES.items():
         lines = []
         for replica, r in (status.get("replicas") or {}).items():

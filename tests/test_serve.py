@@ -596,6 +596,9 @@ def test_proposers_chosen_per_request_are_served_from_the_config(ray_serve, tiny
         stats = serve.get_deployment_handle("LLMServer", "mixed").stats.remote().result(timeout_s=30)
         assert stats["draft_available"] and stats["draft_actor"]
         assert stats["spec_decode"]["num_draft_tokens"] > 0
+        by_source = stats["spec_decode"]["by_source"]
+        assert by_source and set(by_source) <= {"draft_model", "suffix"}
+        assert sum(c["num_draft_tokens"] for c in by_source.values()) == stats["spec_decode"]["num_draft_tokens"]
     finally:
         serve.delete("mixed")
 
@@ -663,3 +666,64 @@ def test_overload_503_when_serve_queue_is_full(ray_serve, tiny_qwen):
     assert len(refused) >= 5 and all(r.status_code == 200 for r in responses if r.status_code != 503)  # 1 queued
     for r in refused:
         assert "server overloaded, request queue full" in r.json()["error"]["message"]
+
+
+def _status_of(url: str, predicate, timeout: float = 60) -> dict:
+    """The controller's status once predicate(status) holds (replicas report every controller_interval_s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{url}/v1/smartspec/status", timeout=30).json()
+        if predicate(status):
+            return status
+        time.sleep(0.2)
+    raise TimeoutError(status)
+
+
+def test_a_killed_replica_loses_no_request(ray_serve, tiny_qwen, reference):
+    """Two replicas of one running slot each, each busy with a long stream; a greedy request waits behind one of
+    them. That replica is killed (SIGKILL): its stream, which has sent tokens, ends with an error event; the
+    waiting request, which has not, is answered by the other replica, equal to the offline engine's answer."""
+    import os
+    import signal
+
+    _BASE[0] = ray_serve
+    url = _deploy_tight(tiny_qwen, "failover", num_replicas=2, controller_interval_s=0.2)
+    long = {**LONG, "max_tokens": 500}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            streams = []
+            for _ in range(2):  # the router sends the second to the idle replica
+                cm = client.stream("POST", f"{url}/v1/completions", json=long)
+                response = await cm.__aenter__()
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass  # a token has been sent
+                streams.append((cm, lines))
+            waiting = asyncio.create_task(client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}))
+            status = await asyncio.to_thread(_status_of, url, lambda s: len(s["replicas"]) == 2 and sorted(
+                r["in_flight"] for r in s["replicas"].values()) == [1, 2])
+            victim = next(r for r in status["replicas"].values() if r["in_flight"] == 2)
+            os.kill(victim["pid"], signal.SIGKILL)
+            ends = []
+            for cm, lines in streams:
+                rest = [line async for line in lines if line.startswith("data: ")]
+                ends.append(rest[-2:])
+                await cm.__aexit__(None, None, None)
+            answer = await waiting
+            return answer, ends, (await client.get(f"{url}/metrics")).text
+
+    try:
+        answer, ends, metrics = asyncio.run(main())
+    finally:
+        serve.delete("failover")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == reference(PROMPTS[0], 8)
+    assert answer.json()["usage"]["completion_tokens"] == 8  # billed once
+    assert all(end[-1] == "data: [DONE]" for end in ends)
+    errored = [end for end in ends if '"error"' in end[0]]
+    finished = [end for end in ends if '"finish_reason": "length"' in end[0] or '"finish_reason":"length"' in end[0]]
+    assert len(errored) == 1 and len(finished) == 1, ends
+    assert re.search(r"smartspec_failover_retries_total 1\.0", metrics), metrics
+    assert re.search(r'smartspec_routing_decisions_total\{reason="retry",replica="\w+"\} 1\.0', metrics), metrics
