@@ -104,7 +104,7 @@ class LLMServer:
             params = SamplingParams(**fields)
             rid = body.get("request_id") or uuid.uuid4().hex
             num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
-            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens, "replica": self.replica_id}
+            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens}
             text = prompt_text(body)
             self.served.add(prefix_keys(text))
             self.prompt_chars += len(text)

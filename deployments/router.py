@@ -69,7 +69,7 @@ class GoodputRouter(RequestRouter):
         request = RoutedRequest.of(body, self.routed.get(body.get("retry_of") or ""))
         matched = {e.replica: self.prefixes.matched(e.replica, request.keys, now) for e in estimates}
         choices = rank(request, estimates, matched)
-        self.choices[id(pending_request.metadata)] = {c.replica: c for c in choices}
+        self.choices[id(pending_request.metadata)] = {c.replica: c for c in choices}  # read once it is routed
         if len(self.choices) > REMEMBERED_REQUESTS:  # requests cancelled before they were routed
             del self.choices[next(iter(self.choices))]
         return [[by_id[c.replica]] for c in choices]
