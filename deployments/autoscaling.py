@@ -31,19 +31,23 @@ def autoscaling_metrics(in_flight: int, max_num_seqs: int, request_speed: dict[i
     return metrics
 
 
-def speed_at(table: dict[int, float], batch: float, max_num_seqs: int) -> float:
-    """A request's speed with `batch` requests on the replica: the table, linear between its sizes; beyond
-    max_num_seqs the full batch's speed shared among all."""
+def interpolate(table: dict[int, float], batch: float) -> float:
+    """A speed table (batch size -> tokens/s of one request) read at `batch`: linear between its sizes, flat
+    beyond them. (The router reads tables with it too; this module imports nothing of the project, since Serve's
+    controller runs the policy without the application's code.)"""
     sizes = sorted(table)
-    running = min(batch, max_num_seqs)
-    if running <= sizes[0]:
-        speed = table[sizes[0]]
-    else:
-        speed = table[sizes[-1]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if running <= hi:
-                speed = table[lo] + (table[hi] - table[lo]) * (running - lo) / (hi - lo)
-                break
+    if batch <= sizes[0]:
+        return table[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if batch <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo)
+    return table[sizes[-1]]
+
+
+def speed_at(table: dict[int, float], batch: float, max_num_seqs: int) -> float:
+    """A request's speed with `batch` requests on the replica; beyond max_num_seqs the full batch's speed shared
+    among all."""
+    speed = interpolate(table, min(batch, max_num_seqs))
     return speed * (max_num_seqs / batch if batch > max_num_seqs else 1.0)
 
 

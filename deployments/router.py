@@ -42,7 +42,8 @@ class GoodputRouter(RequestRouter):
         logger.info("goodput router for %s", self._deployment_id)
         self.prefixes = PrefixIndex(recent_s)
         self.routed: OrderedDict[str, str] = OrderedDict()  # request id -> replica it was sent to
-        self.choices: dict[int, dict[str, Choice]] = {}  # id of a request's metadata -> replica -> its estimate
+        # id of a request's metadata -> (its prefix keys, replica -> its estimate there), read once it is routed
+        self.choices: dict[int, tuple[list[int], dict[str, Choice]]] = {}
         self.backlog = PrefillBacklog()
         # requests this router has handed each replica and not seen complete, counted when the replica is chosen:
         # Serve's queue-length cache counts a request only once it is sent, so requests routed in the same instant
@@ -69,20 +70,21 @@ class GoodputRouter(RequestRouter):
         request = RoutedRequest.of(body, self.routed.get(body.get("retry_of") or ""))
         matched = {e.replica: self.prefixes.matched(e.replica, request.keys, now) for e in estimates}
         choices = rank(request, estimates, matched)
-        self.choices[id(pending_request.metadata)] = {c.replica: c for c in choices}  # read once it is routed
+        self.choices[id(pending_request.metadata)] = request.keys, {c.replica: c for c in choices}
         if len(self.choices) > REMEMBERED_REQUESTS:  # requests cancelled before they were routed
             del self.choices[next(iter(self.choices))]
         return [[by_id[c.replica]] for c in choices]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        choices = self.choices.pop(id(pending_request.metadata), None)
+        routed = self.choices.pop(id(pending_request.metadata), None)
         body = generate_body(pending_request)
-        if body is None or choices is None:
+        if body is None or routed is None:
             return
+        keys, choices = routed
         replica = replica_id.unique_id
         choice = choices.get(replica)
         metrics.ROUTING.chosen(replica, choice.reason if choice else "load")  # the module's, not a pickled copy
-        self.prefixes.sent(replica, RoutedRequest.of(body).keys)
+        self.prefixes.sent(replica, keys)
         if body.get("request_id"):
             self.routed[body["request_id"]] = replica
             while len(self.routed) > REMEMBERED_REQUESTS:
@@ -114,7 +116,8 @@ class GoodputRouter(RequestRouter):
                 # counted now, not once sent: the next request of a burst is routed before this one is sent
                 rid = replica.replica_id.unique_id
                 self.assigned[rid] += 1
-                choice = self.choices.get(id(request_metadata), {}).get(rid)
+                _, choices = self.choices.get(id(request_metadata), ((), {}))
+                choice = choices.get(rid)
                 if choice is not None:
                     self.backlog.add(rid, choice.prefill_s, time.monotonic(), request_metadata.internal_request_id)
                 return

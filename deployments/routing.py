@@ -34,6 +34,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
+from deployments.autoscaling import interpolate
+
 CHUNK_CHARS = 256  # prompt characters per prefix key (about 64 tokens)
 OUTPUT_TOKENS_GUESS = 128  # a request without max_tokens is counted as this long
 OUTPUT_TOKENS_CAP = 512  # ... and none as longer: a long max_tokens is an upper bound, not an estimate
@@ -180,16 +182,9 @@ class ReplicaEstimate:
 
     def speed(self, batch: int) -> float:
         """Tokens per second of one request in a batch of `batch`: the reported table, linear between its sizes."""
-        table = self.request_speed
-        if not table:
+        if not self.request_speed:
             return DEFAULT_SPEED / (1 + DEFAULT_SLOWDOWN_PER_REQUEST * (batch - 1))
-        sizes = sorted(table)
-        if batch <= sizes[0]:
-            return table[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if batch <= hi:
-                return table[lo] + (table[hi] - table[lo]) * (batch - lo) / (hi - lo)
-        return table[sizes[-1]]
+        return interpolate(self.request_speed, batch)
 
 
 class PrefillBacklog:
