@@ -31,12 +31,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [R, V]."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            out.append(greedy[row])
-        else:
-            out.append(int(torch.multinomial(target_probs(logits[row], p), 1, generator=gen)))
-    return out
+    """One token per row of logits [R, V]. Each sampled row draws from its own generator on the logits' device, and
+    the step's tokens come to the host in one read (a read a row would stall a GPU once per request)."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        draws = [torch.multinomial(target_probs(logits[row], params[row]), 1, generator=generators[row])
+                 for row in sampled]
+        tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(draws))
+    return tokens.tolist()

@@ -98,6 +98,7 @@ class DraftModelProposer(Proposer):
             items = [ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1)
                      for _, ds, _ in live]
             logits = self.runner.forward(items)
+            drawn = []  # each row's token, left on the device: the depth's tokens come to the host in one read
             for row, (i, ds, _) in enumerate(live):
                 ds.num_computed_tokens = ds.num_tokens
                 req = requests[i]
@@ -106,11 +107,12 @@ class DraftModelProposer(Proposer):
                     row_logits = reshape_logits(logits[row:row + 1], req.params, req.prompt_token_ids,
                                                 ds.output_token_ids, [[]])[0]
                 if req.params.greedy:
-                    tok = int(row_logits.argmax())
+                    drawn.append(row_logits.argmax().view(1))
                 else:
                     q = self._fit_vocab(target_probs(row_logits, req.params))
-                    tok = int(torch.multinomial(q, 1, generator=req.generator))
+                    drawn.append(torch.multinomial(q, 1, generator=req.generator))
                     probs[i].append(q)
+            for (i, ds, _), tok in zip(live, torch.cat(drawn).tolist()):
                 tokens[i].append(tok)
                 ds.token_ids.append(tok)
             depth += 1

@@ -30,27 +30,27 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     drawn from the residual norm(max(p[k] - q[k], 0)), as that rejection would have drawn it.
 
     The k uniforms are drawn at once and compared on p's device (independent draws: the same law as one at a
-    time), so a request costs two reads to the host, not two a draft token."""
+    time), and the residual is picked there too, so a request costs one read to the host, not two a draft token."""
     k, dev = len(draft), p.device
-    n = 0
+    n = torch.zeros((), dtype=torch.long, device=dev)
     if k:
         rows, tokens = torch.arange(k, device=dev), torch.tensor(draft, device=dev)
         p_tok = p[rows, tokens]
         q_tok = torch.ones_like(p_tok) if q is None else q[rows, tokens]
         u = torch.rand(k, generator=generator, device=dev)
         accepted = u * q_tok < p_tok  # u < p/q, without dividing by a q that may be tiny
-        n = int(accepted.int().cumprod(0).sum())  # the accepted run before the first rejection
-    last = p[n]
-    if n < k and q is None:  # rejected a deterministic draft: its token's mass goes
-        residual = last.clone()
-        residual[draft[n]] = 0.0
-    elif q is not None and q.shape[0] > n:  # rejected (or cut) a sampled draft
-        residual = torch.clamp(last - q[n], min=0.0)
-    else:
-        residual = last
+        n = accepted.long().cumprod(0).sum()  # the accepted run before the first rejection
+    last = last_or_residual = p[n]
+    if q is None and k:  # a rejected deterministic draft: its token's mass goes
+        dropped = last.scatter(0, tokens[n.clamp(max=k - 1)].view(1), 0.0)
+        last_or_residual = torch.where(n < k, dropped, last)
+    elif q is not None and q.shape[0]:  # a rejected (or cut) sampled draft: the draft's mass at that position goes
+        q_n = q[n.clamp(max=q.shape[0] - 1)]
+        last_or_residual = torch.where(n < q.shape[0], torch.clamp(last - q_n, min=0.0), last)
     # p == q up to rounding leaves no residual: the rejection had probability ~0, so draw from p
-    residual = torch.where(residual.sum() > 0.0, residual, last)
-    return list(draft[:n]) + [int(torch.multinomial(residual, 1, generator=generator))]
+    residual = torch.where(last_or_residual.sum() > 0.0, last_or_residual, last)
+    n_host, token = torch.cat([n.view(1), torch.multinomial(residual, 1, generator=generator)]).tolist()
+    return list(draft[:n_host]) + [token]
 
 
 def accept(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
@@ -81,19 +81,23 @@ def accept_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
     residual (each rejected sibling's draft mass removed: r <- norm(max(r - q', 0))) and q' the draft distribution
     the sibling was drawn from (without the siblings drawn before it; one-hot for deterministic drafts). An accepted
     child is descended into; when all are rejected, the residual is sampled and the step ends. Each trial is an
-    exact speculative-sampling step for the current residual, so the output follows the target alone."""
+    exact speculative-sampling step for the current residual, so the output follows the target alone.
+
+    A node's trials run on p's device with every child's uniform drawn at once, and the residual after all of them
+    is sampled before knowing whether it is needed (an unused independent draw changes no law): one host read per
+    level of the tree, not several per child."""
     out, node = [], -1
     while True:
+        children = tree.children(node)
         residual = p[node + 1]
         q = tree.child_probs.get(node)
-        accepted = None
-        for child in tree.children(node):
+        trials = []
+        if children:
+            u = torch.rand(len(children), generator=generator, device=p.device)
+        for j, child in enumerate(children):
             tok = tree.tokens[child]
-            q_tok = 1.0 if q is None else float(q[tok])
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if u * q_tok < float(residual[tok]):
-                accepted = child
-                break
+            q_tok = 1.0 if q is None else q[tok]
+            trials.append(u[j] * q_tok < residual[tok])
             if q is None:
                 nxt = residual.clone()
                 nxt[tok] = 0.0
@@ -101,14 +105,18 @@ def accept_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
                 nxt = torch.clamp(residual - q, min=0.0)
                 q = q.clone()
                 q[tok] = 0.0
-                q = q / q.sum() if float(q.sum()) > 0 else q
-            if float(nxt.sum()) > 0.0:  # else r == q' up to rounding: the rejection had probability ~0
-                residual = nxt / nxt.sum()
-        if accepted is None:
-            out.append(int(torch.multinomial(residual, 1, generator=generator)))
+                q_mass = q.sum()
+                q = torch.where(q_mass > 0, q / q_mass, q)
+            mass = nxt.sum()  # 0: r == q' up to rounding, the rejection had probability ~0; r stays
+            residual = torch.where(mass > 0.0, nxt / mass, residual)
+        drawn = torch.multinomial(residual, 1, generator=generator)
+        *accepted, token = torch.cat([torch.stack(trials).long(), drawn] if trials else [drawn]).tolist()
+        first = next((j for j, a in enumerate(accepted) if a), None)
+        if first is None:
+            out.append(token)
             return out
-        out.append(tree.tokens[accepted])
-        node = accepted
+        out.append(tree.tokens[children[first]])
+        node = children[first]
 
 
 def accept_tree(target_logits: torch.Tensor, tree: TokenTree, params: SamplingParams,
