@@ -26,6 +26,9 @@ class EngineConfig:
     # "auto": bfloat16 on a GPU, float32 on the CPU (the CPU kernels compute in fp32); or float32, bfloat16, float16
     dtype: str = "auto"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # On a GPU, replay decode and verify steps as CUDA graphs in padded buckets (runtime/cuda_graphs.py); a bucket
+    # whose capture fails turns them off with a warning. Ignored on the CPU.
+    cuda_graphs: bool = True
     # "auto": "gguf" for a model folder that holds a GGUF file (the bundled models), else None. "gguf": the
     # weights stay in the GGUF block formats and linears compute from them with int8 activations (llama.cpp's
     # numerics, AVX-512 VNNI); "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of
@@ -65,6 +68,8 @@ class EngineConfig:
             self.quantization = None  # the GGUF modes compute on the kernels
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.dtype == "auto":
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -80,7 +80,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
-                       else ModelRunner(self.model, self.blocks, config.use_kernels, config.device))
+                       else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
+                                        step_graphs="cuda" if config.cuda_graphs else "off"))
         spec = config.speculative_config
         if spec:
             runtime = self.draft_runtime(draft_blocks(spec, num_blocks, config.max_num_seqs, self.blocks.blocks_for))
@@ -109,7 +110,7 @@ class LLMEngine:
         """How a draft model for this target is built: its vocabulary and this engine's runtime options."""
         c = self.config
         return DraftRuntime(self.tokenizer, self.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
-                            c.device, c.quantization, c.enable_prefix_caching)
+                            c.device, c.quantization, c.enable_prefix_caching, c.cuda_graphs)
 
     def set_speculation(self, proposer: Proposer | None = None, policy: Policy | None = None,
                         k_max: int | None = None) -> None:

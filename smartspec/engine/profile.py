@@ -36,24 +36,25 @@ class _PaddedProposer(Proposer):
 def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]:
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. The profile's steps are not observed,
-    counted or traced."""
+    counted or traced. A runner that captures CUDA graphs spends a shape's first step capturing it, so there each
+    shape is run twice and only the second run measured."""
     spec = engine.speculation
     padded = _PaddedProposer(spec.proposer)
     records = []
-    for batch in batches:
-        for k in sorted({0, 1, 2, spec.k_max}):
-            fixed = Speculation(padded, FixedPolicy(k), max(spec.k_max, 1))
-            for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
-                # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
-                # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
-                # catch-up, and the fit would price catch-ups at nothing
-                n = next(_prompts)
-                prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
-                engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
-                                   request_id=f"__profile-{batch}-{k}-{i}")
-            while engine.has_unfinished():
-                record = engine.run_step(fixed).record
-                if record is not None and record.num_prefill_tokens == 0:
-                    records.append(record)
+    passes = (False, True) if engine.runner.captures_graphs else (True,)
+    for batch, k, measured in itertools.product(batches, sorted({0, 1, 2, spec.k_max}), passes):
+        fixed = Speculation(padded, FixedPolicy(k), max(spec.k_max, 1))
+        for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
+            # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
+            # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
+            # catch-up, and the fit would price catch-ups at nothing
+            n = next(_prompts)
+            prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
+            engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
+                               request_id=f"__profile-{batch}-{k}-{i}")
+        while engine.has_unfinished():
+            record = engine.run_step(fixed).record
+            if measured and record is not None and record.num_prefill_tokens == 0:
+                records.append(record)
     spec.policy.observe_profile(records)
     return records

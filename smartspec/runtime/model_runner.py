@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from smartspec.runtime.attention import NO_TREE
-from smartspec.runtime.backends import select_backend
+from smartspec.runtime.backends import ModulesBackend, select_backend
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.cuda_graphs import GraphBackend, graphable
 from smartspec.runtime.page_arena import PageArena
 from smartspec.runtime.step_inputs import StepInputs
 from smartspec.types.request import Request
@@ -75,10 +76,14 @@ def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
 
 
 class ModelRunner:
-    """Runs steps of one model (or one tensor-parallel shard of it: `tp_size` ranks split its KV heads)."""
+    """Runs steps of one model (or one tensor-parallel shard of it: `tp_size` ranks split its KV heads).
+
+    step_graphs: "cuda" replays decode and verify steps as CUDA graphs where the model runs on a GPU through the
+    torch attention path, unsharded (cuda_graphs.py); "padded" runs those steps in the same padded buckets eagerly
+    (what the CPU tests check); "off" runs every step as it comes."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockManager, use_kernels: bool, device: str,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, step_graphs: str = "off") -> None:
         self.model = model
         self.blocks = blocks
         self.device = torch.device(device)
@@ -86,13 +91,24 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(model.config, tp_size)
         self.dtype = next(model.parameters()).dtype
         self.backend = select_backend(model, self.device, use_kernels, tp_size)
-        shape = (blocks.num_blocks, blocks.block_size, self.num_kv_heads, self.head_dim)
+        if step_graphs not in ("off", "cuda", "padded"):
+            raise ValueError(f"step_graphs must be off, cuda or padded, got {step_graphs!r}")
+        graphs = (step_graphs != "off" and tp_size == 1 and isinstance(self.backend, ModulesBackend)
+                  and not self.backend.uses_kernels and (step_graphs == "padded" or self.device.type == "cuda")
+                  and graphable(model))
+        # padded steps write their padding's k/v to a scratch block past the block manager's
+        shape = (blocks.num_blocks + graphs, blocks.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":  # in 2 MiB pages, taken as blocks are first written
             zeros = PageArena(2 * self.num_layers * math.prod(shape) * self.dtype.itemsize).zeros
         else:
             def zeros(shape, dtype):
                 return torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)]
+        if graphs:
+            self.backend = GraphBackend(self.backend, model, self.device, blocks.block_size,
+                                        scratch_block=blocks.num_blocks,
+                                        max_kv_width=blocks.num_blocks * blocks.block_size,
+                                        capture=step_graphs == "cuda")
 
     @staticmethod
     def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
@@ -133,3 +149,8 @@ class ModelRunner:
     @property
     def use_kernels(self) -> bool:
         return self.backend.uses_kernels
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether a step of a shape not seen before may include capturing its CUDA graph (a slow first step)."""
+        return isinstance(self.backend, GraphBackend) and self.backend.capture and self.backend.enabled

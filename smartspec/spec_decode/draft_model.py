@@ -34,7 +34,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
                  use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, cuda_graphs: bool = False) -> None:
         loaded = load_model(model, dtype, device, quantization=quantization)
         if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
@@ -42,7 +42,8 @@ class DraftModelProposer(Proposer):
         self.model = loaded.model
         self.target_vocab_size = target_vocab_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.blocks, use_kernels, device)
+        self.runner = ModelRunner(self.model, self.blocks, use_kernels, device,
+                                  step_graphs="cuda" if cuda_graphs else "off")
         self.state: dict[str, Request] = {}
 
     @property

@@ -22,6 +22,7 @@ class DraftRuntime:
     device: str = "cpu"
     quantization: str | None = None
     enable_prefix_caching: bool = False
+    cuda_graphs: bool = False
 
 
 # builds the draft model's proposer for a single-method draft_model config: in-process by default; the serving
@@ -32,7 +33,8 @@ DraftFactory = Callable[[SpeculativeConfig, DraftRuntime], Proposer]
 def make_draft_proposer(spec: SpeculativeConfig, runtime: DraftRuntime) -> Proposer:
     """The draft model in this process: chains, or token trees when the config asks for them."""
     args = (spec.model, runtime.target_tokenizer, runtime.target_vocab_size, runtime.num_blocks, runtime.block_size,
-            runtime.use_kernels, runtime.dtype, runtime.device, runtime.quantization, runtime.enable_prefix_caching)
+            runtime.use_kernels, runtime.dtype, runtime.device, runtime.quantization, runtime.enable_prefix_caching,
+            runtime.cuda_graphs)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
         return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)
