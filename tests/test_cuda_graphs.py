@@ -157,8 +157,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_qwen, 
     llm = make(tiny_qwen)
     eager = llm.engine.runner
     runner = ModelRunner(llm.engine.model, eager.blocks, False, "cpu", step_graphs="padded")
-    runner.backend = GraphBackend(runner.backend.eager, llm.engine.model, runner.device, eager.blocks.block_size,
-                                  scratch_block=eager.blocks.num_blocks,
+    runner.backend = GraphBackend(runner.backend.eager, eager.blocks.block_size, scratch_block=eager.blocks.num_blocks,
                                   max_kv_width=eager.blocks.num_blocks * eager.blocks.block_size, capture=True)
     items = a_step(runner, with_tree=False)
     want = runner.backend.eager.execute(prepare_step(items, runner.blocks), runner.kv_caches)

@@ -9,9 +9,9 @@ their logits are dropped. A step with a prefill chunk (a sequence of more than L
 largest bucket, runs eagerly.
 
 The graph holds the decoder; the language-model head runs after it on the kept rows only, so a bucket's output is
-its hidden states, not a vocabulary-wide row for every padding cell. Each bucket is captured the first time a step needs it, and its first replay is checked against the eager run of
-the same padded inputs; a capture error or a mismatch turns graphs off for the runner, with a warning, and steps
-run eagerly from then on. Without a GPU the same padded steps run eagerly (`capture=False`): everything but the
+its hidden states, not a vocabulary-wide row for every padding cell. Each bucket is captured the first time a step
+needs it, and its first replay is checked against the eager run of the same padded inputs; a capture error or a
+mismatch turns graphs off for the runner, with a warning, and steps run eagerly from then on. Without a GPU the same padded steps run eagerly (`capture=False`): everything but the
 capture itself is exercised by the CPU tests."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from smartspec.runtime.attention import LONG_QUERY, NO_TREE, QueryGroup, StepAttention, set_step
+from smartspec.runtime.backends import ModulesBackend
 from smartspec.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,9 @@ class GraphBackend:
     `max_kv_width`: the cache positions a sequence can reach (a multiple of block_size)."""
     uses_kernels = False
 
-    def __init__(self, eager, model: torch.nn.Module, device: torch.device, block_size: int, scratch_block: int,
-                 max_kv_width: int, capture: bool) -> None:
-        self.eager, self.model, self.device = eager, model, device
+    def __init__(self, eager: ModulesBackend, block_size: int, scratch_block: int, max_kv_width: int,
+                 capture: bool) -> None:
+        self.eager, self.model, self.device = eager, eager.model, eager.device
         self.block_size, self.scratch_block, self.max_kv_width = block_size, scratch_block, max_kv_width
         self.capture = capture
         self.steps: dict[Bucket, PaddedStep] = {}

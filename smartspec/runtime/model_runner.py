@@ -105,8 +105,7 @@ class ModelRunner:
                 return torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)]
         if graphs:
-            self.backend = GraphBackend(self.backend, model, self.device, blocks.block_size,
-                                        scratch_block=blocks.num_blocks,
+            self.backend = GraphBackend(self.backend, blocks.block_size, scratch_block=blocks.num_blocks,
                                         max_kv_width=blocks.num_blocks * blocks.block_size,
                                         capture=step_graphs == "cuda")
 
