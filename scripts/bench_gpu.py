@@ -269,8 +269,8 @@ def main(argv=None) -> int:
             "steady_tok_s": hf_speed(built["target"], args.device, dt, b, 17, min(args.max_new, 64))}
 
     # lossless: greedy speculation against plain decoding, 8 prompts, same batch composition
-    def outputs(eng, policy, ps, params) -> list[list[int]]:
-        eng.set_speculation(eng.speculation.proposer, policy, K)
+    def outputs(eng, policy, ps, params, k_max: int = K) -> list[list[int]]:
+        eng.set_speculation(eng.speculation.proposer, policy, k_max)
         ids = [eng.add_request(p, params) for p in ps]
         got = {}
         while eng.has_unfinished():
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                                engine.blocks.blocks_for)
     engine.set_speculation(make_draft_proposer(tree_spec, engine.draft_runtime(tree_blocks)),
                            make_policy("fixed:8", 8), 8)
-    trees = [outputs(engine, make_policy("fixed:8", 8), check[:2], sampled) for _ in range(2)]
+    trees = [outputs(engine, make_policy("fixed:8", 8), check[:2], sampled, k_max=8) for _ in range(2)]
     results["sampled"] = {"chain_repeats": chains[0] == chains[1], "tree_repeats": trees[0] == trees[1],
                           "tree_accepted": engine.speculation.metrics.num_accepted_tokens}
     if results["dtype"] != "float32":  # fp32 on the same device: the contract there is bitwise
