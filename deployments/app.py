@@ -1,13 +1,13 @@
 """The application builder `serve run config.yaml` calls: `import_path: deployments.app:build_app`, `args:` an
-AppConfig (see deployments/config.py and the README's option table)."""
+AppConfig (see control/config.py and the README's option table)."""
 from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.config import AppConfig, AutoscalingConfig
-from deployments.controller import GoodputController
-from deployments.ingress import OpenAIIngress
-from deployments.llm_server import LLMServer
+from deployments.control.config import AppConfig, AutoscalingConfig
+from deployments.control.controller import GoodputController
+from deployments.http.ingress import OpenAIIngress
+from deployments.replica.server import LLMServer
 
 
 def llm_server_options(cfg: AppConfig) -> dict:
@@ -26,7 +26,7 @@ def llm_server_options(cfg: AppConfig) -> dict:
     if cfg.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = cfg.max_replicas_per_node
     if cfg.router == "goodput":
-        options["request_router_config"] = {"request_router_class": "deployments.router:GoodputRouter",
+        options["request_router_config"] = {"request_router_class": "deployments.placement.router:GoodputRouter",
                                             "request_routing_stats_period_s": cfg.router_stats_period_s,
                                             "request_routing_stats_timeout_s": max(5.0, cfg.router_stats_period_s)}
     if cfg.autoscaling is not None:
@@ -42,7 +42,7 @@ def autoscaling_config(a: AutoscalingConfig) -> dict:
               "downscale_delay_s": a.downscale_delay_s, "look_back_period_s": a.look_back_period_s,
               "metrics_interval_s": min(1.0, a.look_back_period_s)}
     if a.policy == "goodput":
-        config["policy"] = {"policy_function": "deployments.autoscaling:goodput_policy",
+        config["policy"] = {"policy_function": "deployments.placement.autoscaling:goodput_policy",
                             "policy_kwargs": {"min_speed_fraction": a.min_speed_fraction}}
     return config
 

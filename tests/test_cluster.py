@@ -9,7 +9,7 @@ pytest.importorskip("ray.serve")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from deployments.app import llm_server_options  # noqa: E402
-from deployments.config import AppConfig  # noqa: E402
+from deployments.control.config import AppConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

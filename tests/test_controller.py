@@ -3,8 +3,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from deployments.controller import ControllerState  # noqa: E402
-from deployments.metrics import render_replica_metrics  # noqa: E402
+from deployments.control.controller import ControllerState  # noqa: E402
+from deployments.control.metrics import render_replica_metrics  # noqa: E402
 from smartspec.policy.goodput_policy import GoodputPolicy  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def test_the_http_front_and_the_controller_load_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, deployments.ingress, deployments.controller, smartspec, smartspec.policy; "
+    code = ("import sys, deployments.http.ingress, deployments.control.controller, smartspec, smartspec.policy; "
             "smartspec.policy.merge_states([]); assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 from lossless import assert_greedy_equal
-from test_speculative import PARAMS, PROMPTS, MixedPolicy, run_staggered
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
+from engines import PARAMS, PROMPTS, MixedPolicy, run_staggered
 
 from smartspec import LLM
 from smartspec.runtime.block_manager import BlockManager

@@ -2,7 +2,7 @@
 verified like any draft (greedy output unchanged, with every configured proposer beside them), they are drafted
 where they apply, and a prediction's accepted and rejected tokens are counted per request."""
 import pytest
-from test_speculative import PROMPTS, make, run_staggered
+from engines import PROMPTS, make, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.spec_decode.hints import GRAMMAR, PREDICTION, RequestHints
@@ -50,6 +50,8 @@ def test_forced_tokens_are_drafted_and_output_is_unchanged(method, tiny_qwen, ti
     assert sources.count(GRAMMAR) >= 4 * 3, sources  # each request's three keys, at least
     m = llm.engine.speculation.metrics
     assert m.accepted_per_position[3] > 0, m  # long keys: four forced tokens accepted in one step
+    configured = {method} if isinstance(method, str) else set(method)
+    assert set(sources) <= configured | {GRAMMAR} and set(m.by_source) <= configured | {GRAMMAR}, m.by_source
 
 
 @pytest.fixture(scope="module")

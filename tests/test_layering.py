@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# bottom to top; a unit is a package (a folder) or a module of smartspec/, or the deployments/ application
+# bottom to top; a unit is a package (a folder) or a module of smartspec/ or deployments/
 LAYERS = [
     "smartspec.lazy",         # the lazy-attribute helper for package __init__ files
     "smartspec.types",        # plain data: requests, sampling params, step records, trees, the policy's view
@@ -29,7 +29,13 @@ LAYERS = [
     "smartspec.sim",          # the discrete-event simulator on the engine's own planning and commit
     "smartspec.cli",          # the `smartspec` command
     "smartspec",              # the package root: lazily exposes LLM, SamplingParams, EngineConfig
-    "deployments",            # the Ray Serve application
+    "deployments",            # the Ray Serve application's package (its docstring alone)
+    "deployments.wire",       # the typed call and events between the HTTP front and the replicas
+    "deployments.control",    # the application's config, the goodput controller, metrics
+    "deployments.placement",  # the router's estimate and class, failover, autoscaling
+    "deployments.replica",    # LLMServer, the draft actor, tensor-parallel workers
+    "deployments.http",       # the OpenAI front: protocol, the answers' fold, tool calls, the ingress
+    "deployments.app",        # the application builder `serve run` calls
 ]
 
 
@@ -90,8 +96,10 @@ def layering_violations(root: Path) -> list[str]:
 
 def test_every_unit_is_listed():
     """A new package or top-level module must take its place in the order."""
-    units = {module_name(p, ROOT) for p in (ROOT / "smartspec").glob("*.py")}
-    units |= {f"smartspec.{p.parent.name}" for p in (ROOT / "smartspec").glob("*/__init__.py")}
+    units = set()
+    for top in ("smartspec", "deployments"):
+        units |= {module_name(p, ROOT) for p in (ROOT / top).glob("*.py")}
+        units |= {f"{top}.{p.parent.name}" for p in (ROOT / top).glob("*/__init__.py")}
     missing = sorted(u for u in units if u not in LAYERS)
     assert not missing, f"add these to LAYERS in tests/test_layering.py (and docs/architecture.md): {missing}"
 
@@ -114,6 +122,8 @@ def test_the_policy_sees_numbers_only():
     ("smartspec/runtime/sampler.py", "from smartspec.engine.scheduler import Scheduler"),
     ("smartspec/policy/base.py", "    from smartspec.spec_decode.proposer import Proposal"),  # inside a function
     ("smartspec/types/request.py", "from ..runtime import block_manager"),  # relative
+    ("deployments/placement/failover.py", "from deployments.http.answers import sse"),
+    ("deployments/wire.py", "from deployments.replica import server"),
 ])
 def test_an_upward_import_is_caught(tmp_path, where, statement):
     """The check itself: a copy of the tree with one upward import added fails it, naming the line."""

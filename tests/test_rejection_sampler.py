@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from chi_square import CHI2_CRIT, chi2
 
 from smartspec import SamplingParams
 from smartspec.runtime.sampler import target_probs
@@ -13,20 +14,6 @@ from smartspec.spec_decode.rejection_sampler import accept_greedy, accept_sample
 from smartspec.types.tree import TokenTree
 
 V, K, N = 8, 3, 12000
-# chi-square critical values at alpha = 1e-4, by degrees of freedom (support size - 1)
-CHI2_CRIT_BY_DOF = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
-CHI2_CRIT = CHI2_CRIT_BY_DOF[7]
-
-
-def chi2(samples: list[int], p: torch.Tensor) -> float:
-    counts = torch.bincount(torch.tensor(samples), minlength=V).double()
-    expected = p.double() * len(samples)
-    assert counts[expected == 0].sum() == 0, "sampled a token the target gives probability 0"
-    keep = expected > 0
-    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    return stat / CHI2_CRIT_BY_DOF[int(keep.sum()) - 1] * CHI2_CRIT  # scaled so one threshold fits every support
-
-
 def run(params: SamplingParams, sampler, seed: int = 0, draft_vocab: int | None = None):
     """draft_vocab < V: the draft's vocabulary is the first draft_vocab tokens, q padded with zeros beyond (as
     DraftModelProposer pads a draft whose vocabulary is shorter than the target's)."""

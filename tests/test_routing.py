@@ -1,5 +1,5 @@
-"""The goodput router's ranking (deployments/routing.py), the autoscaling rule (deployments/autoscaling.py) and the
-failover rules (deployments/failover.py): pure logic, no Ray cluster, no timing."""
+"""The goodput router's ranking (placement/latency.py), the autoscaling rule (placement/autoscaling.py) and the
+failover rules (placement/failover.py): pure logic, no Ray cluster, no timing."""
 import asyncio
 from types import SimpleNamespace
 
@@ -7,10 +7,11 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from deployments.app import llm_server_options
-from deployments.autoscaling import autoscaling_metrics, desired_replicas, goodput_policy, merged_table, speed_at
-from deployments.config import AppConfig
-from deployments.failover import RESTART, FailoverStream, GenerationFailed, may_retry
-from deployments.routing import (
+from deployments.control.config import AppConfig
+from deployments.placement.autoscaling import (autoscaling_metrics, desired_replicas, goodput_policy, merged_table,
+                                               speed_at)
+from deployments.placement.failover import FailoverStream, GenerationFailed, may_retry
+from deployments.placement.latency import (
     CHUNK_CHARS,
     PrefillBacklog,
     PrefixIndex,
@@ -19,16 +20,28 @@ from deployments.routing import (
     ServedPrefixes,
     pooled,
     prefix_keys,
-    prompt_text,
+    prefix_text,
     rank,
 )
+from deployments.wire import Accepted, Delta, GenerateCall, Refused, Restart, RoutingStats
+from smartspec.types.sampling_params import SamplingParams
 
 SYSTEM = "".join(f"rule {i}: answer in the voice of a patient teacher. " for i in range(80))  # ~4,000 chars
 
 
-def chat(system: str, *turns: str) -> dict:
-    return {"messages": [{"role": "system", "content": system}, *({"role": "user", "content": t} for t in turns)],
-            "params": {"max_tokens": 32}}
+def chat(system: str, *turns: str) -> GenerateCall:
+    messages = [("system", system), *(("user", t) for t in turns)]
+    return GenerateCall(SamplingParams(max_tokens=32), messages=[{"role": r, "content": c} for r, c in messages],
+                        prefix_text=prefix_text(messages, None))
+
+
+def completion(prompt: str | list[int], until_context_end: bool = False, **params) -> GenerateCall:
+    return GenerateCall(SamplingParams(**params), prompt=prompt, prefix_text=prefix_text(None, prompt),
+                        until_context_end=until_context_end)
+
+
+def stats(**values) -> RoutingStats:
+    return RoutingStats.from_dict({"time": 0.0, "ongoing": 0, "max_num_seqs": 16, **values})
 
 
 # ---- prefix keys ---------------------------------------------------------------------------------------------
@@ -43,14 +56,13 @@ def test_prefix_keys_are_chained_over_full_chunks():
 
 
 def test_a_conversations_next_turn_shares_its_keys_and_another_system_prompt_does_not():
-    first = prefix_keys(prompt_text(chat(SYSTEM, "hello")))
-    second = prefix_keys(prompt_text(chat(SYSTEM, "hello", "and then?")))
-    other = prefix_keys(prompt_text(chat(SYSTEM.replace("teacher", "pirate"), "hello")))
+    first = prefix_keys(chat(SYSTEM, "hello").prefix_text)
+    second = prefix_keys(chat(SYSTEM, "hello", "and then?").prefix_text)
+    other = prefix_keys(chat(SYSTEM.replace("teacher", "pirate"), "hello").prefix_text)
     assert len(first) >= 15 and second[:len(first) - 1] == first[:-1]
     assert other[0] != first[0]
-    assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    assert prompt_text(parts) == prompt_text({"messages": [{"role": "user", "content": "hi"}]})
+    assert prefix_text(None, [1, 2, 3]) == "1 2 3"
+    assert prefix_text([("user", "hi")], None) != prefix_text([("system", "hi")], None)  # roles count
 
 
 def test_served_prefixes_keep_the_most_recent():
@@ -75,8 +87,8 @@ def test_prefix_index_matches_leading_keys_from_reports_and_recent_sends():
 
 
 # ---- ranking -------------------------------------------------------------------------------------------------
-def estimates(ongoing_a: int, ongoing_b: int, **stats) -> list[ReplicaEstimate]:
-    return [ReplicaEstimate.of("a", ongoing_a, stats), ReplicaEstimate.of("b", ongoing_b, stats)]
+def estimates(ongoing_a: int, ongoing_b: int, **values) -> list[ReplicaEstimate]:
+    return [ReplicaEstimate.of("a", ongoing_a, stats(**values)), ReplicaEstimate.of("b", ongoing_b, stats(**values))]
 
 
 def test_the_replica_holding_the_prefix_ranks_first_at_equal_load():
@@ -90,23 +102,23 @@ def test_the_replica_holding_the_prefix_ranks_first_at_equal_load():
 
 def test_a_queued_replica_loses_its_affinity_and_a_free_one_wins_on_load():
     request = RoutedRequest.of(chat(SYSTEM, "hello"))
-    stats = {"max_num_seqs": 4, "request_speed": {1: 20.0, 2: 18.0, 4: 15.0}, "prefill_s_per_token": 1e-3}
+    values = {"max_num_seqs": 4, "request_speed": {1: 20.0, 2: 18.0, 4: 15.0}, "prefill_s_per_token": 1e-3}
     # b is 8 requests deep (4 of them queued): waiting for a slot costs more than the ~1,000-token prefill
-    choices = rank(request, estimates(0, 8, **stats), {"a": 0, "b": len(request.keys)})
+    choices = rank(request, estimates(0, 8, **values), {"a": 0, "b": len(request.keys)})
     assert choices[0].replica == "a" and choices[0].reason == "load"
-    choices = rank(request, estimates(3, 1, **stats), {})
+    choices = rank(request, estimates(3, 1, **values), {})
     assert choices[0].replica == "b" and choices[0].reason == "load"
 
 
 def test_the_speed_table_prices_a_bigger_batch_and_noisy_fits_are_pooled():
-    request = RoutedRequest.of({"prompt": "short", "params": {"max_tokens": 64}})
-    stats = {"request_speed": {1: 40.0, 2: 35.0, 4: 30.0}}
-    busy, idle = ReplicaEstimate.of("busy", 3, stats), ReplicaEstimate.of("idle", 1, stats)
+    request = RoutedRequest.of(completion("short", max_tokens=64))
+    table = stats(request_speed={1: 40.0, 2: 35.0, 4: 30.0})
+    busy, idle = ReplicaEstimate.of("busy", 3, table), ReplicaEstimate.of("idle", 1, table)
     assert rank(request, [busy, idle], {})[0].replica == "idle"  # 64 tokens at 35 tok/s beat 64 at 30
     assert idle.speed(3) == pytest.approx(32.5) and idle.speed(64) == 30.0 and idle.speed(1) == 40.0
-    fast = ReplicaEstimate.of("fast", 2, {"request_speed": {1: 40.0, 2: 30.0}, "prefill_s_per_token": 1e-3})
-    slow = ReplicaEstimate.of("slow", 2, {"request_speed": {1: 12.0}, "prefill_s_per_token": 3e-3})
-    fresh = ReplicaEstimate.of("fresh", 0, {})
+    fast = ReplicaEstimate.of("fast", 2, stats(request_speed={1: 40.0, 2: 30.0}, prefill_s_per_token=1e-3))
+    slow = ReplicaEstimate.of("slow", 2, stats(request_speed={1: 12.0}, prefill_s_per_token=3e-3))
+    fresh = ReplicaEstimate.of("fresh", 0, None)
     a, b, c = pooled([fast, slow, fresh])
     assert a.request_speed == b.request_speed == c.request_speed == {1: 26.0, 2: 30.0}
     assert a.prefill_s_per_token == c.prefill_s_per_token == pytest.approx(2e-3)
@@ -121,7 +133,7 @@ def test_a_burst_of_first_turns_is_spread_and_a_burst_of_next_turns_stays_with_i
         for i, system in enumerate(systems):
             request = RoutedRequest.of(chat(system, *turn))
             matched = {home[i]: len(request.keys) - 1} if i in home else {}
-            first = rank(request, [ReplicaEstimate.of(r, 0, {"prefill_s_per_token": 2e-3},
+            first = rank(request, [ReplicaEstimate.of(r, 0, stats(prefill_s_per_token=2e-3),
                                                       backlog.ahead(r, now=0.0)) for r in ("a", "b")], matched)[0]
             backlog.add(first.replica, first.prefill_s, now=0.0)
             assert home.setdefault(i, first.replica) == first.replica
@@ -143,17 +155,24 @@ def test_the_prefill_backlog_drains_in_real_time():
 
 
 def test_a_retry_avoids_the_replica_its_first_try_failed_on():
-    body = chat(SYSTEM, "hello")
-    request = RoutedRequest.of(body, avoid="b")
+    request = RoutedRequest.of(chat(SYSTEM, "hello"), avoid="b")
     choices = rank(request, estimates(5, 0), {"b": len(request.keys)})
     assert [c.replica for c in choices] == ["a", "b"] and choices[0].reason == "retry"
 
 
 def test_a_missing_report_counts_as_a_fresh_replica():
-    e = ReplicaEstimate.of("a", None, {"ongoing": 3})
+    e = ReplicaEstimate.of("a", None, stats(ongoing=3))
     assert e.ongoing == 3 and e.request_speed is None and e.speed(1) > e.speed(8)
-    assert RoutedRequest.of({"prompt": "x", "params": {"max_tokens": None}}).output_tokens > 0
-    assert RoutedRequest.of({"prompt": [1, 2, 3], "params": {}}).prompt_tokens == 3
+    assert ReplicaEstimate.of("a", None, None).ongoing == 0
+    assert RoutedRequest.of(completion("x", until_context_end=True)).output_tokens > 0
+    assert RoutedRequest.of(completion([1, 2, 3])).prompt_tokens == 3
+
+
+def test_routing_stats_cross_serve_as_plain_values():
+    reported = RoutingStats(1.5, 2, 8, {1: 20.0, 4: 12.0}, 1e-3, 3.5, 4.0, (7, 8))
+    plain = reported.as_dict()
+    assert all(isinstance(v, (int, float, list, dict, type(None))) for v in plain.values())
+    assert RoutingStats.from_dict(plain) == reported and RoutingStats.from_dict({}) is None
 
 
 # ---- autoscaling ---------------------------------------------------------------------------------------------
@@ -192,8 +211,8 @@ def test_the_served_config_wires_router_autoscaling_and_drain():
     cfg = AppConfig.model_validate({"speculation": None, "autoscaling": {"min_replicas": 1, "max_replicas": 3,
                                                                          "downscale_delay_s": 15}})
     options = llm_server_options(cfg)
-    assert options["request_router_config"]["request_router_class"] == "deployments.router:GoodputRouter"
-    assert options["autoscaling_config"]["policy"]["policy_function"] == "deployments.autoscaling:goodput_policy"
+    assert options["request_router_config"]["request_router_class"] == "deployments.placement.router:GoodputRouter"
+    assert options["autoscaling_config"]["policy"]["policy_function"] == "deployments.placement.autoscaling:goodput_policy"
     assert options["autoscaling_config"]["downscale_delay_s"] == 15 and options["graceful_shutdown_timeout_s"] == 120
     plain = llm_server_options(AppConfig.model_validate({"speculation": None, "router": "default",
                                                          "autoscaling": {"policy": "ongoing"}}))
@@ -204,14 +223,14 @@ def test_the_served_config_wires_router_autoscaling_and_drain():
 
 # ---- failover ------------------------------------------------------------------------------------------------
 class ReplicaStream:
-    """A streaming handle call's stand-in: items, then (optionally) the replica's death."""
+    """A streaming handle call's stand-in: events, then (optionally) the replica's death."""
 
-    def __init__(self, items: list[dict], dies: bool = False) -> None:
-        self.items, self.dies, self.cancelled = list(items), dies, False
+    def __init__(self, events: list, dies: bool = False) -> None:
+        self.events, self.dies, self.cancelled = list(events), dies, False
 
-    async def __anext__(self) -> dict:
-        if self.items:
-            return self.items.pop(0)
+    async def __anext__(self):
+        if self.events:
+            return self.events.pop(0)
         if self.dies:
             raise ActorDiedError()
         raise StopAsyncIteration
@@ -220,16 +239,16 @@ class ReplicaStream:
         self.cancelled = True
 
 
-ACCEPTED = {"type": "accepted", "prompt_tokens": 3}
+ACCEPTED = Accepted(prompt_tokens=3)
 
 
-def delta(text: str, finished: bool = False) -> dict:
-    return {"type": "delta", "text": text, "token_ids": [1], "finished": finished}
+def delta(text: str, finished: bool = False) -> Delta:
+    return Delta(text, [1], 1, finished=finished)
 
 
-def drain(stream: FailoverStream) -> list[dict]:
+def drain(stream: FailoverStream) -> list:
     async def run():
-        return [item async for item in stream]
+        return [event async for event in stream]
 
     return asyncio.run(run())
 
@@ -237,8 +256,8 @@ def drain(stream: FailoverStream) -> list[dict]:
 def replicas(*streams: ReplicaStream):
     calls = []
 
-    def start(payload: dict) -> ReplicaStream:
-        calls.append(payload)
+    def start(call: GenerateCall) -> ReplicaStream:
+        calls.append(call)
         return streams[len(calls) - 1]
 
     return start, calls
@@ -246,15 +265,15 @@ def replicas(*streams: ReplicaStream):
 
 def test_a_death_before_the_first_token_is_retried_elsewhere_once_and_accepted_once():
     start, calls = replicas(ReplicaStream([ACCEPTED], dies=True), ReplicaStream([ACCEPTED, delta("ok", True)]))
-    items = drain(FailoverStream(start, {"prompt": "p", "params": {"temperature": 1.0}}, streaming=True))
-    assert items == [ACCEPTED, delta("ok", True)]
-    assert calls[1]["retry_of"] == calls[0]["request_id"] != calls[1]["request_id"]
-    assert calls[1]["params"] == calls[0]["params"]  # same seed, same everything
+    events = drain(FailoverStream(start, completion("p", temperature=1.0), streaming=True))
+    assert events == [ACCEPTED, delta("ok", True)]
+    assert calls[1].retry_of == calls[0].request_id != calls[1].request_id
+    assert calls[1].params == calls[0].params  # same seed, same everything
 
 
 def test_a_stream_that_sent_tokens_ends_with_the_error():
     start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True), ReplicaStream([ACCEPTED]))
-    stream = FailoverStream(start, {"prompt": "p", "params": {"temperature": 0}}, streaming=True)
+    stream = FailoverStream(start, completion("p", temperature=0), streaming=True)
     with pytest.raises(ActorDiedError):
         drain(stream)
     assert len(calls) == 1
@@ -263,26 +282,27 @@ def test_a_stream_that_sent_tokens_ends_with_the_error():
 def test_an_idempotent_unary_request_is_retried_whole_and_its_first_tokens_are_void():
     start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True),
                             ReplicaStream([ACCEPTED, delta("a"), delta("b", True)]))
-    items = drain(FailoverStream(start, {"prompt": "p", "params": {"temperature": 0}}, streaming=False))
-    assert items == [ACCEPTED, delta("a"), RESTART, delta("a"), delta("b", True)]
+    events = drain(FailoverStream(start, completion("p", temperature=0), streaming=False))
+    assert events == [ACCEPTED, delta("a"), Restart(), delta("a"), delta("b", True)]
 
 
 def test_unseeded_sampling_after_tokens_and_a_second_death_are_not_retried():
-    for params in ({"temperature": 0.8}, {"temperature": 0.8, "seed": None}):
-        start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True), ReplicaStream([ACCEPTED]))
-        with pytest.raises(ActorDiedError):
-            drain(FailoverStream(start, {"prompt": "p", "params": params}, streaming=False))
-        assert len(calls) == 1
+    start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True), ReplicaStream([ACCEPTED]))
+    with pytest.raises(ActorDiedError):
+        drain(FailoverStream(start, completion("p", temperature=0.8), streaming=False))
+    assert len(calls) == 1
     start, calls = replicas(ReplicaStream([], dies=True), ReplicaStream([], dies=True), ReplicaStream([ACCEPTED]))
     with pytest.raises(ActorDiedError):
-        drain(FailoverStream(start, {"prompt": "p", "params": {"seed": 3}}, streaming=False))
+        drain(FailoverStream(start, completion("p", temperature=0.8, seed=3), streaming=False))
     assert len(calls) == 2
 
 
 def test_a_refused_retry_fails_the_generation_and_request_errors_are_never_retried():
-    start, _ = replicas(ReplicaStream([ACCEPTED], dies=True),
-                        ReplicaStream([{"type": "error", "status": 429, "message": "overloaded"}]))
+    start, _ = replicas(ReplicaStream([ACCEPTED], dies=True), ReplicaStream([Refused(429, "overloaded")]))
     with pytest.raises(GenerationFailed, match="overloaded"):
-        drain(FailoverStream(start, {"prompt": "p", "params": {"temperature": 0}}, streaming=True))
-    assert not may_retry(ValueError("bad"), 1, False, True, {})
-    assert may_retry(ActorDiedError(), 1, False, True, {}) and not may_retry(ActorDiedError(), 2, False, True, {})
+        drain(FailoverStream(start, completion("p", temperature=0), streaming=True))
+    greedy = completion("p", temperature=0)
+    assert not may_retry(ValueError("bad"), 1, False, True, greedy)
+    assert may_retry(ActorDiedError(), 1, False, True, greedy) and not may_retry(ActorDiedError(), 2, False, True, greedy)
+    assert not may_retry(ActorDiedError(), 1, True, False, completion("p", temperature=0.8))
+    assert may_retry(ActorDiedError(), 1, True, False, completion("p", temperature=0.8, seed=1))

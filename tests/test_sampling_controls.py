@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
-from test_speculative import PROMPTS, MixedPolicy, make, run_staggered
 from transformers import AutoModelForCausalLM, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+from engines import METHODS, PROMPTS, make, mixed_spec, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.runtime.logits_controls import reshape_logits
@@ -82,22 +82,6 @@ def plain_controlled(tiny_qwen):
 
 def controlled(controls: dict) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, **controls) for n in (40, 25, 33, 12)]
-
-
-# "self": the target drafts for itself, so every draft token is what plain decoding makes: verification accepts
-# deep runs only if each row is reshaped (or masked) with the draft tokens before it
-METHODS = ["ngram", "suffix", "draft_model", "self", "self-tree"]
-
-
-def mixed_spec(method: str, target: str, draft: str) -> dict:
-    """A speculative config of METHODS, with k changing per request and step (MixedPolicy)."""
-    if method in ("ngram", "suffix"):
-        return {"method": method, "num_speculative_tokens": 4, "policy": MixedPolicy()}
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "policy": MixedPolicy(),
-            "model": draft if method == "draft_model" else target}
-    if method == "self-tree":
-        spec["tree"] = {"max_nodes": 8, "max_depth": 3, "branching": 2}
-    return spec
 
 
 @pytest.mark.parametrize("index", range(len(CONTROLS)))

@@ -7,9 +7,8 @@ import re
 import jsonschema
 import pytest
 import torch
-from test_rejection_sampler import CHI2_CRIT, K, V, chi2
-from test_sampling_controls import METHODS, mixed_spec
-from test_speculative import PROMPTS, make, run_staggered
+from chi_square import CHI2_CRIT, chi2
+from engines import METHODS, PROMPTS, make, mixed_spec, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.engine.drafter import Drafted, cut_to_grammars
@@ -18,6 +17,8 @@ from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_sampled
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 from smartspec.types.tree import TokenTree
+
+K, V = 3, 6  # a sampled draft of K tokens over a vocabulary of V
 
 WORD = {"type": "string", "maxLength": 6}
 SCHEMAS = [
@@ -156,6 +157,51 @@ def test_a_cut_sampled_draft_still_follows_the_target_distribution(keep_q_row):
     stats = [chi2(s, p[j]) for j, s in enumerate(by_index) if len(s) > 500]
     assert len(stats) >= 3
     assert (max(stats) < CHI2_CRIT) == keep_q_row, stats
+
+
+def test_an_empty_schema_admits_any_json_value_not_only_objects(plain):
+    """{} is JSON Schema's "anything": a grammar of one JSON value of any type (JSON mode's is objects only)."""
+    compiler, tokenizer = plain.engine.grammar_compiler, plain.engine.tokenizer
+
+    def admits(spec: StructuredOutput, text: str) -> bool:
+        grammar = compiler.matcher(spec)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.valid_prefix(tokens) == len(tokens) and (grammar.commit(tokens) or
+                                                                grammar.matcher.is_accepting())
+
+    for text in ('[1, "a"]', '"word"', "42", '{"a": 1}'):
+        assert admits(StructuredOutput(json={}), text), text
+    assert admits(StructuredOutput(json_object=True), '{"a": 1}')
+    assert not admits(StructuredOutput(json_object=True), "42")
+
+
+def test_min_tokens_holds_the_end_while_the_grammar_allows_more_and_a_complete_grammar_ends(plain):
+    """The contract (SamplingParams.min_tokens): the end of sequence and stop strings wait for min_tokens, but a
+    grammar that is complete allows nothing more, so it ends the output there, with finish_reason "stop"."""
+    held = [SamplingParams(max_tokens=40, min_tokens=12, structured=StructuredOutput(regex="[a-z]{1,200}"))] * 4
+    for out in plain.generate(PROMPTS, held):
+        assert len(out.token_ids) >= 12 and re.fullmatch("[a-z]+", out.text), out
+    ended = [SamplingParams(max_tokens=40, min_tokens=10, structured=StructuredOutput(choice=["ab", "cd"]))] * 4
+    for out in plain.generate(PROMPTS, ended):
+        assert out.text in ("ab", "cd") and out.finish_reason == "stop", out
+
+
+def test_grammars_warm_off_the_step_thread(tiny_qwen):
+    """The replica warms structured outputs at start on a thread of its own; the first request then finds the
+    grammar library's tokenizer built."""
+    from smartspec.engine.async_engine import AsyncEngine
+
+    llm = make(tiny_qwen)
+    engine = AsyncEngine(engine=llm.engine)
+    compiler = llm.engine.grammar_compiler
+    assert compiler._tokenizer is None
+    thread = engine.warm_grammars()
+    thread.join(60)
+    assert thread.name == "smartspec-grammar-warmup" and compiler._tokenizer is not None
+    built = compiler._tokenizer
+    llm.engine.add_request("hi", SamplingParams(structured=StructuredOutput(choice=["a", "b"])))
+    assert compiler._tokenizer is built
+    engine.close()
 
 
 def test_invalid_schemas_and_grammars_are_refused_naming_the_field(plain):

@@ -28,7 +28,7 @@ def _greedy(engine: LLMEngine, n: int = 24) -> list[list[int]]:
 def test_tp2_equals_tp1(ray_serve, tiny_qwen):
     from transformers import AutoModelForCausalLM
 
-    from deployments.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner
 
     config = EngineConfig(model=tiny_qwen, num_kv_blocks=64, max_model_len=256, use_kernels=False)
     single = LLMEngine(config)
@@ -61,7 +61,7 @@ def test_tp2_on_quantized_weights_equals_tp1(ray_serve, tiny_gguf, quantization)
     """Each rank holds its part of the GGUF blocks (768 intermediate features in 256-weight superblocks: 256 and
     512); the sharded target, speculating, gives the sharded target's plain greedy output token for token, and one
     process's (where the two part, only at a proven near-tie)."""
-    from deployments.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner
     from smartspec.runtime import kernels
 
     if kernels.load() is None or (quantization == "gguf" and not kernels.load().q8_linear_available()):
@@ -120,7 +120,7 @@ def _check_served_tp_app(url, model, sharded, options):
 
 
 def test_tp_refuses_heads_it_cannot_split(ray_serve, tiny_qwen):
-    from deployments.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner
 
     config = EngineConfig(model=tiny_qwen, num_kv_blocks=64, max_model_len=256, use_kernels=False)
     with pytest.raises(ValueError, match="cannot be split over tensor_parallel_size=3"):

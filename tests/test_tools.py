@@ -5,20 +5,13 @@ import json
 
 import jsonschema
 import pytest
-from test_speculative import PROMPTS, make
+from engines import PROMPTS, make
+from tool_defs import ADD, WEATHER
 
-from deployments.tools import CallStream, ToolError, functions, parse, template_messages
+from deployments.http.tools import CallStream, ToolError, functions, parse, template_messages
 from smartspec import SamplingParams
 from smartspec.types.sampling_params import StructuredOutput
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"enum": ["C", "F"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                     "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-    "required": ["a", "b"], "additionalProperties": False}}}
 ANSWER = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
 

@@ -4,7 +4,7 @@ test_tree_goodput.py."""
 
 import pytest
 import torch
-from test_speculative import PARAMS, PROMPTS, MixedPolicy, make, run_staggered
+from engines import PARAMS, PROMPTS, MixedPolicy, make, run_staggered
 
 from smartspec import SamplingParams
 from smartspec.engine.llm_engine import tree_item
@@ -210,7 +210,7 @@ def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_dr
 
     import ray
 
-    from deployments.draft_worker import DraftWorker, RemoteDraftProposer
+    from deployments.replica.draft_worker import DraftWorker, RemoteDraftProposer
     from smartspec import EngineConfig
     from smartspec.engine.llm_engine import LLMEngine
 

@@ -38,6 +38,14 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self.errored: BaseException | None = None
 
+    def warm_grammars(self) -> threading.Thread:
+        """Prepare structured outputs (the grammar library's view of the tokenizer) on a thread of its own, off the
+        step thread, so the first structured request does not stall the batch; the thread, to join if needed."""
+        thread = threading.Thread(target=self.engine.grammar_compiler.warm, name="smartspec-grammar-warmup",
+                                  daemon=True)
+        thread.start()
+        return thread
+
     async def generate(self, prompt: str | list[int], params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last has finished=True. Leaving early (a client gone) aborts it."""

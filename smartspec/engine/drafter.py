@@ -52,7 +52,9 @@ def _proposed(spec: Speculation, view: StepView | None, decoding: list[Request],
         logger.exception("proposer failed; this step runs without speculation")
         return Drafted(predicted_s=plan.predicted_s)
     catchup = proposal.catchup_tokens
-    sources = plan.methods or [spec.proposer.method] * len(decoding)
+    # labelled by who drafted, not by the plan's choice: beside hints, the plan's DRAFT names whichever proposer
+    # is configured (prompt lookup, say), not necessarily a draft model
+    sources = [spec.proposer.source_of(m) for m in plan.methods or [None] * len(decoding)]
     if proposal.trees is None:
         return Drafted({r.request_id: Draft(t, q, None, m) for r, t, q, m in
                         zip(decoding, proposal.tokens, proposal.probs, sources) if t}, catchup, plan.predicted_s)

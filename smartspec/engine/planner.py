@@ -68,7 +68,7 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
         lookups, draft_available = own, proposer.draft_available if own is not None else False
         if hints is not None:  # the configured proposer is then the alternative to each request's lookup
             lookups = [h.tree if h.source or own is None else own[i] for i, h in enumerate(hints)]
-            draft_available = proposer.draft_available if own is not None else True
+            draft_available = proposer.draft_available if own is not None else proposer.available
         view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available)
         plan = spec.policy.plan(view)
         _check(plan, view)

@@ -38,6 +38,9 @@ class MixedProposer(Proposer):
     def drafting_part(self) -> Proposer:
         return self.draft.drafting_part()
 
+    def source_of(self, choice: str) -> str:
+        return self.draft.method if choice == DRAFT else self.lookup.method
+
     def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         methods = methods or [LOOKUP] * len(requests)
         draft_ks = [k if m == DRAFT else 0 for k, m in zip(ks, methods)]

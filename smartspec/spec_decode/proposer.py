@@ -62,6 +62,11 @@ class Proposer:
         where the plan chose them (only proposers that offer lookups get them)."""
         raise NotImplementedError
 
+    def source_of(self, choice: str) -> str:
+        """The label a draft is counted under when the plan chose `choice` (DRAFT or LOOKUP) for its request: the
+        method of the proposer that makes it."""
+        return self.method
+
     def drafting_part(self) -> Proposer:
         """The proposer whose forwards cost (what the warm-up profile measures): the draft beside lookups."""
         return self

@@ -27,7 +27,9 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
     elif spec.json is not None or spec.json_object:
         field, what = "structured_outputs.json", "JSON schema"
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json or ANY_OBJECT),
+            # an empty schema ({}) is any JSON value, not JSON mode's any object
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if spec.json_object
+                                                                               else spec.json),
                                                                      defaults=JSON_LAYOUT)
         except ValueError as exc:
             raise ParamError(field, f"invalid JSON schema: {exc}") from None

@@ -42,6 +42,13 @@ class GrammarCompiler:
                     self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=ends)
             return self._tokenizer
 
+    def warm(self) -> None:
+        """Build the tokenizer view and run one grammar's first mask, so the first structured request does not
+        (seconds on a 150k vocabulary, which would stall the step thread and every request in its batch). Safe
+        beside steps: the tokenizer is built under the lock that the first request would wait on."""
+        grammar = self.matcher(StructuredOutput(json={"type": "object"}))
+        grammar.masks([[]])
+
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)

@@ -77,7 +77,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: logits of tokens in the prompt or output divided (> 0) or multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one (after temperature)
-    min_tokens: int = 0  # end-of-sequence, stop token ids and stop strings take effect after this many tokens
+    # end-of-sequence, stop token ids and stop strings take effect after this many tokens; a structured output's
+    # grammar that is complete allows nothing more, so it ends the output there, min_tokens or not
+    min_tokens: int = 0
     # the output must match this (a JSON schema, regex, choice or grammar); every verified position is masked
     structured: StructuredOutput | None = None
     # the output the client expects (OpenAI's predicted outputs: the file being edited), as text or token ids:

@@ -1,7 +1,7 @@
 """LLMServer: one engine per replica, stepping on its own thread; requests stream back through the handle.
 
-Every request's stream starts with {"type": "accepted"} or {"type": "error", "status", "message"}, so the
-ingress knows the status code before it sends headers; then {"type": "delta"} items, the last with finished.
+`generate` takes a `GenerateCall` and streams the wire's events (deployments/wire.py): `Accepted` or `Refused`
+first, so the ingress knows the status code before it sends headers; then `Delta`s, the last with finished.
 A caller that goes away (a client disconnect cancels the handle call) aborts its request and frees its blocks."""
 from __future__ import annotations
 
@@ -11,24 +11,32 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import ray
 from ray import serve
 
-from deployments.autoscaling import autoscaling_metrics
-from deployments.config import AppConfig
-from deployments.openai_responses import token_entries
-from deployments.routing import CHUNK_CHARS, ServedPrefixes, prefix_keys, prompt_text
+from deployments.control.config import AppConfig
+from deployments.placement.autoscaling import autoscaling_metrics
+from deployments.placement.latency import CHUNK_CHARS, ServedPrefixes, prefix_keys
+from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, RoutingStats,
+                              TokenEntry)
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
-from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.logprobs import TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 
 
-def _error(status: int, message: str, param: str | None = None) -> dict:
-    return {"type": "error", "status": status, "message": message, "param": param}
+def token_entries(tokenizer, logprobs: list[TokenLogprob | None]) -> list[TokenEntry | None]:
+    """Logprobs with each token's text, for the wire (None stays None: a prompt's first token, which nothing
+    predicts)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [None if lp is None else TokenEntry(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
+            for lp in logprobs]
 
 
 @serve.deployment(name="LLMServer")
@@ -41,6 +49,7 @@ class LLMServer:
         self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
                                                           runner_factory=self._runner_factory(),
                                                           draft_factory=self._draft_factory()))
+        self.engine.warm_grammars()
         self.controller = controller
         self.controller_errors = 0
         # what the router reads (record_routing_stats): the prefix keys of the prompts served lately, and how many
@@ -57,7 +66,7 @@ class LLMServer:
         cfg = self.cfg
         if cfg.tensor_parallel_size == 1:
             return None
-        from deployments.tp_workers import TPModelRunner
+        from deployments.replica.tp_workers import TPModelRunner
 
         gpus = 1 if cfg.device == "cuda" else 0
         engine = cfg.engine_config()  # quantization and dtype as the engine reads them ("auto" resolved)
@@ -70,7 +79,7 @@ class LLMServer:
         """The draft model in its own Ray actor (speculation.draft_actor), else in this process."""
         if not self.cfg.draft_actor:
             return make_draft_proposer
-        from deployments.draft_worker import start_draft_actor
+        from deployments.replica.draft_worker import start_draft_actor
 
         def make(spec_config, runtime):
             self.draft_actor_name = f"smartspec-draft-{self.replica_id}"
@@ -80,45 +89,31 @@ class LLMServer:
         return make
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def _prompt(self, body: dict) -> str | list[int]:
-        if "messages" not in body:
-            return body["prompt"]
+    def _prompt(self, call: GenerateCall) -> str | list[int]:
+        if call.messages is None:
+            return call.prompt
         tokenizer = self.engine.tokenizer
         if not tokenizer.chat_template:
             raise ValueError(f"model {self.cfg.name!r} has no chat template; use /v1/completions")
-        return tokenizer.apply_chat_template(body["messages"], tools=body.get("tools") or None, tokenize=False,
+        return tokenizer.apply_chat_template(call.messages, tools=call.tools or None, tokenize=False,
                                              add_generation_prompt=True)
 
-    async def generate(self, body: dict) -> AsyncIterator[dict]:
-        """body: {"prompt": str | [ids]} or {"messages": [...]}, "params": SamplingParams fields, "request_id"."""
+    async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
         limit = self.cfg.max_num_seqs + self.cfg.max_waiting
         if self.engine.num_in_flight >= limit:
-            yield _error(429, f"replica overloaded: {self.engine.num_in_flight} requests in flight (limit {limit}); "
-                              "retry later")
+            yield Refused(429, f"replica overloaded: {self.engine.num_in_flight} requests in flight (limit {limit}); "
+                               "retry later")
             return
         try:
-            prompt = self._prompt(body)
-            fields = dict(body.get("params", {}))
-            if fields.get("max_tokens") is None:
-                fields["max_tokens"] = self.engine.max_model_len  # the request ends at the context's end
-            params = SamplingParams(**fields)
-            rid = body.get("request_id") or uuid.uuid4().hex
-            num_prompt_tokens, stream = self.engine.submit(prompt, params, rid)
-            accepted = {"type": "accepted", "prompt_tokens": num_prompt_tokens}
-            text = prompt_text(body)
-            self.served.add(prefix_keys(text))
-            self.prompt_chars += len(text)
-            self.prompt_tokens += num_prompt_tokens
-            if body.get("echo"):
-                accepted.update(self._echo(prompt))
+            accepted, stream = self._submit(call)
         except (ValueError, TypeError, KeyError) as exc:  # bad prompt, sampling fields or values; over the context
-            yield _error(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc),
-                         getattr(exc, "field", None))
+            self.engine.discard(call.request_id)  # (where it was queued before the error)
+            yield Refused(400, f"invalid request: {exc}" if not isinstance(exc, ValueError) else str(exc),
+                          getattr(exc, "field", None))
             return
         except RuntimeError as exc:  # the engine stopped after an error: this replica is unhealthy
-            yield _error(503, str(exc))
+            yield Refused(503, str(exc))
             return
-        tokenizer = self.engine.tokenizer
         started = time.monotonic()
         try:
             yield accepted
@@ -127,24 +122,37 @@ class LLMServer:
                 if out.finished:
                     took = time.monotonic() - started
                     self.request_s = took if self.request_s is None else 0.9 * self.request_s + 0.1 * took
-                yield {"type": "delta", "first": first, "text": out.new_text, "token_ids": out.new_token_ids,
-                       "finished": out.finished, "finish_reason": out.finish_reason,
-                       "completion_tokens": len(out.token_ids),
-                       "spec": out.metrics["spec_decode"] if out.finished else None,
-                       "logprobs": None if out.new_logprobs is None else token_entries(tokenizer, out.new_logprobs),
-                       "prompt_logprobs": token_entries(tokenizer, out.prompt_logprobs)
-                       if first and out.prompt_logprobs is not None else None}
+                yield self._delta(out, first)
                 first = False
         finally:
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
-            self.engine.discard(rid)  # (aclose of a stream never started runs none of its cleanup)
+            self.engine.discard(call.request_id)  # (aclose of a stream never started runs none of its cleanup)
 
-    def _echo(self, prompt: str | list[int]) -> dict:
-        """What a completion with echo needs of its prompt: the text, and its first token's (which has no logprob)."""
+    def _submit(self, call: GenerateCall) -> tuple[Accepted, AsyncIterator]:
+        prompt = self._prompt(call)
+        params = call.params
+        if call.until_context_end:
+            params = replace(params, max_tokens=self.engine.max_model_len)
+        num_prompt_tokens, stream = self.engine.submit(prompt, params, call.request_id)
+        self.served.add(prefix_keys(call.prefix_text))
+        self.prompt_chars += len(call.prefix_text)
+        self.prompt_tokens += num_prompt_tokens
+        if not call.echo:
+            return Accepted(num_prompt_tokens), stream
+        ids = self.engine.tokenize(prompt)  # the first token has no logprob: its text goes with the acceptance
         tokenizer = self.engine.tokenizer
-        ids = self.engine.tokenize(prompt)
-        return {"prompt_text": prompt if isinstance(prompt, str) else tokenizer.decode(ids),
-                "prompt_first_token": tokenizer.decode(ids[:1])}
+        return Accepted(num_prompt_tokens, prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+                        tokenizer.decode(ids[:1])), stream
+
+    def _delta(self, out, first: bool) -> Delta:
+        tokenizer = self.engine.tokenizer
+        spec = out.metrics["spec_decode"] if out.finished else None
+        return Delta(out.new_text, out.new_token_ids, len(out.token_ids), first, out.finished, out.finish_reason,
+                     spec, PredictionUsage(spec["accepted_prediction_tokens"], spec["rejected_prediction_tokens"])
+                     if spec else None,
+                     None if out.new_logprobs is None else token_entries(tokenizer, out.new_logprobs),
+                     token_entries(tokenizer, out.prompt_logprobs) if first and out.prompt_logprobs is not None
+                     else None)
 
     # ---- state, health, controller -------------------------------------------------------------------------
     async def stats(self) -> dict:
@@ -160,12 +168,13 @@ class LLMServer:
         cpt = self.prompt_chars / self.prompt_tokens if self.prompt_tokens else None
         if cpt:  # about as many prefix keys as the KV cache holds tokens
             self.served.capacity = max(64, int(self.engine.kv_capacity_tokens * cpt / CHUNK_CHARS))
-        return {"time": time.time(), "ongoing": self.engine.num_in_flight, "max_num_seqs": self.cfg.max_num_seqs,
-                **await self._load_costs(), "chars_per_token": cpt, "request_s": self.request_s,
-                "prefix_keys": self.served.snapshot()}
+        costs = await self._load_costs()
+        return RoutingStats(time.time(), self.engine.num_in_flight, self.cfg.max_num_seqs,
+                            costs.get("request_speed"), costs.get("prefill_s_per_token"), cpt, self.request_s,
+                            tuple(self.served.snapshot())).as_dict()
 
     async def record_autoscaling_stats(self) -> dict:
-        """What the goodput autoscaling policy reads of this replica (deployments/autoscaling.py)."""
+        """What the goodput autoscaling policy reads of this replica (placement/autoscaling.py)."""
         costs = await self._load_costs()
         return autoscaling_metrics(self.engine.num_in_flight, self.cfg.max_num_seqs, costs.get("request_speed"))
 

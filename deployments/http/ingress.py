@@ -4,6 +4,8 @@ from the LLMServer replicas through a streaming handle."""
 import asyncio
 import json
 import time
+from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -11,14 +13,16 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from deployments import metrics
-from deployments import openai_protocol as proto
-from deployments import openai_responses as wire
-from deployments.failover import RESTART, FailoverStream
-from deployments.metrics import IngressMetrics, render_replica_metrics
-from deployments.tools import CallStream, ToolError, template_messages
-from deployments.tools import functions as tool_functions
-from deployments.tools import parse as parse_tool_calls
+from deployments.control import metrics
+from deployments.control.metrics import IngressMetrics, render_replica_metrics
+from deployments.http import answers
+from deployments.http import protocol as proto
+from deployments.http.fold import AnswerFold
+from deployments.http.tools import ToolError, template_messages
+from deployments.http.tools import functions as tool_functions
+from deployments.placement.failover import FailoverStream
+from deployments.placement.latency import prefix_text
+from deployments.wire import GenerateCall, Refused
 from smartspec.structured.compile import grammar_of
 from smartspec.types.sampling_params import StructuredOutput
 
@@ -32,7 +36,7 @@ class HTTPError(Exception):
 
 
 def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(wire.error_body(status, message, param), status_code=status)
+    return JSONResponse(answers.error_body(status, message, param), status_code=status)
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -105,12 +109,12 @@ class OpenAIIngress:
         result = await self._begin(data, schema, chat)
         if isinstance(result, HTTPError):
             return _error_response(result.status, result.message, result.param)
-        rid, gen, streams = result
-        if gen.body.stream:
-            usage = gen.body.stream_options is not None and gen.body.stream_options.include_usage
-            return StreamingResponse(self._sse(rid, streams, gen, usage), media_type="text/event-stream")
+        fold, streams = result
+        if fold.body.stream:
+            usage = fold.body.stream_options is not None and fold.body.stream_options.include_usage
+            return StreamingResponse(self._sse(fold, streams, usage), media_type="text/event-stream")
         try:
-            return await self._collect(rid, streams, gen)
+            return await self._collect(fold, streams)
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return _error_response(exc.status, exc.message)
@@ -121,34 +125,33 @@ class OpenAIIngress:
         result = await self._begin({**body, "stream": False}, proto.ChatCompletionRequest if chat
                                    else proto.CompletionRequest, chat)
         if isinstance(result, HTTPError):
-            return wire.error_body(result.status, result.message, result.param)
-        rid, gen, streams = result
+            return answers.error_body(result.status, result.message, result.param)
         try:
-            return await self._collect(rid, streams, gen)
+            return await self._collect(*result)
         except HTTPError as exc:
-            return wire.error_body(exc.status, exc.message)
+            return answers.error_body(exc.status, exc.message)
 
     async def create_stream(self, body: dict, chat: bool = False):
         """Call with handle.options(stream=True): OpenAI stream chunks as dicts (no [DONE]), or one error dict."""
         result = await self._begin({**body, "stream": True}, proto.ChatCompletionRequest if chat
                                    else proto.CompletionRequest, chat)
         if isinstance(result, HTTPError):
-            yield wire.error_body(result.status, result.message, result.param)
+            yield answers.error_body(result.status, result.message, result.param)
             return
-        rid, gen, streams = result
-        async for chunk in self._sse(rid, streams, gen):
-            if chunk != wire.sse("[DONE]"):
-                yield json.loads(chunk[len("data: "):])
+        async with aclosing(self._chunks(*result, False)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _begin(self, data, schema, chat: bool):
-        """Validate, submit, wait for acceptance: (id, Generation, streams), or the HTTPError to answer."""
+        """Validate, submit, wait for acceptance: (the answer's fold, streams), or the HTTPError to answer."""
         try:
             body = self._parse(data, schema)
             streams, accepted = await self._start(body, chat)  # one acceptance per choice
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return exc
-        return wire.new_id("chatcmpl" if chat else "cmpl"), wire.Generation(body, chat, accepted), streams
+        rid = answers.new_id("chatcmpl" if chat else "cmpl")
+        return AnswerFold(rid, self.model_name, body, chat, accepted), streams
 
     def _parse(self, data, schema):
         if not isinstance(data, dict):
@@ -165,17 +168,15 @@ class OpenAIIngress:
                                  f"`{self.model_name}`", "model")
         return body
 
-    async def _start(self, body, chat: bool):
-        """Submit n generations; wait until each is accepted (or refused) so errors get their status code."""
+    def _calls(self, body, chat: bool) -> list[GenerateCall]:
+        """The request's generations, as the replicas take them: n per prompt, prompt after prompt (OpenAI's order
+        for a batch of prompts); n samples from one seed are distinct and reproducible (seed + i)."""
         try:
             # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
-            params = body.sampling_params(None if chat else self.max_tokens_default)
-        except ValueError as exc:
-            raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
-        tools = None
-        try:
+            params, until_end = body.sampling_params(None if chat else self.max_tokens_default)
+            tools = None
             if (structured := body.structured()) is not None:
-                params["structured"] = structured[0]
+                params = replace(params, structured=StructuredOutput(**structured[0]))
             if chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
                 choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
                 tools, constraint = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
@@ -185,39 +186,41 @@ class OpenAIIngress:
                         raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
                                                        f"tool calls; it cannot also follow {structured[1]}")
                     grammar_of(StructuredOutput(**constraint))
-                    params["structured"] = constraint
-        except (ValueError, TypeError) as exc:  # a schema, regex, grammar or tool the library refuses
+                    params = replace(params, structured=StructuredOutput(**constraint))
+            if body.speculation is not None:
+                params = replace(params, max_speculative_tokens=body.speculation.max_k)
+        except (ValueError, TypeError) as exc:  # a value out of range; a schema, regex, grammar or tool refused
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
-        if body.speculation is not None:
-            params["max_speculative_tokens"] = body.speculation.max_k
-        payloads = ([{"messages": template_messages([m.model_dump() for m in body.messages]), "tools": tools}] if chat
-                    else [{"prompt": prompt, "echo": body.echo} for prompt in body.prompts()])
+        if chat:
+            messages = template_messages([m.model_dump() for m in body.messages])
+            key = prefix_text([(m.role, m.content or "") for m in body.messages], None)
+            prompts = [dict(messages=messages, tools=tools, prefix_text=key)]
+        else:
+            prompts = [dict(prompt=p, echo=body.echo, prefix_text=prefix_text(None, p)) for p in body.prompts()]
+        seeded = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(body.n)]
+        return [GenerateCall(p, until_context_end=until_end, **prompt) for prompt in prompts for p in seeded]
+
+    async def _start(self, body, chat: bool):
+        """Submit n generations; wait until each is accepted (or refused) so errors get their status code."""
+        calls = self._calls(body, chat)
         streams = []
         try:
-            # choices: n per prompt, prompt after prompt (OpenAI's order for a batch of prompts)
-            for payload in payloads:
-                for i in range(body.n):
-                    p = dict(params)
-                    if p["seed"] is not None:
-                        p["seed"] += i  # n samples from one seed: distinct, and reproducible
-                    streams.append(FailoverStream(self._generate, {**payload, "params": p}, body.stream))
+            streams = [FailoverStream(self._generate, call, body.stream) for call in calls]
             firsts = [await anext(s) for s in streams]
         except BackPressureError as exc:
             self._cancel(streams)
             raise HTTPError(503, f"server overloaded, request queue full; retry later ({exc})") from None
-        except HTTPError:
-            raise
         except Exception as exc:
             self._cancel(streams)
             raise HTTPError(503, f"no replica could take the request: {exc!r}") from None
         for first in firsts:
-            if first["type"] == "error":
+            if isinstance(first, Refused):
                 self._cancel(streams)
-                raise HTTPError(first["status"], first["message"], first.get("param"))
+                raise HTTPError(first.status, first.message, first.param)
         return streams, firsts
 
-    def _generate(self, payload: dict):
-        return self.server.options(stream=True).generate.remote(payload)
+    def _generate(self, call: GenerateCall):
+        return self.server.options(stream=True).generate.remote(call)
 
     @staticmethod
     def _cancel(streams) -> None:
@@ -228,17 +231,17 @@ class OpenAIIngress:
                 pass
 
     async def _merged(self, streams):
-        """(index, item) from n streams as items arrive."""
+        """(index, event) from n streams as events arrive."""
         if len(streams) == 1:
-            async for item in streams[0]:
-                yield 0, item
+            async for event in streams[0]:
+                yield 0, event
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, s):
             try:
-                async for item in s:
-                    await queue.put((i, item))
+                async for event in s:
+                    await queue.put((i, event))
             finally:
                 await queue.put((i, None))
 
@@ -246,36 +249,23 @@ class OpenAIIngress:
         try:
             live = len(streams)
             while live:
-                i, item = await queue.get()
-                if item is None:
+                i, event = await queue.get()
+                if event is None:
                     live -= 1
                 else:
-                    yield i, item
+                    yield i, event
         finally:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, rid, streams, gen: wire.Generation):
-        chat, prompt_tokens = gen.chat, gen.prompt_tokens
-        endpoint = "chat" if chat else "completions"
-        start = time.monotonic()
-        texts, reasons, specs, counts = ([""] * len(streams), [None] * len(streams), [None] * len(streams),
-                                         [0] * len(streams))
-        entries, prompt_entries = [[] for _ in streams], [None] * len(streams)
-        first_token = None
+    async def _collect(self, fold: AnswerFold, streams) -> dict:
+        """The non-streamed answer: every event folded in, then the whole answer."""
+        endpoint = "chat" if fold.chat else "completions"
+        start, first_token = time.monotonic(), None
         try:
-            async for i, item in self._merged(streams):
-                if item["type"] == RESTART["type"]:  # retried whole on another replica: its tokens so far are void
-                    texts[i], entries[i], prompt_entries[i], counts[i] = "", [], None, 0
-                    continue
+            async for i, event in self._merged(streams):
                 first_token = first_token or time.monotonic()
-                texts[i] += gen.text(i, item)
-                entries[i] += item.get("logprobs") or []
-                if item.get("prompt_logprobs") is not None:
-                    prompt_entries[i] = item["prompt_logprobs"]
-                counts[i] = item["completion_tokens"]
-                if item["finished"]:
-                    reasons[i], specs[i] = item["finish_reason"], item["spec"]
+                fold.feed(i, event)
         except asyncio.CancelledError:  # the caller went away: stop the generations
             self._cancel(streams)
             self.metrics.request_done(endpoint, 499)
@@ -285,60 +275,42 @@ class OpenAIIngress:
             raise HTTPError(500, f"generation failed: {exc!r}") from None
         finally:
             self.metrics.failed_over(streams)
-        choices = []
-        for i in range(len(streams)):
-            text, calls = parse_tool_calls(texts[i]) if gen.reads_tool_calls else (texts[i], [])
-            reason = "tool_calls" if calls and reasons[i] == "stop" else reasons[i]
-            choices.append(wire.choice(i, text, reason, chat, specs[i],
-                                        gen.logprobs(i, entries[i], prompt_entries[i]), calls))
-        self.metrics.observe(endpoint, prompt_tokens, sum(counts), start, first_token, time.monotonic())
-        details = wire.prediction_details(specs) if gen.body.prediction is not None else None
-        return wire.completion_response(rid, self.model_name, choices, prompt_tokens, sum(counts), chat, details)
+        self.metrics.observe(endpoint, fold.prompt_tokens, fold.completion_tokens, start, first_token,
+                             time.monotonic())
+        return fold.response()
 
-    async def _sse(self, rid, streams, gen: wire.Generation, include_usage: bool = False):
-        chat, prompt_tokens = gen.chat, gen.prompt_tokens
-        endpoint = "chat" if chat else "completions"
-        start, created = time.monotonic(), int(time.time())
-        first_token, total, specs = None, [0] * len(streams), [None] * len(streams)
-        calls = [CallStream() for _ in streams] if gen.reads_tool_calls else None
+    async def _sse(self, fold: AnswerFold, streams, include_usage: bool):
+        async with aclosing(self._chunks(fold, streams, include_usage)) as chunks:  # a hang-up closes both
+            async for chunk in chunks:
+                yield answers.sse(chunk)
+        yield answers.sse("[DONE]")
+
+    async def _chunks(self, fold: AnswerFold, streams, include_usage: bool):
+        """The streamed answer's chunks as the events arrive; a failure after the status was sent, as an error
+        chunk."""
+        endpoint = "chat" if fold.chat else "completions"
+        start, first_token = time.monotonic(), None
         completed, status = False, 499
         try:
-            if chat:
-                for i in range(len(streams)):
-                    yield wire.stream_chunk(rid, self.model_name, i, None, None, chat, created, role=True)
-            async for i, item in self._merged(streams):
+            for chunk in fold.opening():
+                yield chunk
+            async for i, event in self._merged(streams):
                 first_token = first_token or time.monotonic()
-                total[i] = item["completion_tokens"]
-                text = gen.text(i, item)
-                logprobs = gen.logprobs(i, item.get("logprobs") or [], item.get("prompt_logprobs"))
-                made = []
-                if calls is not None:  # content before and between tool-call blocks; each block as it closes
-                    text, made = calls[i].feed(text)
-                    text += calls[i].finish() if item["finished"] else ""
-                if text or made or (logprobs is not None and item["token_ids"]):
-                    yield wire.stream_chunk(rid, self.model_name, i, text, None, chat, created, logprobs=logprobs,
-                                             tool_calls=made)
-                if item["finished"]:
-                    specs[i] = item["spec"]
-                    reason = item["finish_reason"]
-                    if calls is not None and calls[i].num_calls and reason == "stop":
-                        reason = "tool_calls"
-                    yield wire.stream_chunk(rid, self.model_name, i, None, reason, chat, created)
-            if include_usage:
-                details = wire.prediction_details(specs) if gen.body.prediction is not None else None
-                yield wire.usage_chunk(rid, self.model_name, chat, created, prompt_tokens, sum(total), details)
-            yield wire.sse("[DONE]")
+                for chunk in fold.feed(i, event):
+                    yield chunk
+            for chunk in fold.closing(include_usage):
+                yield chunk
             completed = True
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
             status = 500
-            yield wire.sse(wire.error_body(status, f"generation failed: {exc!r}"))
-            yield wire.sse("[DONE]")
+            yield answers.error_body(status, f"generation failed: {exc!r}")
         finally:
             self.metrics.failed_over(streams)
             if completed:
-                self.metrics.observe(endpoint, prompt_tokens, sum(total), start, first_token, time.monotonic())
+                self.metrics.observe(endpoint, fold.prompt_tokens, fold.completion_tokens, start, first_token,
+                                     time.monotonic())
             else:  # the client went away (or a replica failed): cancelling the streams aborts the requests
                 self._cancel(streams)
                 self.metrics.request_done(endpoint, status)

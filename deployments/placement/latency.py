@@ -1,4 +1,4 @@
-"""Where a request should run: the goodput router's estimate (deployments/router.py), apart from Ray.
+"""Where a request should run: the goodput router's estimate (placement/router.py), apart from Ray.
 
 The router ranks the LLMServer replicas by the expected latency of the request on each:
 
@@ -34,7 +34,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
-from deployments.autoscaling import interpolate
+from deployments.placement.autoscaling import interpolate
+from deployments.wire import GenerateCall, RoutingStats
 
 CHUNK_CHARS = 256  # prompt characters per prefix key (about 64 tokens)
 OUTPUT_TOKENS_GUESS = 128  # a request without max_tokens is counted as this long
@@ -48,21 +49,11 @@ DEFAULT_CHARS_PER_TOKEN = 4.0
 
 
 # ---- the request --------------------------------------------------------------------------------------------
-def prompt_text(body: dict) -> str:
-    """The prompt as the keys are computed on: the messages' roles and text, or the prompt string (token ids as
-    text). The router and the replica both key the request body, never the templated prompt."""
-    if "messages" in body:
-        return "".join(f"\x1e{m.get('role', '')}\x1f{_content_text(m.get('content'))}" for m in body["messages"])
-    prompt = body.get("prompt", "")
-    return prompt if isinstance(prompt, str) else " ".join(str(t) for t in prompt)
-
-
-def _content_text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: their text
-        return "".join(p.get("text") or "" if isinstance(p, dict) else str(p) for p in content)
-    return "" if content is None else str(content)
+def prefix_text(messages: list[tuple[str, str]] | None, prompt: str | list[int] | None) -> str:
+    """The text prefix keys are computed on: each message's role and text, or the prompt (token ids as text)."""
+    if messages is not None:
+        return "".join(f"\x1e{role}\x1f{content}" for role, content in messages)
+    return prompt if isinstance(prompt, str) else " ".join(str(t) for t in prompt or ())
 
 
 def prefix_keys(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
@@ -84,12 +75,11 @@ class RoutedRequest:
     avoid: str | None = None
 
     @classmethod
-    def of(cls, body: dict, avoid: str | None = None) -> RoutedRequest:
-        text = prompt_text(body)
-        prompt = body.get("prompt")
-        max_tokens = (body.get("params") or {}).get("max_tokens")
-        return cls(prefix_keys(text), len(text), len(prompt) if isinstance(prompt, list) else None,
-                   min(OUTPUT_TOKENS_CAP, max_tokens or OUTPUT_TOKENS_GUESS), avoid)
+    def of(cls, call: GenerateCall, avoid: str | None = None) -> RoutedRequest:
+        bound = call.output_tokens_bound
+        return cls(prefix_keys(call.prefix_text), len(call.prefix_text),
+                   len(call.prompt) if isinstance(call.prompt, list) else None,
+                   min(OUTPUT_TOKENS_CAP, bound or OUTPUT_TOKENS_GUESS), avoid)
 
 
 # ---- prefix memories ----------------------------------------------------------------------------------------
@@ -170,15 +160,14 @@ class ReplicaEstimate:
     backlog_s: float = 0.0  # prefill seconds queued on it, from the router's own account (PrefillBacklog)
 
     @classmethod
-    def of(cls, replica: str, ongoing: int | None, stats: dict | None, backlog_s: float = 0.0) -> ReplicaEstimate:
-        """From a replica's routing stats (LLMServer.record_routing_stats; empty before its first report)."""
-        stats = stats or {}
-        speed = stats.get("request_speed")
-        return cls(replica, ongoing if ongoing is not None else int(stats.get("ongoing", 0)),
-                   int(stats.get("max_num_seqs", 16)),
-                   {int(b): float(s) for b, s in speed.items()} if speed else None,
-                   float(stats.get("prefill_s_per_token") or DEFAULT_PREFILL_S_PER_TOKEN),
-                   float(stats.get("chars_per_token") or DEFAULT_CHARS_PER_TOKEN), stats.get("request_s"), backlog_s)
+    def of(cls, replica: str, ongoing: int | None, stats: RoutingStats | None,
+           backlog_s: float = 0.0) -> ReplicaEstimate:
+        """From a replica's routing stats (None before its first report)."""
+        if stats is None:
+            return cls(replica, ongoing or 0, backlog_s=backlog_s)
+        return cls(replica, ongoing if ongoing is not None else stats.ongoing, stats.max_num_seqs,
+                   stats.request_speed or None, stats.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
+                   stats.chars_per_token or DEFAULT_CHARS_PER_TOKEN, stats.request_s, backlog_s)
 
     def speed(self, batch: int) -> float:
         """Tokens per second of one request in a batch of `batch`: the reported table, linear between its sizes."""

@@ -1,5 +1,5 @@
-"""The OpenAI wire format's requests: bodies validated into typed fields, each error naming its field (the
-answers: openai_responses.py)."""
+"""The OpenAI format's requests: bodies validated into typed fields, each error naming its field (the answers:
+answers.py)."""
 from __future__ import annotations
 
 import json
@@ -167,18 +167,18 @@ class _Common(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
-    def sampling_params(self, default_max_tokens: int | None) -> dict:
-        """SamplingParams fields; max_tokens None = up to the end of the context (the replica knows it)."""
+    def sampling_params(self, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
+        """The request's SamplingParams, and whether it runs to the end of the context (no max_tokens given: the
+        replica, which knows the context, sets it)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        fields = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                      seed=self.seed, stop=self.stop or [], ignore_eos=self.ignore_eos,
-                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                      repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p,
-                      min_tokens=self.min_tokens, prediction=self.prediction.content if self.prediction else None,
-                      **self.logprob_fields())
-        # checked here, built in the replica (which knows the context's end when max_tokens is None)
-        SamplingParams(**{**fields, "max_tokens": max_tokens or max(1, self.min_tokens)})
-        return fields
+        params = SamplingParams(max_tokens=max_tokens or max(1, self.min_tokens), temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop or [],
+                                ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                                logit_bias=self.logit_bias, min_p=self.min_p, min_tokens=self.min_tokens,
+                                prediction=self.prediction.content if self.prediction else None,
+                                **self.logprob_fields())
+        return params, max_tokens is None
 
     def logprob_fields(self) -> dict:
         return {}
@@ -189,8 +189,9 @@ class _Common(BaseModel):
         sources = []
         if self.response_format is not None and self.response_format.type != "text":
             fmt = self.response_format
-            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-            sources.append(({"json": schema} if schema else {"json_object": True}, "response_format"))
+            # json_schema's schema as given (an empty one is any JSON value); json_object: any object
+            sources.append(({"json": fmt.json_schema.schema_} if fmt.type == "json_schema" else {"json_object": True},
+                            "response_format"))
         if self.structured_outputs is not None:
             sources.append((self.structured_outputs.spec(), "structured_outputs"))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):

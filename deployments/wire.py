@@ -1,0 +1,139 @@
+"""The typed wire between the HTTP front and the replicas: the call that starts one generation (`GenerateCall`)
+and the events its stream sends back (`Event`).
+
+A replica's stream is `Accepted` or `Refused` first, so the front knows the status code before it sends
+headers; then `Delta`s, the last one with `finished` set. Failover (placement/failover.py) adds `Restart` where
+a generation is retried whole and its earlier tokens are void. Every part of the serving layer reads these
+fields by name; none reads a dict of the wire."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from smartspec.types.sampling_params import SamplingParams
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generation (one choice of a request) as the front asks a replica for it."""
+    params: SamplingParams
+    prompt: str | list[int] | None = None  # a completion's prompt: text or token ids
+    messages: list[dict] | None = None  # a chat's messages as chat templates read them
+    tools: list[dict] | None = None  # the tools the chat template shows the model
+    # the prompt as prefix keys are computed on (placement/latency.py): the messages' roles and text, or the
+    # prompt; the router and the replica both key it, never the templated prompt
+    prefix_text: str = ""
+    echo: bool = False  # a completion that starts with its prompt
+    until_context_end: bool = False  # no max_tokens was given: the replica sets it to its context's end
+    request_id: str = field(default_factory=new_request_id)
+    retry_of: str | None = None  # the request id of the attempt this one retries (the router avoids its replica)
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a GenerateCall holds a prompt or messages, not both")
+
+    def retry(self) -> GenerateCall:
+        """The same generation under a new request id that names this one."""
+        return replace(self, request_id=new_request_id(), retry_of=self.request_id)
+
+    @property
+    def idempotent(self) -> bool:
+        """A retry gives the same answer: greedy decoding, or a seeded sampler."""
+        return self.params.temperature == 0 or self.params.seed is not None
+
+    @property
+    def output_tokens_bound(self) -> int | None:
+        """The most tokens it may generate, where the caller said; None: up to the context's end."""
+        return None if self.until_context_end else self.params.max_tokens
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    """One token's logprob with its text, and its most likely alternatives (text, logprob)."""
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PredictionUsage:
+    """A predicted output's draft tokens that verification accepted and rejected (OpenAI's
+    usage.completion_tokens_details)."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    def __add__(self, other: PredictionUsage) -> PredictionUsage:
+        return PredictionUsage(self.accepted_prediction_tokens + other.accepted_prediction_tokens,
+                               self.rejected_prediction_tokens + other.rejected_prediction_tokens)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The replica took the generation."""
+    prompt_tokens: int
+    prompt_text: str = ""  # echo: the prompt as text
+    prompt_first_token: str | None = None  # echo: the first token's text (it has no logprob)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The replica did not take the generation: the status and message the caller gets, the field to blame."""
+    status: int
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens generated since the last delta; the last one has `finished` set and the generation's reports."""
+    text: str
+    token_ids: list[int]
+    completion_tokens: int  # all tokens generated so far
+    first: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    speculation: dict | None = None  # finished: the choice's draft counters, sent to the client as they are
+    prediction: PredictionUsage | None = None  # finished: a predicted output's accepted and rejected tokens
+    logprobs: list[TokenEntry] | None = None  # of token_ids, when asked
+    prompt_logprobs: list[TokenEntry | None] | None = None  # the first delta's, when asked (the first is None)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A generation retried whole on another replica: the tokens it streamed so far are void."""
+
+
+Event = Accepted | Refused | Delta | Restart
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What a replica tells the goodput router (LLMServer.record_routing_stats); Serve carries it as a dict."""
+    time: float  # when it was taken (time.time())
+    ongoing: int
+    max_num_seqs: int
+    request_speed: dict[int, float] | None = None  # batch size -> tokens/s of one request (Policy.request_speed)
+    prefill_s_per_token: float | None = None
+    chars_per_token: float | None = None
+    request_s: float | None = None  # a request's mean time from acceptance to its end
+    prefix_keys: tuple[int, ...] = ()  # the prefix keys of the prompts it served lately
+
+    def as_dict(self) -> dict:
+        """Plain values only: Serve's controller, which relays the stats, may not hold this package."""
+        return {**asdict(self), "prefix_keys": list(self.prefix_keys)}
+
+    @staticmethod
+    def from_dict(stats: dict | None) -> RoutingStats | None:
+        """What Serve hands the router for a replica; None before its first report."""
+        if not stats:
+            return None
+        known = {f.name for f in fields(RoutingStats)}
+        values = {k: v for k, v in stats.items() if k in known}
+        speed = values.get("request_speed")
+        values["request_speed"] = {int(b): float(v) for b, v in speed.items()} if speed else None
+        values["prefix_keys"] = tuple(values.get("prefix_keys") or ())
+        return RoutingStats(**values)

@@ -1,0 +1,74 @@
+"""The answer's fold (deployments/http/fold.py): a request's events give the stream chunks and, at the end, the
+whole answer, and the two say the same thing; a Restart voids a generation's tokens so far. No Ray."""
+from tool_defs import WEATHER
+
+from deployments.http.fold import AnswerFold
+from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.wire import Accepted, Delta, PredictionUsage, Restart, TokenEntry
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+
+
+def deltas(pieces: list[str], reason: str = "stop", **last) -> list[Delta]:
+    out = [Delta(p, [i], i + 1, first=i == 0) for i, p in enumerate(pieces[:-1])]
+    n = len(pieces)
+    return out + [Delta(pieces[-1], [n - 1], n, first=n == 1, finished=True, finish_reason=reason, **last)]
+
+
+def streamed_text(chunks: list[dict], chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+    return "".join(key(c) for chunk in chunks for c in chunk["choices"])
+
+
+def test_a_chat_with_tool_calls_streams_what_the_whole_answer_says():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [WEATHER], "n": 2})
+    fold = AnswerFold("id", "m", body, True, [Accepted(5), Accepted(5)])
+    chunks = fold.opening()
+    for event in deltas(["Let me look.\n", CALL[:30], CALL[30:]]):
+        chunks += fold.feed(0, event)
+    for event in deltas(["It is ", "sunny."]):
+        chunks += fold.feed(1, event)
+    whole = fold.response()
+    first, second = whole["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] == "Let me look."
+    assert first["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "C"}'}
+    assert second["finish_reason"] == "stop" and second["message"]["content"] == "It is sunny."
+    calls = [c for chunk in chunks for c in chunk["choices"] if c["delta"].get("tool_calls")]
+    assert [c["index"] for c in calls] == [0] and calls[0]["delta"]["tool_calls"][0]["function"]["name"] == \
+        "get_weather"
+    by_choice = [[chunk for chunk in chunks if chunk["choices"][0]["index"] == i] for i in (0, 1)]
+    assert streamed_text(by_choice[0], True) == "Let me look." and streamed_text(by_choice[1], True) == "It is sunny."
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+
+
+def test_a_restart_voids_the_tokens_so_far_and_the_retry_answers():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "p", "prediction": {"type": "content",
+                                                                                          "content": "xy"}})
+    fold = AnswerFold("id", "m", body, False, [Accepted(1)])
+    fold.feed(0, Delta("lost ", [1], 1, first=True))
+    fold.feed(0, Restart())
+    for event in deltas(["kept"], prediction=PredictionUsage(3, 1)):
+        fold.feed(0, event)
+    whole = fold.response()
+    assert whole["choices"][0]["text"] == "kept" and whole["usage"]["completion_tokens"] == 1
+    assert whole["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 3,
+                                                           "rejected_prediction_tokens": 1}
+
+
+def test_an_echoed_completion_with_logprobs_streams_the_offsets_the_whole_answer_has():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1})
+    fold = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+    prompt = [None, TokenEntry("b", -0.5, (("b", -0.5),))]
+    events = [Delta("c", [3], 1, first=True, logprobs=[TokenEntry("c", -1.0, (("c", -1.0),))],
+                    prompt_logprobs=prompt),
+              Delta("de", [4], 2, finished=True, finish_reason="length",
+                    logprobs=[TokenEntry("de", -2.0, (("de", -2.0),))])]
+    chunks = [c for e in events for c in fold.feed(0, e)]
+    whole = fold.response()["choices"][0]
+    assert whole["text"] == streamed_text(chunks, False) == "abcde"
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == whole["logprobs"]["tokens"] == ["a", "b", "c", "de"]
+    assert sum((s["text_offset"] for s in streamed), []) == whole["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert whole["logprobs"]["token_logprobs"] == [None, -0.5, -1.0, -2.0]
