@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from smartspec.models.loader import QUANTIZATIONS
 from smartspec.spec_decode.config import SpeculativeConfig
+from smartspec.types.numbers import is_int
 
 
 @dataclass
@@ -49,7 +50,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         if not isinstance(self.model, str) or not self.model.strip():

@@ -113,23 +113,25 @@ SAMPLING_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalt
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields no generation depends on (user, store, metadata)
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    # bounds that SamplingParams checks are checked there alone (its errors name the field, a 400 like these);
+    # here only what the OpenAI API adds: temperature <= 2, n, stop, and the fields SamplingParams names otherwise
+    max_tokens: int | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    temperature: float = Field(1.0, le=2)
+    top_p: float = 1.0
+    top_k: int = 0
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = None
     n: int = Field(1, ge=1, le=8)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] = Field(default_factory=dict)  # token id (a JSON key: a string) -> bias in [-100, 100]
-    min_p: float = Field(0.0, ge=0, le=1)
-    min_tokens: int = Field(0, ge=0)
+    min_p: float = 0.0
+    min_tokens: int = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older spellings of structured_outputs' fields
@@ -151,13 +153,10 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v):
-        try:
-            ids = {int(k): b for k, b in v.items()}
+        try:  # JSON keys are strings; their ranges are SamplingParams'
+            return {int(k): b for k, b in v.items()}
         except ValueError:
             raise ValueError("logit_bias keys are token ids (integers as strings)") from None
-        if any(k < 0 for k in ids) or any(not -100 <= b <= 100 for b in ids.values()):
-            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
-        return ids
 
     @field_validator("stop")
     @classmethod
@@ -170,12 +169,14 @@ class _Common(BaseModel):
     def sampling_params(self, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
         """The request's SamplingParams, and whether it runs to the end of the context (no max_tokens given: the
         replica, which knows the context, sets it)."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        params = SamplingParams(max_tokens=max_tokens or max(1, self.min_tokens), temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop or [],
-                                ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                                logit_bias=self.logit_bias, min_p=self.min_p, min_tokens=self.min_tokens,
+        given = [m for m in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if m is not None]
+        max_tokens = given[0] if given else None
+        params = SamplingParams(max_tokens=max(1, self.min_tokens) if max_tokens is None else max_tokens,
+                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                                stop=self.stop or [], ignore_eos=self.ignore_eos,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                                min_p=self.min_p, min_tokens=self.min_tokens,
                                 prediction=self.prediction.content if self.prediction else None,
                                 **self.logprob_fields())
         return params, max_tokens is None
@@ -218,7 +219,7 @@ def _is_batch(prompt) -> bool:
 class CompletionRequest(_Common):
     # one prompt (text or token ids), or a batch of them: n choices per prompt, in prompt order
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token; 0: the chosen token's alone
+    logprobs: int | None = None  # alternatives per token (0-20); 0: the chosen token's alone
     echo: bool = False  # the prompt before the completion (with its logprobs when logprobs is set)
 
     @field_validator("prompt")

@@ -13,6 +13,7 @@ from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import Plan, best_plan, charge_start_costs, plan_value, plans_by_depth, select_from_gains
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
+from smartspec.types.numbers import is_int
 from smartspec.types.plan import DRAFT, RequestView, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
 from smartspec.types.tree import TokenTree
@@ -91,7 +92,7 @@ class GoodputPolicy(Policy):
         # the cost fit is redone once every refit_every steps, not after each: a fit is a few robust least-squares
         # solves (over a millisecond of Python and numpy, about 2% of a CPU decode step), and a fit a few steps
         # old predicts the next step as well as a fresh one
-        if not (isinstance(refit_every, int) and not isinstance(refit_every, bool) and refit_every >= 1):
+        if not (is_int(refit_every) and refit_every >= 1):
             raise ValueError(f"refit_every must be an integer >= 1, got {refit_every!r}")
         self.refit_every = refit_every
         self._steps_unfit = 0  # steps observed since the last fit

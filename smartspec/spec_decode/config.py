@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from smartspec.policy.base import Policy
 from smartspec.policy.factory import make_policy
+from smartspec.types.numbers import is_int
 from smartspec.types.tree import MAX_TREE_NODES
 
 METHODS = ("draft_model", "ngram", "suffix")
@@ -22,7 +23,7 @@ class TreeConfig:
     def __post_init__(self) -> None:
         for name in ("max_nodes", "max_depth", "branching"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"tree.{name} must be an integer >= 1, got {v!r}")
         if self.max_nodes > MAX_TREE_NODES:
             raise ValueError(f"tree.max_nodes must be at most {MAX_TREE_NODES} (one 64-bit mask per token with the "
@@ -79,13 +80,13 @@ class SpeculativeConfig:
                              f"(or 'none'), got {self.method!r}")
         if "draft_model" in self.all_methods and not self.model:
             raise ValueError("speculative method 'draft_model' needs speculation.model (the draft model)")
-        if not _is_int(self.suffix_cache_tokens) or self.suffix_cache_tokens < 0:
+        if not is_int(self.suffix_cache_tokens) or self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
         k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= 32:
+        if not is_int(k) or not 1 <= k <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
         if not isinstance(self.policy, (str, Policy)):
             raise ValueError(f"policy must be a name or a Policy, got {type(self.policy).__name__}")
@@ -96,7 +97,7 @@ class SpeculativeConfig:
         if isinstance(self.draft_num_cpus, bool) or not isinstance(self.draft_num_cpus, (int, float)) \
                 or not self.draft_num_cpus > 0:
             raise ValueError(f"draft_num_cpus must be a number > 0, got {self.draft_num_cpus!r}")
-        if self.draft_num_threads is not None and not (_is_int(self.draft_num_threads) and self.draft_num_threads >= 1):
+        if self.draft_num_threads is not None and not (is_int(self.draft_num_threads) and self.draft_num_threads >= 1):
             raise ValueError(f"draft_num_threads must be an integer >= 1, got {self.draft_num_threads!r}")
         self.make_policy()  # names and options checked now
 
@@ -165,6 +166,3 @@ def _from_dict(cls, value, name: str, keys_of: str):
         raise ValueError(f"unknown {keys_of} keys {unknown}; known: {sorted(known)}")
     return cls(**value)
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

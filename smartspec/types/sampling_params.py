@@ -1,8 +1,9 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from smartspec.types.numbers import is_int, is_number
 
 
 class ParamError(ValueError):
@@ -40,8 +41,7 @@ class StructuredOutput:
                 not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
                 for f in self.tool_calls)):
             raise ParamError("tools", "each tool needs a function name")
-        if not isinstance(self.max_tool_calls, int) or isinstance(self.max_tool_calls, bool) \
-                or self.max_tool_calls < 1:
+        if not is_int(self.max_tool_calls) or self.max_tool_calls < 1:
             raise ParamError("tools", f"max_tool_calls must be an integer >= 1, got {self.max_tool_calls!r}")
         if self.json is not None and not isinstance(self.json, dict):
             raise ParamError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an object)")
@@ -91,55 +91,62 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ParamError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise ParamError("seed", f"seed must be a non-negative integer, got {self.seed!r}")
-        m = self.max_speculative_tokens
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
-            raise ParamError("max_speculative_tokens", f"max_speculative_tokens must be an integer >= 0, got {m!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(self, name)
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 20):
-                raise ParamError(name, f"{name} must be an integer in [0, 20] (alternatives per token), got {n!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _number(v) or not -2 <= v <= 2:
-                raise ParamError(name, f"{name} must be a number in [-2, 2], got {v!r}")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            raise ParamError("repetition_penalty",
-                             f"repetition_penalty must be a number in (0, 10], got {self.repetition_penalty!r}")
-        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ParamError("min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
-                or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ParamError("min_tokens", f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.logit_bias, dict):
-            raise ParamError("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
-        self.logit_bias = dict(self.logit_bias)
-        for tok, bias in self.logit_bias.items():
-            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or not _number(bias) \
-                    or not -100 <= bias <= 100:
-                raise ParamError("logit_bias", f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; "
-                                 f"got {tok!r}: {bias!r}")
+        self._check_counts()
+        self._check_numbers()
+        self._check_tokens()
         if isinstance(self.structured, dict):
             self.structured = StructuredOutput(**self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ParamError("structured_outputs", f"structured must be a StructuredOutput, got {self.structured!r}")
+
+    def _check_counts(self) -> None:
+        """The integer fields, each in its range."""
+        for name, low, high, what in (("max_tokens", 1, None, "an integer >= 1"),
+                                      ("top_k", 0, None, "an integer >= 0 (0 disables it)"),
+                                      ("min_tokens", 0, self.max_tokens, "an integer in [0, max_tokens]")):
+            value = getattr(self, name)
+            if not is_int(value) or value < low or (high is not None and value > high):
+                raise ParamError(name, f"{name} must be {what}, got {value!r}")
+        for name, high, what in (("seed", None, "a non-negative integer"),
+                                 ("max_speculative_tokens", None, "an integer >= 0"),
+                                 ("logprobs", 20, "an integer in [0, 20] (alternatives per token)"),
+                                 ("prompt_logprobs", 20, "an integer in [0, 20] (alternatives per token)")):
+            value = getattr(self, name)  # these may be None: unset
+            if value is not None and (not is_int(value) or value < 0 or (high is not None and value > high)):
+                raise ParamError(name, f"{name} must be {what}, got {value!r}")
+
+    def _check_numbers(self) -> None:
+        """The real-valued fields, each in its range."""
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -2 <= v <= 2:
+                raise ParamError(name, f"{name} must be a number in [-2, 2], got {v!r}")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ParamError("repetition_penalty",
+                             f"repetition_penalty must be a number in (0, 10], got {self.repetition_penalty!r}")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ParamError("min_p", f"min_p must be a number in [0, 1], got {self.min_p!r}")
+
+    def _check_tokens(self) -> None:
+        """The fields that name tokens or text: logit_bias, prediction, stop strings and ids."""
+        if not isinstance(self.logit_bias, dict):
+            raise ParamError("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias)
+        for tok, bias in self.logit_bias.items():
+            if not is_int(tok) or tok < 0 or not is_number(bias) or not -100 <= bias <= 100:
+                raise ParamError("logit_bias", f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]; "
+                                 f"got {tok!r}: {bias!r}")
         if self.prediction is not None and not (
-                isinstance(self.prediction, str) or isinstance(self.prediction, list)
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction)):
+                isinstance(self.prediction, str)
+                or isinstance(self.prediction, list) and all(is_int(t) and t >= 0 for t in self.prediction)):
             raise ParamError("prediction", "prediction must be text or a list of token ids")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ParamError("stop", f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ParamError("stop_token_ids",
                              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -154,6 +161,3 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens)
 
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
