@@ -204,6 +204,37 @@ def test_grammars_warm_off_the_step_thread(tiny_qwen):
     engine.close()
 
 
+def test_a_requests_grammar_is_compiled_once_from_the_front_to_the_matcher(plain, monkeypatch):
+    """The HTTP front compiles and checks a request's grammar; the engine's checks and its matcher reuse what the
+    request carries (a tool-call grammar compiled for spelled-out tags is compiled again only for a tokenizer whose
+    tags are tokens)."""
+    from types import SimpleNamespace
+
+    import smartspec.structured.compile as compile_module
+    from deployments.http.protocol import CompletionRequest
+
+    real = compile_module.llguidance
+    checks = []
+
+    class CountingMatcher:
+        def __getattr__(self, name):
+            return getattr(real.LLMatcher, name)
+
+        @staticmethod
+        def validate_grammar(grammar):
+            checks.append(grammar)
+            return real.LLMatcher.validate_grammar(grammar)
+
+    monkeypatch.setattr(compile_module, "llguidance", SimpleNamespace(LLMatcher=CountingMatcher()))
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS[0]}}})
+    spec, field = body.structured()
+    assert field == "response_format" and len(checks) == 1
+    request_id = plain.engine.add_request("hi", SamplingParams(max_tokens=4, structured=spec))
+    assert len(checks) == 1 and request_id in plain.engine.grammars
+    plain.engine.abort_request(request_id)
+
+
 def test_invalid_schemas_and_grammars_are_refused_naming_the_field(plain):
     bad = [(StructuredOutput(json={"type": "bogus"}), "structured_outputs.json"),
            (StructuredOutput(regex="a[b"), "structured_outputs.regex"),

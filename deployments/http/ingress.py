@@ -23,7 +23,7 @@ from deployments.http.tools import functions as tool_functions
 from deployments.placement.failover import FailoverStream
 from deployments.placement.latency import prefix_text
 from deployments.wire import GenerateCall, Refused
-from smartspec.structured.compile import grammar_of
+from smartspec.structured.compile import compiled
 from smartspec.types.sampling_params import StructuredOutput
 
 api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with goodput-chosen speculation")
@@ -176,7 +176,7 @@ class OpenAIIngress:
             params, until_end = body.sampling_params(None if chat else self.max_tokens_default)
             tools = None
             if (structured := body.structured()) is not None:
-                params = replace(params, structured=StructuredOutput(**structured[0]))
+                params = replace(params, structured=structured[0])
             if chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
                 choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
                 tools, constraint = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
@@ -185,8 +185,7 @@ class OpenAIIngress:
                     if structured is not None:
                         raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
                                                        f"tool calls; it cannot also follow {structured[1]}")
-                    grammar_of(StructuredOutput(**constraint))
-                    params = replace(params, structured=StructuredOutput(**constraint))
+                    params = replace(params, structured=compiled(StructuredOutput(**constraint)))
             if body.speculation is not None:
                 params = replace(params, max_speculative_tokens=body.speculation.max_k)
         except (ValueError, TypeError) as exc:  # a value out of range; a schema, regex, grammar or tool refused

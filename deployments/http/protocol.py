@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from smartspec.structured.compile import grammar_of
+from smartspec.structured.compile import compiled
 from smartspec.types.sampling_params import ParamError, SamplingParams, StructuredOutput
 
 
@@ -184,9 +184,10 @@ class _Common(BaseModel):
     def logprob_fields(self) -> dict:
         return {}
 
-    def structured(self) -> tuple[dict, str] | None:
-        """The output's constraint as StructuredOutput fields, and the request field it came from (what an error
-        names); None: free text. One source at most; a grammar that does not compile raises ParamError."""
+    def structured(self) -> tuple[StructuredOutput, str] | None:
+        """The output's constraint, its grammar compiled (and carried to the replica), and the request field it came
+        from (what an error names); None: free text. One source at most; a grammar that does not compile raises
+        ParamError."""
         sources = []
         if self.response_format is not None and self.response_format.type != "text":
             fmt = self.response_format
@@ -205,10 +206,9 @@ class _Common(BaseModel):
             return None
         spec, field = sources[0]
         try:
-            grammar_of(StructuredOutput(**spec))
+            return compiled(StructuredOutput(**{k: v for k, v in spec.items() if v not in (None, False)})), field
         except ParamError as exc:
             raise ParamError(field if field != "structured_outputs" else exc.field, str(exc)) from None
-        return {k: v for k, v in spec.items() if v not in (None, False)}, field
 
 
 def _is_batch(prompt) -> bool:

@@ -61,7 +61,7 @@ class AsyncEngine:
         if self.errored is not None:
             raise RuntimeError(f"engine stopped after an error: {self.errored!r}")
         params = params or SamplingParams()
-        ids = self.engine.check_request(prompt, params)
+        ids, params = self.engine.check_request(prompt, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()

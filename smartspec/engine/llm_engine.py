@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,7 @@ from smartspec.spec_decode.accept import accept_drafts
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
 from smartspec.spec_decode.hints import RequestHints
 from smartspec.spec_decode.proposer import Proposer
-from smartspec.structured.compile import grammar_of
+from smartspec.structured.compile import compiled
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 from smartspec.types.plan import SpecPlan
@@ -150,8 +151,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
 
-    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids, once the request is known to fit this model: its context and vocabulary."""
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids, once the request is known to fit this model (its context and vocabulary), and its
+        params with a structured output's grammar compiled for this tokenizer (so no later stage compiles it)."""
         ids = self.tokenize(prompt)
         if (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
             raise ParamError("logit_bias", f"logit_bias names token id {bad[0]}, outside the vocabulary "
@@ -160,15 +162,16 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
         if params.structured is not None:
-            grammar_of(params.structured)
-        return ids
+            params = replace(params, structured=compiled(params.structured,
+                                                         self.grammar_compiler.tool_tags_are_tokens))
+        return ids, params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.check_request(prompt, params)
+        ids, params = self.check_request(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

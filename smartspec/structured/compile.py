@@ -3,6 +3,7 @@ schema or grammar (a 400 naming its field) before any replica sees it. Why llgui
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -16,10 +17,28 @@ ANY_OBJECT = {"type": "object"}
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def compiled(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> StructuredOutput:
+    """The spec with its grammar compiled and checked, carried along (`StructuredOutput.compiled`): the HTTP front
+    compiles a request's once and the replica's engine reuses it (a tool-call grammar is compiled again only where
+    the tokenizer's tags differ from what it was compiled for)."""
+    if _carried(spec, tool_tags_are_tokens) is not None:
+        return spec
+    return replace(spec, compiled=(*grammar_of(spec, tool_tags_are_tokens), tool_tags_are_tokens))
+
+
+def _carried(spec: StructuredOutput, tool_tags_are_tokens: bool) -> tuple[str, str] | None:
+    if spec.compiled is None or (spec.tool_calls is not None and spec.compiled[2] != tool_tags_are_tokens):
+        return None
+    return spec.compiled[0], spec.compiled[1]
+
+
 def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tuple[str, str]:
     """(llguidance grammar, the request field it came from); a grammar llguidance rejects raises ParamError naming
     that field. tool_tags_are_tokens: the tokenizer has `<tool_call>` and `</tool_call>` as tokens of their own
-    (Qwen2.5), which the grammar must then name as tokens, not spell out."""
+    (Qwen2.5), which the grammar must then name as tokens, not spell out. A grammar the spec carries is used as
+    it is."""
+    if (carried := _carried(spec, tool_tags_are_tokens)) is not None:
+        return carried
     if spec.tool_calls is not None:
         field, what = "tools", "tool parameters schema"
         grammar = llguidance.LLMatcher.grammar_from_lark(

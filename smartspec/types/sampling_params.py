@@ -30,6 +30,9 @@ class StructuredOutput:
     # </tool_call>`, each naming one of these functions ({"name", "parameters": a JSON schema}) with valid arguments
     tool_calls: list[dict] | None = None
     max_tool_calls: int = 1  # calls in a row at most
+    # the grammar as compiled once (smartspec.structured.compile.compiled): (llguidance grammar, the field it came
+    # from, whether the tool-call tags were tokens); carried with the request so that no later stage compiles it again
+    compiled: tuple[str, str, bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = [k for k in ("json", "regex", "choice", "grammar", "tool_calls") if getattr(self, k) is not None]
