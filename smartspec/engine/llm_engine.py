@@ -71,13 +71,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context "
                              f"({loaded.max_position_embeddings} positions)")
         self.max_model_len = config.max_model_len or min(loaded.max_position_embeddings, 4096)
-        per_block = ModelRunner.bytes_per_block(loaded.config, getattr(torch, config.dtype), config.block_size)
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks x {config.block_size} tokens = "
-                f"{num_blocks * config.block_size} tokens) cannot hold one request of max_model_len="
-                f"{self.max_model_len} tokens; raise kv_cache_gib / num_kv_blocks or lower max_model_len")
+        num_blocks = self._num_kv_blocks(loaded)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
@@ -106,6 +100,18 @@ class LLMEngine:
         if config.warmup_profile and self.speculation.policy.wants_profile:
             self.profile_steps()
         release_freed_memory()  # what loading and warm-up freed, off the main thread too
+
+    def _num_kv_blocks(self, loaded) -> int:
+        """The KV cache's blocks: as configured, or what kv_cache_gib holds; at least one request's worth."""
+        config = self.config
+        per_block = ModelRunner.bytes_per_block(loaded.config, getattr(torch, config.dtype), config.block_size)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks x {config.block_size} tokens = "
+                f"{num_blocks * config.block_size} tokens) cannot hold one request of max_model_len="
+                f"{self.max_model_len} tokens; raise kv_cache_gib / num_kv_blocks or lower max_model_len")
+        return num_blocks
 
     def draft_runtime(self, num_blocks: int) -> DraftRuntime:
         """How a draft model for this target is built: its vocabulary and this engine's runtime options."""

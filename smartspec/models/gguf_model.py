@@ -130,6 +130,20 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
     return None
 
 
+def _tie_output_and_check(model: nn.Module, gguf_file: str, embedding_rows: PackedRows | None, linear, ext,
+                          int8_activations: bool) -> None:
+    """A model whose file has no output weight gets the token embedding's blocks as its output layer (tied); then
+    every parameter must have come from the file."""
+    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
+        if embedding_rows is None:
+            raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
+        # tied: the output layer is the embedding's blocks (the int8 kernel packs them a chunk of rows at a time)
+        model.lm_head = linear(embedding_rows if int8_activations else embedding_rows.unpacked(), ext)
+    missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
+    if missing:
+        raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
 def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True,
                     shard: Shard | None = None) -> nn.Module:
     """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels. With a shard:
@@ -169,14 +183,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     for module_name, bias in biases.items():
         bias = bias if plan is None else plan.bias(module_name, bias)
         model.get_submodule(module_name).bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
-        if embedding_rows is None:
-            raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
-        # tied: the output layer is the embedding's blocks (the int8 kernel packs them a chunk of rows at a time)
-        model.lm_head = linear(embedding_rows if int8_activations else embedding_rows.unpacked(), ext)
-    missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
-    if missing:
-        raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    _tie_output_and_check(model, gguf_file, embedding_rows, linear, ext, int8_activations)
     if plan is not None:
         wrap_row_parallel(model, plan)
     release_freed_memory()

@@ -73,24 +73,33 @@ def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, c
             draft_net = _best_prefix_sum(draft - rate * (verify_per_token + draft_per_token))
             use_draft = draft_net > lookup_net
             rows = np.where(use_draft[:, None], draft, lookup)
-        req, col = np.nonzero(rows > 0)
-        if len(req) == 0:
-            continue
-        g = rows[req, col]
-        order = np.lexsort((col, req, -g))  # best first; a request's drafts in order (gains are non-increasing)
-        req, col, g = req[order], col[order], g[order]
-        is_draft = use_draft[req]
-        m = np.arange(1, len(g) + 1)
-        m_draft = np.cumsum(is_draft)
-        run_depth = np.maximum.accumulate(np.where(is_draft, col + 1, 0))
-        seconds = cost(base_tokens + m, base_context + m, run_depth, m_draft)
-        values = plan_value(b + np.cumsum(g), seconds, price)
-        i = int(np.argmax(values))
-        if values[i] > best.value:
-            ks = np.bincount(req[: i + 1], minlength=b)
-            methods = [DRAFT if use_draft[r] and ks[r] else LOOKUP for r in range(b)]
-            best = MixedPlan(methods, ks.tolist(), float(seconds[i]), float(values[i]))
+        plan = _best_prefix_plan(rows, use_draft, cost, base_tokens, base_context, price)
+        if plan is not None and plan.value > best.value:
+            best = plan
     return best
+
+
+def _best_prefix_plan(rows: np.ndarray, use_draft: np.ndarray, cost: Callable, base_tokens: int, base_context: int,
+                      price: float | None) -> MixedPlan | None:
+    """The best plan that takes these per-request gains (the draft's where use_draft, else the lookup's) best first:
+    each prefix of the ordered drafts priced at its exact step cost; None when no gain is positive."""
+    b = len(rows)
+    req, col = np.nonzero(rows > 0)
+    if len(req) == 0:
+        return None
+    g = rows[req, col]
+    order = np.lexsort((col, req, -g))  # best first; a request's drafts in order (gains are non-increasing)
+    req, col, g = req[order], col[order], g[order]
+    is_draft = use_draft[req]
+    m = np.arange(1, len(g) + 1)
+    m_draft = np.cumsum(is_draft)
+    run_depth = np.maximum.accumulate(np.where(is_draft, col + 1, 0))
+    seconds = cost(base_tokens + m, base_context + m, run_depth, m_draft)
+    values = plan_value(b + np.cumsum(g), seconds, price)
+    i = int(np.argmax(values))
+    ks = np.bincount(req[: i + 1], minlength=b)
+    methods = [DRAFT if use_draft[r] and ks[r] else LOOKUP for r in range(b)]
+    return MixedPlan(methods, ks.tolist(), float(seconds[i]), float(values[i]))
 
 
 def _best_prefix_sum(x: np.ndarray) -> np.ndarray:

@@ -93,7 +93,8 @@ class DraftTreeProposer(DraftModelProposer):
             g.depths.append(depth)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
+    def _start_growth(self, requests: list[Request], ks: list[int]) -> list[_Growth]:
+        """A growing tree per request with a node budget, its draft state synced and its cache slots held."""
         growing: list[_Growth] = []
         for i, (req, k) in enumerate(zip(requests, ks)):
             if k <= 0:
@@ -106,6 +107,10 @@ class DraftTreeProposer(DraftModelProposer):
                 continue
             self.blocks.allocate(ds, req.num_tokens + fed)
             growing.append(_Growth(i, ds, budget, width, rounds, masks={-1: 1}))
+        return growing
+
+    def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
+        growing = self._start_growth(requests, ks)
         catchup = sum(g.ds.num_tokens - g.ds.num_computed_tokens - 1 for g in growing)
         if growing:  # depth 1: the draft reads every token it has not seen, through the root
             items = [ForwardItem(g.ds, g.ds.token_ids[g.ds.num_computed_tokens:], g.ds.num_computed_tokens, 1)
