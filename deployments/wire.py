@@ -116,7 +116,7 @@ class RoutingStats:
     time: float  # when it was taken (time.time())
     ongoing: int
     max_num_seqs: int
-    request_speed: dict[int, float] | None = None  # batch size -> tokens/s of one request (Policy.request_speed)
+    request_speed: dict[int, float] | None = None  # batch size -> tokens/s of one request (Policy.load.request_speed)
     prefill_s_per_token: float | None = None
     chars_per_token: float | None = None
     request_s: float | None = None  # a request's mean time from acceptance to its end

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     per_token = statistics.median(s["context"] / s["tokens"] for s in steady)
     results["cost_model"] = {"coefficients": smart.stats().get("cost_coefficients"), "context_per_token": per_token,
                              "predicted_ms": {n: 1000 * s for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320)
-                                              if (s := smart.step_seconds(n, round(n * per_token))) is not None}}
+                                              if (s := smart.load.step_seconds(n, round(n * per_token))) is not None}}
     results["elapsed_s"] = time.perf_counter() - t_start
     (out_dir / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str))
     print_table(results, batches)

@@ -38,6 +38,6 @@ def test_a_speculative_config_builds_its_policy_with_all_its_settings():
     assert table.table == [(1, 3), (8, 0)]
     goodput = SpeculativeConfig(model="d", policy_options={"explore_interval": 3},
                                 tree={"max_nodes": 6, "max_depth": 3, "branching": 2}).make_policy()
-    assert (goodput.key, goodput.explore_interval, goodput.tree_depth) == ("draft_model:d:tree", 3, 3)
+    assert (goodput.key, goodput.exploration.interval, goodput.tree_depth) == ("draft_model:d:tree", 3, 3)
     with pytest.raises(ValueError, match=r"unknown policy_options \['no_such_option'\]"):
         SpeculativeConfig(method="ngram", policy_options={"no_such_option": 1})

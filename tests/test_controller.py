@@ -20,16 +20,16 @@ def _policy(accept: bool, scale: float) -> GoodputPolicy:
 def test_controller_aggregates_two_replicas_without_double_counting():
     good, bad = _policy(True, 1.0), _policy(False, 2.0)
     state = ControllerState()
-    assert state.report("a", {"running": 1, "policy": good.export_state()}) == {}  # alone: nothing to learn
-    merged_for_b = state.report("b", {"running": 3, "policy": bad.export_state()})
-    merged_for_a = state.report("a", {"running": 1, "policy": good.export_state()})
-    assert merged_for_b["prior"] == good.export_state()["prior"] and merged_for_b["replicas"] == 1
-    assert merged_for_a["prior"] == bad.export_state()["prior"]
+    assert state.report("a", {"running": 1, "policy": good.shared.export_state()}) == {}  # alone: nothing to learn
+    merged_for_b = state.report("b", {"running": 3, "policy": bad.shared.export_state()})
+    merged_for_a = state.report("a", {"running": 1, "policy": good.shared.export_state()})
+    assert merged_for_b["prior"] == good.shared.export_state()["prior"] and merged_for_b["replicas"] == 1
+    assert merged_for_a["prior"] == bad.shared.export_state()["prior"]
 
     own_before = dict(vars(good.acceptance.first.prior_counts))
     alone = good.acceptance.first.prior
-    good.import_state(merged_for_a)
-    good.import_state(merged_for_a)  # importing again replaces, never accumulates
+    good.shared.import_state(merged_for_a)
+    good.shared.import_state(merged_for_a)  # importing again replaces, never accumulates
     assert dict(vars(good.acceptance.first.prior_counts)) == own_before  # its own evidence is what it exports
     assert bad.acceptance.first.prior < good.acceptance.first.prior < alone  # both replicas' evidence now counts
 
@@ -43,8 +43,8 @@ def test_controller_aggregates_two_replicas_without_double_counting():
 
 def test_controller_forgets_replicas_that_stop_reporting():
     state = ControllerState(stale_after_s=0.0)
-    state.report("a", {"policy": _policy(True, 1.0).export_state()})
-    assert state.report("b", {"policy": _policy(False, 1.0).export_state()}) == {}  # "a" is stale: gone
+    state.report("a", {"policy": _policy(True, 1.0).shared.export_state()})
+    assert state.report("b", {"policy": _policy(False, 1.0).shared.export_state()}) == {}  # "a" is stale: gone
 
 
 def test_the_http_front_and_the_controller_load_no_torch():

@@ -127,22 +127,22 @@ def test_a_draft_catch_up_is_charged_and_tracked():
         for _ in range(30):
             p.acceptance.observe("fresh", 4, 4)
             p.acceptance.observe("seen", 4, 4)
-        p._draft_seen["seen"] = seen.num_tokens - 1
+        p.catchup.seen["seen"] = seen.num_tokens - 1
         plan = p.plan(view([fresh, seen], 5))
         ks = plan.ks
         if p.cost.d[2] == 0:  # catch-up costs nothing: both draft
             assert ks[0] > 0 and ks[1] > 0
             continue
         # reading 499 unseen tokens (2.5 s against 0.1 s steps) does not pay, and is not worth a probe either
-        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p._probing
+        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p.exploration.probing
         assert plan.predicted_s == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
         p.observe(StepRecord(step=1, batch_size=2, ks=ks, proposed=ks, accepted=[0, 2], request_ids=["fresh", "seen"],
                              num_batched_tokens=2 + ks[1], num_prefill_tokens=0, num_context_tokens=1000,
                              draft_s=0.02, verify_s=0.1, total_s=0.12))
         # the draft fed the context and its drafts but the last: it saw the accepted ones, up to k - 1 of them
-        assert p._draft_seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p._draft_seen
+        assert p.catchup.seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p.catchup.seen
         seen.token_ids += [1, 2, 3]  # two drafts accepted and the target's token
-        assert p._catchup_tokens([seen, fresh]).tolist() == [502 - p._draft_seen["seen"], 499]
+        assert p.catchup.tokens([seen, fresh]).tolist() == [502 - p.catchup.seen["seen"], 499]
 
 
 def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:
@@ -166,13 +166,13 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
         for r in requests:  # three rejected drafts each: too few outcomes for the prior to count as learned
             for _ in range(3):
                 p.acceptance.observe(r.request_id, 4, 0)
-        assert p.acceptance.evidence < p.min_prior_evidence
+        assert p.exploration.learning(p.acceptance.evidence)
         return p.plan(view(requests, 5)), p
 
     plan, alone = choose(1)
-    assert plan.ks == [1] and alone._probing == {"r0"}
+    assert plan.ks == [1] and alone.exploration.probing == {"r0"}
     plan, batched = choose(8)
-    assert plan.ks == [0] * 8 and not batched._probing
+    assert plan.ks == [0] * 8 and not batched.exploration.probing
     assert plan.predicted_s == pytest.approx(0.28)
 
 
@@ -188,11 +188,11 @@ def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cos
         requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(2)]
         prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
         p.acceptance.observe("finished", 2, 2)
-        assert p.acceptance.evidence < p.min_prior_evidence
+        assert p.exploration.learning(p.acceptance.evidence)
         ks = p.plan(view(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
                       now=2 * arrival_gap + 0.5)).ks
-        assert ks.count(1) == len(p._probing) and sum(ks) == len(p._probing)
-        return p._probing
+        assert ks.count(1) == len(p.exploration.probing) and sum(ks) == len(p.exploration.probing)
+        return p.exploration.probing
 
     assert not probes(2.0)
     assert len(probes(60.0)) == 1
@@ -205,7 +205,7 @@ def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected
     steps and a larger batch, so drafting would not last long enough to pay it back."""
     def choose(arrival_gap):
         p = cpu_draft_model_costs(GoodputPolicy(key="t"))
-        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
+        p.shared.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
                                               "later": {"accepted": 800, "rejected": 8}}})
         params = SamplingParams(max_tokens=64)
         earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
@@ -214,7 +214,7 @@ def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected
             p.release(r.request_id)
         seen = Request("seen", list(range(300)), params, arrival_time=6 * arrival_gap)
         fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
-        p._draft_seen["seen"] = seen.num_tokens - 1
+        p.catchup.seen["seen"] = seen.num_tokens - 1
         return p.plan(view([seen, fresh], 5, now=7 * arrival_gap + 0.1)).ks
 
     sparse, dense = choose(60.0), choose(0.5)
@@ -233,12 +233,12 @@ def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
         p = GoodputPolicy(key="t")
         p.cost.v = [0.229, 0.0] + [0.002] * 5 + [0.0]
         p.cost.d = [0.075, 0.0, 0.0041]
-        p.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 4},
+        p.shared.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 4},
                                               "later": {"accepted": 800, "rejected": 16}}})
         params = SamplingParams(max_tokens=32)
         requests = [Request(f"r{i}", list(range(97)), params, arrival_time=5.0 * i) for i in range(6)]
         if seen:
-            p._draft_seen.update({r.request_id: r.num_tokens - 1 for r in requests})
+            p.catchup.seen.update({r.request_id: r.num_tokens - 1 for r in requests})
         prefilling = [Request("p", list(range(prefill_tokens)), params, arrival_time=30.0)] if prefill_tokens else []
         return p.plan(view(requests, 5, base_tokens=prefill_tokens, base_context=prefill_tokens, prefilling=prefilling,
                         now=30.5)).ks
@@ -255,11 +255,11 @@ def test_state_export_merge_import():
     for n in (1, 2, 4, 8, 16):
         a.cost.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
         b.cost.observe(n, 100, 0, 0, 0.0, 2 * true_verify(n, 100))
-    merged = merge_states([a.export_state(), b.export_state(), {"key": "draft_model:x", "prior": {
+    merged = merge_states([a.shared.export_state(), b.shared.export_state(), {"key": "draft_model:x", "prior": {
         "first": {"accepted": 1e6, "rejected": 0}}, "cost": {}}])
     assert merged["replicas"] == 2  # another proposer's evidence is not mixed in
     fresh = GoodputPolicy(key="ngram")
-    fresh.import_state(merged)
+    fresh.shared.import_state(merged)
     assert a.acceptance.first.prior > fresh.acceptance.first.prior > b.acceptance.first.prior
     assert fresh.cost.predict_verify(4, 100) == pytest.approx(1.5 * true_verify(4, 100), rel=0.02)
 

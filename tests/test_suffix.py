@@ -187,7 +187,7 @@ def test_the_policy_sends_a_copying_request_to_the_lookup_and_another_to_the_dra
     policy.cost.v = [0.020, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.0]
     policy.cost.d = [0.004, 0.0005, 0.0]
     reqs = requests(2)
-    policy._draft_seen = {r.request_id: r.num_tokens - 1 for r in reqs}  # the draft has read both: no catch-up
+    policy.catchup.seen = {r.request_id: r.num_tokens - 1 for r in reqs}  # the draft has read both: no catch-up
     copying = TokenTree.chain([1, 2, 3, 4, 5], [0.99] * 5)
     plan = policy.plan(view(reqs, 5, lookups=[copying, TokenTree([], [], [])], use_draft=True))
     methods, ks = plan.methods, plan.ks
@@ -205,7 +205,7 @@ def test_a_learning_probe_pays_no_catch_up_a_decoding_step_would_not_pay():
             policy.cost.v = [0.040, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005, 0.0]
             policy.cost.d = [0.030, 0.002, 0.002]  # a catch-up token costs 2 ms: 78 ms for the fresh request
             reqs = requests(1)
-            policy._draft_seen = {reqs[0].request_id: seen}
+            policy.catchup.seen = {reqs[0].request_id: seen}
             prefilling = [Request("p", list(range(prefill)), SamplingParams(max_tokens=8))] if prefill else []
             plan = policy.plan(view(reqs, 4, lookups=[empty], use_draft=True, base_tokens=prefill,
                                     base_context=prefill, prefilling=prefilling))

@@ -42,9 +42,9 @@ def test_calibration_is_shared_between_replicas_without_echo():
     a, b = GoodputPolicy(key="k:tree", tree_depth=3), GoodputPolicy(key="k:tree", tree_depth=3)
     for _ in range(200):  # replica a learns that its drafter's 0.95 nodes are rejected
         a.calibration.observe(TokenTree([1], [-1], [0.95]), [])
-    b.import_state(merge_states([a.export_state()]))
+    b.shared.import_state(merge_states([a.shared.export_state()]))
     assert b.calibration.probability(0.95) < 0.1
-    assert sum(b.export_state()["calibration"]["total"]) == 0  # b exports its own evidence only
+    assert sum(b.shared.export_state()["calibration"]["total"]) == 0  # b exports its own evidence only
 
 
 def test_node_budgets_follow_the_last_trees_values():

@@ -2,7 +2,7 @@
 when autoscaling is set; `policy: ongoing` is Serve's rule on target_ongoing_requests alone).
 
 Each replica reports, through Serve's `record_autoscaling_stats`, its requests in flight and its request speed:
-the tokens per second one request gets at batch sizes 1, 2, 4, ... (`Policy.request_speed`: the fitted step cost
+the tokens per second one request gets at batch sizes 1, 2, 4, ... (`Policy.load.request_speed`: the fitted step cost
 and the measured acceptance at the k the policy would choose). Serve's controller calls `goodput_policy` about
 once a second with those numbers averaged over `look_back_period_s`; it answers the smallest replica count n
 whose share of the load, b = ceil(requests / n) per replica, keeps each request at least `min_speed_fraction` of

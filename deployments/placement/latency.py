@@ -12,9 +12,9 @@ P is the seconds a prompt token's prefill costs. A replica prefills the requests
 router keeps a fluid account of each replica's prefill work: each request it sends adds its own expected prefill
 seconds, and the account drains at one second per second. `ahead` is what spreads a burst of new conversations
 over the replicas, and what moves a conversation off its replica once that replica has more prefill queued than
-its cache saves; a burst of next turns, each mostly cached, adds little and stays where its prefixes are. The request speed at batch b comes from the goodput policy
-(`Policy.request_speed`): the fitted step cost and the measured acceptance at the k the policy would choose
-there, so a replica with a small batch, which can still afford to speculate, draws new requests.
+its cache saves; a burst of next turns, each mostly cached, adds little and stays where its prefixes are. The
+request speed at batch b comes from the goodput policy (`Policy.load.request_speed`): the fitted step cost and the
+measured acceptance at the k the policy would choose there, so a replica with a small batch, which can still afford to speculate, draws new requests.
 
 P and the speed table are each replica's own fits, pooled (the median over the replicas, per batch size): a
 deployment's replicas run one model on one kind of resource, and their fits on identical hardware differ by up
@@ -153,7 +153,7 @@ class ReplicaEstimate:
     replica: str
     ongoing: int  # requests sent to it and not finished
     max_num_seqs: int = 16
-    request_speed: dict[int, float] | None = None  # batch size -> tokens/s of one request (Policy.request_speed)
+    request_speed: dict[int, float] | None = None  # batch size -> tokens/s of one request (Policy.load.request_speed)
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     request_s: float | None = None  # measured: a request's mean time from acceptance to its last token

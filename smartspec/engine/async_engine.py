@@ -130,7 +130,7 @@ class AsyncEngine:
 
     async def import_policy_state(self, state: dict) -> None:
         """Adopt the replicas' merged policy state (from the goodput controller), between two steps."""
-        await self.call(lambda e: e.speculation.policy.import_state(state))
+        await self.call(lambda e: e.speculation.policy.shared.import_state(state))
 
     def close(self) -> None:
         self.engine.close()

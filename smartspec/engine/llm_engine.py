@@ -219,7 +219,7 @@ class LLMEngine:
                 "draft_available": proposer.draft_available if proposer is not None else None,
                 "draft_failures": proposer.failures if proposer is not None else None,
                 "draft_incarnation": proposer.incarnation if proposer is not None else None,
-                "policy_state": sp.policy.export_state(), "max_num_seqs": self.scheduler.max_num_seqs,
+                "policy_state": sp.policy.shared.export_state(), "max_num_seqs": self.scheduler.max_num_seqs,
                 **self.load_costs()}
 
     def load_costs(self, context: int = 512, chunk: int = 256) -> dict:
@@ -231,8 +231,8 @@ class LLMEngine:
         sizes = sorted({min(2 ** i, cap) for i in range(cap.bit_length() + 1)})
         if running:
             context = sum(r.num_tokens for r in running) // len(running)
-        full, one = policy.step_seconds(chunk + 1, context + chunk), policy.step_seconds(1, context)
-        return {"request_speed": policy.request_speed(sizes, context, self.speculation.k_max),
+        full, one = policy.load.step_seconds(chunk + 1, context + chunk), policy.load.step_seconds(1, context)
+        return {"request_speed": policy.load.request_speed(sizes, context, self.speculation.k_max),
                 "prefill_s_per_token": max(0.0, full - one) / chunk if full is not None else None}
 
     # ---- the step -------------------------------------------------------------------------------------------

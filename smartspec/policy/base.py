@@ -3,14 +3,31 @@ k in {0..K} per request, and the proposer where the view offers a choice). The p
 imports nothing from the engine, the runtime or the proposers, and learns from the `StepRecord` of each step."""
 from __future__ import annotations
 
+from smartspec.policy.load_model import LoadModel
 from smartspec.types.plan import DRAFT, LOOKUP, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
 from smartspec.types.tree import TokenTree
 
 
+class SharedEvidence:
+    """What a policy shares with the other replicas' policies through the goodput controller (`Policy.shared`):
+    nothing, here; a policy that learns exports its evidence and adopts the others' merged
+    (replica_state.merge_states)."""
+
+    def export_state(self) -> dict | None:
+        return None
+
+    def import_state(self, state: dict) -> None:
+        """Adopt the replicas' merged state."""
+
+
 class Policy:
+    """plan, prune, observe, release. What routing and autoscaling read of it is `load`; what replicas share,
+    `shared`."""
     name = "base"
     wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_profile
+    load: LoadModel = LoadModel()
+    shared: SharedEvidence = SharedEvidence()
 
     def plan(self, view: StepView) -> SpecPlan:
         """k in [0, view.k_max] per decoding request. Where the view holds lookups (candidate trees that cost no
@@ -39,24 +56,6 @@ class Policy:
 
     def release(self, request_id: str) -> None:
         """Called when a request ends."""
-
-    def request_speed(self, batch_sizes: list[int], context: int, k_max: int) -> dict[int, float] | None:
-        """Per b in batch_sizes: the tokens per second one request is expected to get while b requests of about
-        `context` tokens decode together, at the speculation this policy would choose. None: the policy has no
-        measure of it (routing and autoscaling then fall back to measured rates)."""
-        return None
-
-    def step_seconds(self, tokens: int, context: int) -> float | None:
-        """The predicted time of a step of `tokens` batched tokens over `context` tokens of context, without drafts;
-        None: the policy does not model step time."""
-        return None
-
-    # ---- state shared across replicas (a policy that learns shares it) --------------------------------------
-    def export_state(self) -> dict | None:
-        return None
-
-    def import_state(self, state: dict) -> None:
-        """Adopt the replicas' merged state (see replica_state.merge_states)."""
 
     def stats(self) -> dict:
         return {}

@@ -1,0 +1,94 @@
+"""A draft model's catch-up: before it drafts for a request it reads every token of it that it has not seen (a whole
+prompt, the first time; what the request made at k = 0 since). The cost is paid once and serves the steps that
+follow, so the policy charges it once, spread over at most `horizon` steps, or fewer where the next arrival is
+expected sooner (arrivals.py). The ledger keeps what the draft has read per request. (For prompt lookup the fitted
+cost of catch-up tokens is zero, and so is every charge.)"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from smartspec.policy.arrivals import ArrivalGaps
+from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.goodput import charge_start_costs
+from smartspec.policy.step_numbers import StepNumbers
+from smartspec.types.plan import RequestView, StepView
+
+
+@dataclass
+class Starts:
+    """Per request, the seconds of its catch-up, and the most steps one is spread over this step."""
+    seconds: np.ndarray
+    horizon_cap: float
+
+
+class CatchupLedger:
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon  # the most steps one catch-up is spread over when choosing k
+        self.arrivals = ArrivalGaps()  # ... and the steps to the next arrival bound them
+        self.seen: dict[str, int] = {}  # request -> tokens the draft has read
+        self.chosen_at: dict[str, int] = {}  # request -> its length when it last asked for a draft
+
+    def see(self, view: StepView) -> None:
+        for r in (*view.requests, *view.prefilling):
+            self.arrivals.see(r.request_id, r.arrival_time)
+
+    def tokens(self, requests: list[RequestView]) -> np.ndarray:
+        """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of
+        a context it never drafted for, or what the request generated at k = 0 since."""
+        return np.array([max(0, r.num_tokens - 1 - self.seen.get(r.request_id, 0)) for r in requests],
+                        dtype=np.float64)
+
+    def starts(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> Starts:
+        return Starts(cost.predict_draft(0, 0, self.tokens(step.requests)),
+                      self._steps_to_next_arrival(step, cost, depth))
+
+    def charge(self, gains: np.ndarray, step: StepNumbers, starts: Starts, cost: StepCostModel) -> np.ndarray:
+        """The gains with each request's catch-up charged (goodput.charge_start_costs)."""
+        if not starts.seconds.any():
+            return gains
+        return charge_start_costs(gains, step.caps, self._in_tokens(step, gains, starts, cost))
+
+    def _in_tokens(self, step: StepNumbers, gains: np.ndarray, starts: Starts, cost: StepCostModel) -> np.ndarray:
+        """A catch-up spread over the steps the request would take to finish while drafting (at most the horizon,
+        since load may turn drafting off again), its seconds priced at the decoding batch's goodput without
+        speculation.
+
+        The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
+        second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
+        worth and let whole batches start drafting in prefill steps (tested:
+        test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
+        requests = step.requests
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.caps)[:, None], gains, 0.0)
+        per_step = 1.0 + capped.sum(axis=1)
+        remaining = np.array([max(1, r.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
+        horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
+        decode_s = float(cost.predict(len(requests), sum(r.num_tokens for r in requests)))
+        return starts.seconds / horizon * (len(requests) / decode_s)
+
+    def _steps_to_next_arrival(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> float:
+        """The most steps a catch-up is spread over: the horizon, or fewer where the next arrival is expected
+        sooner. Steps are counted at the length of one in which every request drafts its cap (drafting steps are
+        the ones a catch-up pays back in); the prior gap is `horizon` such steps, so with no arrivals seen the
+        bound is the horizon."""
+        sum_k = sum(step.caps)
+        step_s = max(1e-9, float(cost.predict(step.tokens + sum_k, step.context + sum_k,
+                                              depth(max(step.caps, default=0)), sum_k)))
+        gap = self.arrivals.expected_gap(step.now, self.horizon * step_s)
+        return float(np.clip(gap / step_s, 1.0, self.horizon))
+
+    def drafting(self, requests: list[RequestView], ks: list[int]) -> None:
+        """The plan's requests that will ask the draft model for tokens (k > 0), at their length now."""
+        self.chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
+
+    def observed(self, request_id: str, proposed: int, accepted: int) -> None:
+        """The draft fed the context, then its drafts up to the last."""
+        if proposed and request_id in self.chosen_at:
+            self.seen[request_id] = self.chosen_at[request_id] + min(accepted, proposed - 1)
+
+    def release(self, request_id: str) -> None:
+        self.seen.pop(request_id, None)
+        self.chosen_at.pop(request_id, None)
+        self.arrivals.release(request_id)

@@ -1,0 +1,51 @@
+"""One step's numbers as the goodput policy plans on them: the view, each request's cap, the step's tokens and
+context at k = 0, and the clock."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from smartspec.types.plan import RequestView, StepView
+
+
+@dataclass
+class StepNumbers:
+    view: StepView
+    caps: list[int]  # the most each request may draft
+    tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
+    context: int  # and the context they attend over
+    now: float  # the clock of arrival_time
+
+    @classmethod
+    def of(cls, view: StepView, now: float) -> StepNumbers:
+        return cls(view, caps_of(view), *shape_of(view), now)
+
+    @property
+    def requests(self) -> list[RequestView]:
+        return self.view.requests
+
+    @property
+    def decode_context(self) -> int:
+        """The decoding requests' context alone."""
+        return self.context - self.view.prefill_context
+
+
+def caps_of(view: StepView) -> list[int]:
+    """The most each request may draft: K, its own cap, and one short of its max_tokens."""
+    k_max = view.k_max
+    return [max(0, min(k_max, r.max_tokens - r.num_output_tokens - 1,
+                       k_max if r.max_speculative_tokens is None else r.max_speculative_tokens))
+            for r in view.requests]
+
+
+def shape_of(view: StepView) -> tuple[int, int]:
+    """The step's tokens and context at k = 0: its decoding requests' last tokens and its prefill chunks."""
+    return (view.prefill_tokens + len(view.requests),
+            view.prefill_context + sum(r.num_tokens for r in view.requests))
+
+
+def expected_tokens(gains: np.ndarray, ks: list[int]) -> float:
+    """Tokens a step is expected to generate: one per request, and the gains of each request's first k drafts."""
+    taken = np.arange(gains.shape[1])[None, :] < np.asarray(ks)[:, None]
+    return len(ks) + float(gains[taken].sum())
