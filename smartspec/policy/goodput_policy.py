@@ -9,6 +9,7 @@ from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.base import Policy, SharedEvidence
 from smartspec.policy.catchup import CatchupLedger, Starts
 from smartspec.policy.chain_plan import prefill_step_price, shape_probe
+from smartspec.policy.cost_feed import CostFeed
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.exploration import Exploration, worth_probing
 from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
@@ -16,7 +17,6 @@ from smartspec.policy.load_model import FittedLoad
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.step_numbers import StepNumbers, shape_of
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
-from smartspec.types.numbers import is_int
 from smartspec.types.plan import DRAFT, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
 from smartspec.types.tree import TokenTree
@@ -31,8 +31,8 @@ class GoodputPolicy(Policy):
 
     - acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
       (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
-    - step cost (T): `StepCostModel`, fitted online on every step (refitted every `refit_every` steps), seeded by
-      the engine's warm-up profile.
+    - step cost (T): `StepCostModel`, fed every step and refitted every `refit_every` steps (`CostFeed`), seeded
+      by the engine's warm-up profile.
     - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
       never planned to be slower than plain decoding.
     - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
@@ -52,11 +52,6 @@ class GoodputPolicy(Policy):
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
                  catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
                  shape_probe_loss: float = 0.1, refit_every: int = 4) -> None:
-        # the cost fit is redone once every refit_every steps, not after each: a fit is a few robust least-squares
-        # solves (over a millisecond of Python and numpy, about 2% of a CPU decode step), and a fit a few steps
-        # old predicts the next step as well as a fresh one
-        if not (is_int(refit_every) and refit_every >= 1):
-            raise ValueError(f"refit_every must be an integer >= 1, got {refit_every!r}")
         # every shape_probe_interval-th decode step, the plan of another draft length whose predicted goodput is
         # within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
         if not (isinstance(shape_probe_interval, int) and shape_probe_interval >= 0 and 0 <= shape_probe_loss < 1):
@@ -70,7 +65,7 @@ class GoodputPolicy(Policy):
         self.calibration = NodeCalibration()
         self.tree_gains: TreeGains | None = None
         self.cost = StepCostModel()
-        self.refit_every, self._steps_unfit, self._drafts_unfit = refit_every, 0, False
+        self.cost_feed = CostFeed(self.cost, refit_every, self._depth)
         self.exploration = Exploration(explore_interval, explore_fraction, max_explore_interval, min_prior_evidence)
         self.catchup = CatchupLedger(catchup_horizon)
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
@@ -125,8 +120,8 @@ class GoodputPolicy(Policy):
         of the step (the prior speaks for it)."""
         explore, requests = self.exploration, step.requests
         explore.probing = set()
-        due = [i for i, r in enumerate(requests) if ks[i] == 0 and step.caps[i] > 0 and explore.is_due(r.request_id,
-                                                                                                       self.step)]
+        due = [i for i, r in enumerate(requests)
+               if ks[i] == 0 and step.caps[i] > 0 and explore.is_due(r.request_id, self.step)]
         learning = explore.learning(self.acceptance.evidence)
         worth = worth_probing(step, due, raw_gains, gains, depth_of, starts, plan, price, learning,
                               self.acceptance.first.max_alpha,
@@ -211,30 +206,10 @@ class GoodputPolicy(Policy):
             self.acceptance.observe(rid, proposed, accepted)
             self.catchup.observed(rid, proposed, accepted)
             self.exploration.observed(rid, k, accepted, self.step)
-        self.observe_cost(record)
+        self.cost_feed.observe(record)
 
     def observe_profile(self, records: list[StepRecord]) -> None:
-        for record in records:
-            self.observe_cost(record)
-        self._refit()
-        self.cost.hold_prior()
-
-    def observe_cost(self, record: StepRecord) -> None:
-        proposed = record.proposed
-        if record.methods is not None:  # only the draft model's tokens cost draft forwards
-            proposed = [p for m, p in zip(record.methods, proposed) if m == DRAFT]
-        depth = self._depth(max(proposed, default=0))
-        self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(proposed),
-                          record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
-                          refit=False)
-        self._steps_unfit += 1
-        self._drafts_unfit |= depth > 0
-        if not self.cost.ready or self._steps_unfit >= self.refit_every:
-            self._refit()
-
-    def _refit(self) -> None:
-        self.cost.refit(draft=self._drafts_unfit)
-        self._steps_unfit, self._drafts_unfit = 0, False
+        self.cost_feed.observe_profile(records)
 
     def release(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
@@ -244,10 +219,9 @@ class GoodputPolicy(Policy):
         self.catchup.release(request_id)
 
     def stats(self) -> dict:
-        return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v,
-                "draft_coefficients": self.cost.d, "fits_refused": self.cost.refused,
-                "mean_relative_error": self.cost.mean_relative_error, "steps": self.step,
-                "shape_probes": self.shape_probes}
+        return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v, "draft_coefficients": self.cost.d,
+                "fits_refused": self.cost.refused, "mean_relative_error": self.cost.mean_relative_error,
+                "steps": self.step, "shape_probes": self.shape_probes}
 
 
 class GoodputEvidence(SharedEvidence):
