@@ -120,11 +120,12 @@ class RoutingStats:
     prefill_s_per_token: float | None = None
     chars_per_token: float | None = None
     request_s: float | None = None  # a request's mean time from acceptance to its end
-    prefix_keys: tuple[int, ...] = ()  # the prefix keys of the prompts it served lately
+    # the prefix keys of the prompts it served lately: thousands, passed on as they are, never copied per request
+    prefix_keys: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """Plain values only: Serve's controller, which relays the stats, may not hold this package."""
-        return {**asdict(self), "prefix_keys": list(self.prefix_keys)}
+        return asdict(self)
 
     @staticmethod
     def from_dict(stats: dict | None) -> RoutingStats | None:
@@ -135,5 +136,5 @@ class RoutingStats:
         values = {k: v for k, v in stats.items() if k in known}
         speed = values.get("request_speed")
         values["request_speed"] = {int(b): float(v) for b, v in speed.items()} if speed else None
-        values["prefix_keys"] = tuple(values.get("prefix_keys") or ())
+        values["prefix_keys"] = values.get("prefix_keys") or []
         return RoutingStats(**values)

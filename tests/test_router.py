@@ -52,7 +52,7 @@ def chat_call(*turns: str, retry_of: str | None = None) -> GenerateCall:
 
 
 def stats_holding(call: GenerateCall) -> RoutingStats:
-    return RoutingStats(0.0, 0, 16, prefix_keys=tuple(prefix_keys(call.prefix_text)))
+    return RoutingStats(0.0, 0, 16, prefix_keys=prefix_keys(call.prefix_text))
 
 
 async def route(router: GoodputRouter, request: PendingRequest):

@@ -169,7 +169,7 @@ def test_a_missing_report_counts_as_a_fresh_replica():
 
 
 def test_routing_stats_cross_serve_as_plain_values():
-    reported = RoutingStats(1.5, 2, 8, {1: 20.0, 4: 12.0}, 1e-3, 3.5, 4.0, (7, 8))
+    reported = RoutingStats(1.5, 2, 8, {1: 20.0, 4: 12.0}, 1e-3, 3.5, 4.0, [7, 8])
     plain = reported.as_dict()
     assert all(isinstance(v, (int, float, list, dict, type(None))) for v in plain.values())
     assert RoutingStats.from_dict(plain) == reported and RoutingStats.from_dict({}) is None

@@ -14,7 +14,8 @@ seconds, and the account drains at one second per second. `ahead` is what spread
 over the replicas, and what moves a conversation off its replica once that replica has more prefill queued than
 its cache saves; a burst of next turns, each mostly cached, adds little and stays where its prefixes are. The
 request speed at batch b comes from the goodput policy (`Policy.load.request_speed`): the fitted step cost and the
-measured acceptance at the k the policy would choose there, so a replica with a small batch, which can still afford to speculate, draws new requests.
+measured acceptance at the k the policy would choose there, so a replica with a small batch, which can still
+afford to speculate, draws new requests.
 
 P and the speed table are each replica's own fits, pooled (the median over the replicas, per batch size): a
 deployment's replicas run one model on one kind of resource, and their fits on identical hardware differ by up

@@ -103,7 +103,7 @@ class GoodputRouter(RequestRouter):
                      for r in replicas for rid in [r.replica_id.unique_id]]
         for rid, reported in stats.items():
             if reported is not None:
-                self.prefixes.report(rid, list(reported.prefix_keys), reported.time)
+                self.prefixes.report(rid, reported.prefix_keys, reported.time)
         request = RoutedRequest.of(call, self.routed.get(call.retry_of or ""))
         matched = {e.replica: self.prefixes.matched(e.replica, request.keys, now) for e in estimates}
         choices = rank(request, estimates, matched)

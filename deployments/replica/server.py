@@ -171,7 +171,7 @@ class LLMServer:
         costs = await self._load_costs()
         return RoutingStats(time.time(), self.engine.num_in_flight, self.cfg.max_num_seqs,
                             costs.get("request_speed"), costs.get("prefill_s_per_token"), cpt, self.request_s,
-                            tuple(self.served.snapshot())).as_dict()
+                            self.served.snapshot()).as_dict()
 
     async def record_autoscaling_stats(self) -> dict:
         """What the goodput autoscaling policy reads of this replica (placement/autoscaling.py)."""
