@@ -9,10 +9,12 @@ weight, its strength picked so that the draft's greedy agreement with the target
     python scripts/bench_gpu.py --device cpu --tiny     # the script itself on a CPU, tiny shapes (about 15 s)
 
 Rows: plain decoding, fixed k = 4 and the goodput policy (smartspec) at each batch, transformers' own `generate`
-beside them, the cost of verifying k + 1 = 5 tokens against one, greedy speculation against plain decoding (in the
-run's dtype and in float32; each parting diagnosed as a near-tie or a wrong token), and sampled speculation with
-chains and trees. "steady" counts decode steps without a
-prefill chunk or a draft catching up on a prompt. Prints the table; writes <out>/bench_gpu.json (every number) and
+beside them. Every configuration runs once untimed first (so each bucket's graph is captured before any run is
+timed), then the three are interleaved over --repeats rounds; the table gives medians, the speed's spread and the
+median of each round's ratio to plain decoding. Then the cost of verifying k + 1 = 5 tokens against one, greedy
+speculation against plain decoding (in the run's dtype and in float32; each parting diagnosed as a near-tie or a
+wrong token), and sampled speculation with chains and trees. "steady" counts decode steps without a prefill chunk
+or a draft catching up on a prompt. Prints the table; writes <out>/bench_gpu.json (every number) and
 <out>/bench_gpu.png (the policy's fitted step time by batched tokens, beside the measured steps)."""
 from __future__ import annotations
 
@@ -97,21 +99,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(engine, prompts, params, cap_s: float) -> dict:
-    """All prompts at once, stepped until done or cap_s of steady steps; what is left is aborted."""
+def run(engine, prompts, params, cap_s: float, buckets=lambda: 0) -> dict:
+    """All prompts at once, stepped until done or cap_s of steady steps; what is left is aborted. buckets(): the
+    buckets the runners hold; a step that added one (a graph captured and checked) is not steady."""
     ids = [engine.add_request(p, params) for p in prompts]
     steps, t0, done = [], time.perf_counter(), set()
     while engine.has_unfinished():
         if sum(s["s"] for s in steps if s["steady"]) >= cap_s:
             break
-        before = engine.num_steps
+        before, held = engine.num_steps, buckets()
         outs = engine.step()
         done.update(o.request_id for o in outs if o.finished)
         if engine.num_steps == before:  # nothing was scheduled: no new record
             continue
         r = engine.last_step
         new = sum(1 + a for a in r.accepted)
-        steps.append({"s": r.total_s, "steady": r.num_prefill_tokens == 0 and r.draft_catchup_tokens <= r.batch_size,
+        captured = buckets() > held
+        steps.append({"s": r.total_s, "captured": captured,
+                      "steady": r.num_prefill_tokens == 0 and r.draft_catchup_tokens <= r.batch_size and not captured,
                       "new": new, "ks": list(r.ks), "tokens": r.num_batched_tokens,
                       # all but drafting, as the cost model's T_verify: on a GPU the forward returns before its
                       # kernels finish, and the step waits for them when it reads the tokens
@@ -128,6 +133,31 @@ def run(engine, prompts, params, cap_s: float) -> dict:
             "tokens_per_step": sum(s["new"] for s in steady) / len(steady) if steady else None,
             "mean_k": statistics.fmean(ks) if ks else None, "steady_steps": len(steady),
             "wall_s": time.perf_counter() - t0, "steps": steps}
+
+
+def captured_graphs(engine, proposer) -> int:
+    """Buckets the target's and the draft's runners hold (captured graphs on a GPU, padded steps elsewhere)."""
+    from smartspec.runtime.cuda_graphs import GraphBackend
+    runners = [engine.runner, getattr(proposer, "runner", None)]
+    return sum(len(r.backend.steps) for r in runners if r is not None and isinstance(r.backend, GraphBackend))
+
+
+def summarize(repeats: list[dict], off: list[dict]) -> dict:
+    """One configuration's interleaved repeats: medians, the spread of its speed, and its speed over plain
+    decoding's within each repeat (a ratio never crosses repeats)."""
+    speeds = [r["steady_tok_s"] for r in repeats if r["steady_tok_s"]]
+    ratios = [r["steady_tok_s"] / o["steady_tok_s"] for r, o in zip(repeats, off)
+              if r["steady_tok_s"] and o["steady_tok_s"]]
+
+    def median(key):
+        values = [r[key] for r in repeats if r[key] is not None]
+        return statistics.median(values) if values else None
+    return {"steady_tok_s": statistics.median(speeds) if speeds else None,
+            "tok_s_min": min(speeds, default=None), "tok_s_max": max(speeds, default=None),
+            "vs_off": statistics.median(ratios) if ratios else None, "vs_off_each": ratios,
+            "ms_per_step": median("ms_per_step"), "tokens_per_step": median("tokens_per_step"),
+            "mean_k": median("mean_k"), "captures": sum(r["captures"] for r in repeats),
+            "repeats": len(repeats), "steps": [s for r in repeats for s in r["steps"]]}
 
 
 def step_cost(engine, device: str, context: int, reps: int) -> dict:
@@ -203,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64", help="streams decoding at once, comma-separated")
     ap.add_argument("--max-new", type=int, default=64, help="new tokens per request")
     ap.add_argument("--cap-s", type=float, default=5.0, help="steady seconds per run at most")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every configuration")
     ap.add_argument("--agreement", type=float, default=0.9, help="the draft's greedy agreement to calibrate to")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -214,10 +245,13 @@ def main(argv=None) -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: at least 1, got {args.repeats}")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from smartspec import EngineConfig, SamplingParams
     from smartspec.engine.llm_engine import LLMEngine
     from smartspec.policy.factory import make_policy
+    from smartspec.runtime.attention import attention_kernels
     from smartspec.spec_decode.config import SpeculativeConfig
     from smartspec.spec_decode.factory import draft_blocks, make_draft_proposer
 
@@ -256,17 +290,31 @@ def main(argv=None) -> int:
     engine.profile_steps(batches=(1, 4))
     print("the step cost of 1 and 5 tokens ...", flush=True)
     results["step_cost"] = step_cost(engine, args.device, 200, 5 if args.tiny else 20)
+    configs = [("off", make_policy("off", K)), (f"fixed:{K}", make_policy(f"fixed:{K}", K)), ("smartspec", smart)]
     for b in batches:
-        for name, policy in (("off", make_policy("off", K)), (f"fixed:{K}", make_policy(f"fixed:{K}", K)),
-                             ("smartspec", smart)):
+        # every configuration's buckets captured before any is timed; a bucket first met later is captured in a
+        # step that is not counted as steady
+        for name, policy in configs:
             engine.set_speculation(proposer, policy, K)
-            r = run(engine, prompts(b), greedy, args.cap_s)
+            run(engine, prompts(b), greedy, args.cap_s)
+        repeats: dict[str, list[dict]] = {name: [] for name, _ in configs}
+        for rep in range(args.repeats):  # interleaved: A B C A B C ..., so drift falls on every configuration
+            for name, policy in configs:
+                engine.set_speculation(proposer, policy, K)
+                r = run(engine, prompts(b), greedy, args.cap_s, lambda: captured_graphs(engine, proposer))
+                r["captures"] = sum(s["captured"] for s in r["steps"])
+                repeats[name].append(r)
+        for name, _ in configs:
+            r = summarize(repeats[name], repeats["off"])
             results["runs"][f"b={b} {name}"] = r
-            print(f"b={b} {name}: {r['steady_tok_s'] or 0:.1f} tok/s steady, {r['ms_per_step'] or 0:.1f} ms a step, "
-                  f"mean k {r['mean_k'] or 0:.2f}", flush=True)
+            print(f"b={b} {name}: {r['steady_tok_s'] or 0:.1f} tok/s steady (median of {args.repeats}, "
+                  f"{r['tok_s_min'] or 0:.1f}-{r['tok_s_max'] or 0:.1f}), {r['ms_per_step'] or 0:.1f} ms a step, "
+                  f"mean k {r['mean_k'] or 0:.2f}, {r['captures']} captures while timed", flush=True)
         dt = getattr(torch, engine.config.dtype)
         results["runs"][f"b={b} transformers generate"] = {
             "steady_tok_s": hf_speed(built["target"], args.device, dt, b, 17, min(args.max_new, 64))}
+    results["graphs_captured"] = captured_graphs(engine, proposer)
+    results["attention_kernels"] = attention_kernels()  # CUDA: the SDPA kernel each kind of call runs on
 
     # lossless: greedy speculation against plain decoding, 8 prompts, same batch composition
     def outputs(eng, policy, ps, params, k_max: int = K) -> list[list[int]]:
@@ -320,19 +368,26 @@ def main(argv=None) -> int:
 def print_table(results: dict, batches: list[int]) -> None:
     runs = results["runs"]
     print(f"\nSmartSpec on {results['device']} ({results['dtype']}, {results['backend']}), torch {results['torch']}; "
-          f"draft agreement {results['built']['agreement']:.2f}")
-    print(f"{'run':34s} {'steady tok/s':>12s} {'ms/step':>8s} {'tok/step':>8s} {'mean k':>6s} {'vs off':>6s}")
+          f"draft agreement {results['built']['agreement']:.2f}; {results['args']['repeats']} interleaved repeats "
+          f"after a warm-up of every configuration, medians")
+    print(f"{'run':30s} {'steady tok/s':>12s} {'min-max':>15s} {'ms/step':>8s} {'tok/step':>8s} {'mean k':>6s} "
+          f"{'vs off':>6s} {'captures':>8s}")
+
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0].rstrip("d"))
     for b in batches:
-        base = runs[f"b={b} off"]["steady_tok_s"]
         for name in ("off", f"fixed:{K}", "smartspec", "transformers generate"):
             r = runs[f"b={b} {name}"]
-            speed = r["steady_tok_s"]
-
-            def f(x, fmt):
-                return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0])
-            print(f"{f'b={b} {name}':34s} {f(speed, '12.1f')} {f(r.get('ms_per_step'), '8.1f')} "
-                  f"{f(r.get('tokens_per_step'), '8.2f')} {f(r.get('mean_k'), '6.2f')} "
-                  f"{f(speed / base if speed and base else None, '6.2f')}")
+            spread = (f"{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}" if r.get("tok_s_min") is not None else "-")
+            vs_off = r.get("vs_off") if name != "transformers generate" else (
+                r["steady_tok_s"] / runs[f"b={b} off"]["steady_tok_s"] if runs[f"b={b} off"]["steady_tok_s"]
+                else None)
+            print(f"{f'b={b} {name}':30s} {f(r['steady_tok_s'], '12.1f')} {spread:>15s} "
+                  f"{f(r.get('ms_per_step'), '8.1f')} {f(r.get('tokens_per_step'), '8.2f')} "
+                  f"{f(r.get('mean_k'), '6.2f')} {f(vs_off, '6.2f')} {f(r.get('captures'), '8d')}")
+    print(f"buckets held by the target's and the draft's runners: {results['graphs_captured']} "
+          f"(captures: steps of a timed run that captured one, left out of its steady figures); attention kernels: "
+          f"{results['attention_kernels'] or 'the torch path off CUDA'}")
     c = results["step_cost"]
     print(f"\nverify {K + 1} tokens of one stream: {c['verify_ms']:.2f} ms, {c['ratio']:.2f}x a one-token step "
           f"({c['one_token_ms']:.2f} ms)")

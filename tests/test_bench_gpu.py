@@ -11,7 +11,7 @@ import bench_gpu  # noqa: E402
 
 def test_the_gpu_benchmark_runs_on_a_cpu_with_tiny_shapes(tmp_path, capsys):
     assert bench_gpu.main(["--device", "cpu", "--tiny", "--batches", "1,2", "--max-new", "12", "--cap-s", "0.5",
-                           "--out", str(tmp_path)]) == 0
+                           "--repeats", "2", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert (tmp_path / "bench_gpu.png").stat().st_size > 0
     assert results["dtype"] == "float32" and results["backend"] == "transformers-modules"  # no graphs on a CPU
@@ -19,6 +19,11 @@ def test_the_gpu_benchmark_runs_on_a_cpu_with_tiny_shapes(tmp_path, capsys):
         for name in ("off", "fixed:4", "smartspec", "transformers generate"):
             assert results["runs"][f"b={b} {name}"]["steady_tok_s"] > 0, (b, name)
         assert results["runs"][f"b={b} fixed:4"]["mean_k"] > 0 and results["runs"][f"b={b} off"]["mean_k"] == 0
+        for name in ("off", "fixed:4", "smartspec"):  # interleaved repeats after a warm-up: no capture timed
+            run = results["runs"][f"b={b} {name}"]
+            assert run["repeats"] == 2 and len(run["vs_off_each"]) == 2 and run["captures"] == 0
+            assert run["tok_s_min"] <= run["steady_tok_s"] <= run["tok_s_max"]
+        assert results["runs"][f"b={b} off"]["vs_off"] == 1.0
     greedy = results["lossless"]["float32"]
     assert set(results["lossless"]) == {"float32"} and greedy["wrong"] == 0  # a parting is a proven near-tie
     assert greedy["equal"] + greedy["near_ties"] == 8

@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 from lossless import assert_greedy_equal
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 from engines import PARAMS, PROMPTS, MixedPolicy, run_staggered
+from host_reads import HostReads
 
 from smartspec import LLM
 from smartspec.runtime.block_manager import BlockManager
-from smartspec.runtime.cuda_graphs import MAX_CELLS, Bucket, GraphBackend, bucket_for
+from smartspec.runtime.cuda_graphs import GRAPH_SHAPES, Bucket, GraphBackend, bucket_for
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner, prepare_step
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def test_padded_steps_give_the_eager_greedy_output(method, tiny_qwen, tiny_qwen_
     llm = padded(make(tiny_qwen, spec))
     got = run_staggered(llm, PROMPTS, PARAMS)
     buckets = llm.engine.runner.backend.steps
-    assert buckets and all(b.rows * b.width <= MAX_CELLS for b in buckets)
+    assert buckets and all(b.rows * b.width <= GRAPH_SHAPES.max_cells for b in buckets)
     if method == "self-tree":
         assert any(b.trees for b in buckets)
         assert llm.engine.speculation.metrics.accepted_per_position[2] > 0  # deep tree paths were verified
@@ -96,25 +96,6 @@ def test_a_padded_step_gives_the_eager_logits(tiny_qwen, with_tree):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-class HostReads(TorchDispatchMode):
-    """The operations that bring a value to the host, or a host value to the tensor's device: inside a CUDA graph
-    capture each is an error (or a value frozen at capture)."""
-    SYNCS = {"item", "_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_consecutive",
-             "_unique2", "unique_dim", "lift_fresh", "allclose"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        bool_index = name in ("index", "index_put_", "index_put") and any(
-            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else ()) or ())
-        if name in self.SYNCS or bool_index:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_detector_sees_host_reads():
     with HostReads() as reads:
         x = torch.arange(4.0)
@@ -147,7 +128,7 @@ def test_buckets():
     assert bucket_for(inputs([1, 1, 1]), 4, 256) == Bucket(4, 1, 128, False)
     assert bucket_for(inputs([5, 1]), 4, 256) == Bucket(2, 8, 128, False)
     assert bucket_for(inputs([65]), 4, 256) is None  # a prefill chunk runs eagerly
-    assert bucket_for(inputs([40] * 33), 4, 256) is None  # 48 rows x 64 wide: past MAX_CELLS
+    assert bucket_for(inputs([40] * 33), 4, 256) is None  # 48 rows x 64 wide: past the largest bucket's cells
     assert bucket_for(inputs([1]), 4, 16) is None  # past the cache the runner holds
 
 

@@ -1,6 +1,8 @@
 """The goodput policy as a whole: shape probes, prefill pricing, catch-up charging, probes, state exchange, and
 the engine under it equal to plain decoding."""
 
+import dataclasses
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -290,3 +292,25 @@ def test_engine_under_smartspec_equals_off(method, tiny_qwen, tiny_qwen_draft, t
     # every prompt token is prefilled exactly once (no preemption here), and no decode counts as prefill
     assert sum(r["num_prefill_tokens"] for r in rows) == sum(len(o.prompt_token_ids) for o in outs)
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_on_a_padded_runner_one_request_does_not_widen_every_row():
+    """Steps padded to buckets (CUDA graphs) cost their cells: a chain of 5 for one request of 64 makes every row 8
+    wide. Where a cell costs what a token costs, the plan that pays on real tokens (k = 5 for the one request that
+    accepts everything) is not chosen once the view says how steps are padded."""
+    from smartspec.runtime.cuda_graphs import GRAPH_SHAPES
+
+    def plan(shapes):
+        p = drafting_policy(0.0)
+        p.cost.v = [0.005] + [2e-6] * 6 + [0.0]  # 5 ms a step, 2 us a token (or a padded cell)
+        p.cost.d = [1e-5, 1e-6, 0.0]  # drafts all but free
+        requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=64)) for i in range(64)]
+        for _ in range(30):
+            p.acceptance.observe("r0", 5, 5)
+            for r in requests[1:]:
+                p.acceptance.observe(r.request_id, 5, 0)
+        return p.plan(dataclasses.replace(view(requests, 5), shapes=shapes)).ks
+
+    assert plan(None)[0] == 5  # on real tokens the long chain pays
+    padded = plan(GRAPH_SHAPES)
+    assert max(padded) <= 1  # no row wider than 2: 128 cells, not 512

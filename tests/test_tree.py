@@ -230,3 +230,27 @@ def test_tree_from_a_draft_actor_equals_plain(ray_serve, tiny_qwen, tiny_qwen_dr
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens
     finally:
         engine.close()
+
+
+def test_the_tree_drafter_reads_the_host_once_a_depth(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """Growing trees for a batch (greedy and sampled requests) brings each depth's candidates to the host in one
+    read, not a few per child."""
+    import sys
+    reads = []
+    for name in ("tolist", "item", "__float__", "__int__"):
+        def counted(self, *args, _original=getattr(torch.Tensor, name), _name=name):
+            if sys._getframe(1).f_code.co_filename.endswith("draft_tree.py"):
+                reads.append(_name)
+            return _original(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen_draft, "tree": TREE, "policy": "fixed"})
+    eng, draft = llm.engine, llm.engine.speculation.proposer
+    requests = []
+    for i, params in enumerate([SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=1)]):
+        eng.add_request(PROMPTS[i], params, request_id=f"r{i}")
+        requests.append(eng.requests.get(f"r{i}"))
+    eng.step()  # the prompts
+    reads.clear()
+    proposal = draft.propose(requests, [8, 8])
+    assert all(len(t) for t in proposal.trees)
+    assert reads == ["tolist"] * draft.max_depth

@@ -76,6 +76,7 @@ class TPWorker:
 class TPModelRunner:
     """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
     captures_graphs = False  # the ranks run every step eagerly
+    padded_shapes = None  # and unpadded
 
     def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,
                  num_cpus: float, num_threads: int | None, num_gpus: float = 0,

@@ -35,6 +35,7 @@ from smartspec.spec_decode.proposer import Proposer
 from smartspec.structured.compile import compiled
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
+from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
@@ -260,7 +261,8 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
         hints = (self.hints.step_hints(decoding, self.grammars, spec.k_max)
                  if spec.proposer is not None and self.request_hints else None)
-        view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints)
+        view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints,
+                               shapes=self.runner.padded_shapes)
         t_draft = time.perf_counter()
         drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)
         items = [self._forward_item(s, drafted) for s in batch]
@@ -272,7 +274,8 @@ class LLMEngine:
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, new_tokens)
         t_end = time.perf_counter()
         record = self._record(step_number, items, decoding, sum(s.num_tokens for s in prefill), plan, drafted,
-                              new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start)
+                              new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
+                              self.runner.padded_shapes)
         return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()))
 
     @staticmethod
@@ -343,14 +346,17 @@ class LLMEngine:
     @staticmethod
     def _record(step_number: int, items: list[ForwardItem], decoding: list[Request], num_prefill: int,
                 plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]], trees: dict[str, VerifiedTree],
-                draft_s: float, verify_s: float, total_s: float) -> StepRecord:
+                draft_s: float, verify_s: float, total_s: float, shapes: PaddedShapes | None) -> StepRecord:
         drafts = drafted.drafts
+        tokens = sum(len(it.tokens) for it in items)
         proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]
         return StepRecord(
             step=step_number, batch_size=len(items), ks=list(plan.ks), proposed=proposed,
             accepted=[len(new_tokens.get(r.request_id, [None])) - 1 if p else 0 for r, p in zip(decoding, proposed)],
             request_ids=[r.request_id for r in decoding],
-            num_batched_tokens=sum(len(it.tokens) for it in items),
+            num_batched_tokens=tokens,
+            forward_tokens=tokens if shapes is None else shapes.forward_tokens(
+                len(items), max(len(it.tokens) for it in items), tokens),
             num_prefill_tokens=num_prefill,
             num_context_tokens=sum(it.start + len(it.tokens) for it in items),
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,

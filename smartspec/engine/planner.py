@@ -14,6 +14,7 @@ from smartspec.runtime.block_manager import BlockManager
 from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.metrics import SpecDecodeMetrics
+from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView
 from smartspec.types.request import Request
 
@@ -44,21 +45,22 @@ def request_view(req: Request) -> RequestView:
 
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
-              lookups=None, draft_available: bool = False) -> StepView:
+              lookups=None, draft_available: bool = False, shapes: PaddedShapes | None = None) -> StepView:
     """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step."""
     return StepView([request_view(r) for r in decoding], k_max,
                     prefill_tokens=sum(s.num_tokens for s in prefill),
                     prefill_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
                     prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],
-                    now=now, lookups=lookups, draft_available=draft_available)
+                    now=now, lookups=lookups, draft_available=draft_available, shapes=shapes)
 
 
 def plan_step(spec: Speculation, decoding: list[Request], prefill: list[ScheduledRequest], budget: int,
               blocks: BlockManager, max_model_len: int, now: float | None = None,
-              hints: list[Hint] | None = None) -> tuple[StepView | None, SpecPlan]:
+              hints: list[Hint] | None = None, shapes: PaddedShapes | None = None) -> tuple[StepView | None, SpecPlan]:
     """The step's view (None where no policy was asked) and its plan, capped, with the drafts' blocks reserved.
     budget: the step's tokens left for drafts; now: the clock of arrival_time (None: time.monotonic()); hints: the
-    drafts requests carry (spec_decode/hints.py), offered to the policy as lookups beside the proposer's own."""
+    drafts requests carry (spec_decode/hints.py), offered to the policy as lookups beside the proposer's own;
+    shapes: the buckets the target's forward is padded to (ModelRunner.padded_shapes)."""
     b = len(decoding)
     proposer = spec.proposer
     if proposer is None or not decoding or not proposer.available:
@@ -69,7 +71,7 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
         if hints is not None:  # the configured proposer is then the alternative to each request's lookup
             lookups = [h.tree if h.source or own is None else own[i] for i, h in enumerate(hints)]
             draft_available = proposer.draft_available if own is not None else proposer.available
-        view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available)
+        view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available, shapes)
         plan = spec.policy.plan(view)
         _check(plan, view)
     except Exception:

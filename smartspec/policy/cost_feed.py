@@ -25,7 +25,8 @@ class CostFeed:
         if record.methods is not None:  # only the draft model's tokens cost draft forwards
             proposed = [p for m, p in zip(record.methods, proposed) if m == DRAFT]
         depth = self.depth(max(proposed, default=0))
-        self.cost.observe(record.num_batched_tokens, record.num_context_tokens, depth, sum(proposed),
+        tokens = record.num_batched_tokens if record.forward_tokens is None else record.forward_tokens
+        self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed),
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
                           refit=False)
         self.steps_unfit += 1

@@ -62,10 +62,16 @@ def plan_value(tokens, seconds, price: float | None = None):
 
 
 def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
-                   base_context: int, price: float | None = None) -> list[Plan]:
-    """The best plan under each draft depth, the plan without speculation first (see select_from_gains)."""
+                   base_context: int, price: float | None = None,
+                   tokens_of: Callable[[np.ndarray | int, int], np.ndarray | int] | None = None) -> list[Plan]:
+    """The best plan under each draft depth, the plan without speculation first (see select_from_gains).
+    tokens_of(m, depth): the tokens the forward computes with m draft tokens at most `depth` a row, where that is
+    not base_tokens + m (a runner that pads every row to the widest: StepNumbers.forward_tokens)."""
+    if tokens_of is None:
+        def tokens_of(m, depth):
+            return base_tokens + m
     b = len(caps)
-    t0 = float(cost(base_tokens, base_context, 0, 0))
+    t0 = float(cost(tokens_of(0, 0), base_context, 0, 0))
 
     plans = [Plan([0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
     caps_arr = np.asarray(caps, dtype=np.int64)
@@ -80,11 +86,11 @@ def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cos
         g = gains[rows, cols]
         order = np.argsort(-g, kind="stable")
         m = np.arange(1, len(order) + 1)
-        values = plan_value(b + np.cumsum(g[order]), cost(base_tokens + m, base_context + m, depth, m), price)
+        values = plan_value(b + np.cumsum(g[order]), cost(tokens_of(m, depth), base_context + m, depth, m), price)
         i = int(np.argmax(values))
         chosen = order[: i + 1]
         used = int(depth_of[cols[chosen].max()])
-        seconds = float(cost(base_tokens + i + 1, base_context + i + 1, used, i + 1))
+        seconds = float(cost(tokens_of(i + 1, used), base_context + i + 1, used, i + 1))
         plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i]), used, i + 1))
     return plans
 

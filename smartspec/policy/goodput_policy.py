@@ -99,7 +99,9 @@ class GoodputPolicy(Policy):
         starts = self.catchup.starts(step, self.cost, self._depth)
         gains = self.catchup.charge(raw_gains, step, starts, self.cost)
         price = prefill_step_price(gains, step, depth_of, self.cost.predict) if step.view.prefill_tokens else None
-        plans = plans_by_depth(gains, step.caps, depth_of, self.cost.predict, step.tokens, step.context, price)
+        padded = step.forward_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
+        plans = plans_by_depth(gains, step.caps, depth_of, self.cost.predict, step.tokens, step.context, price,
+                               padded)
         if price is not None:
             plan = best_plan(plans)
         else:
@@ -109,7 +111,8 @@ class GoodputPolicy(Policy):
         predicted = plan.seconds
         if self.exploration.probing:
             sum_k = sum(ks)
-            predicted = self.cost.predict(step.tokens + sum_k, step.context + sum_k, self._depth(max(ks)), sum_k)
+            tokens = step.forward_tokens(sum_k, max(ks)) if self.tree_depth is None else step.tokens + sum_k
+            predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
         self.catchup.drafting(requests, ks)
         return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)))
 

@@ -25,6 +25,15 @@ class StepNumbers:
     def requests(self) -> list[RequestView]:
         return self.view.requests
 
+    def forward_tokens(self, drafted, depth: int):
+        """Token positions the verify forward computes with `drafted` draft tokens (a number or an array), `depth`
+        the longest chain: the step's tokens, or on a padded runner (view.shapes) its bucket's cells, since one
+        chain of depth d widens every row to d + 1. A step with prefill chunks runs unpadded."""
+        real = self.tokens + drafted
+        shapes = self.view.shapes
+        bucket = None if shapes is None or self.view.prefill_tokens else shapes.bucket(len(self.requests), depth + 1)
+        return real if bucket is None else real * 0 + bucket[0] * bucket[1]
+
     @property
     def decode_context(self) -> int:
         """The decoding requests' context alone."""

@@ -47,14 +47,18 @@ class FusedKernelBackend:
 class ModulesBackend:
     def __init__(self, model: torch.nn.Module, device: torch.device, uses_kernels: bool) -> None:
         self.model, self.device, self.uses_kernels = model, device, uses_kernels
+        self.q_per_kv = attention.q_per_kv(model.config)
         self.name = "transformers-modules" + ("+cpu-kernels" if uses_kernels else "")
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
         dev = self.device
-        groups = None if self.uses_kernels else attention.group_queries(
-            inputs.seq_of, inputs.kv_len, inputs.block_tables, inputs.tree_base, inputs.tree_mask, dev)
+        layouts = None
+        if not self.uses_kernels:
+            groups = attention.group_queries(inputs.seq_of, inputs.kv_len, inputs.block_tables, inputs.tree_base,
+                                             inputs.tree_mask, dev)
+            layouts = [attention.lay_out(g, kv_caches[0][0].shape[1], self.q_per_kv) for g in groups]
         attention.set_step(attention.StepAttention(
             kv_caches=kv_caches,
             slots=inputs.slots.to(dev),
@@ -64,7 +68,7 @@ class ModulesBackend:
             use_kernels=self.uses_kernels,
             tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
             tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
-            groups=groups,
+            layouts=layouts,
         ))
         try:
             out = self.model(

@@ -11,27 +11,28 @@ largest bucket, runs eagerly.
 The graph holds the decoder; the language-model head runs after it on the kept rows only, so a bucket's output is
 its hidden states, not a vocabulary-wide row for every padding cell. Each bucket is captured the first time a step
 needs it, and its first replay is checked against the eager run of the same padded inputs; a capture error or a
-mismatch turns graphs off for the runner, with a warning, and steps run eagerly from then on. Without a GPU the same padded steps run eagerly (`capture=False`): everything but the
-capture itself is exercised by the CPU tests."""
+mismatch turns graphs off for the runner, with a warning, and steps run eagerly from then on. Without a GPU the
+same padded steps run eagerly (`capture=False`): everything but the capture itself is exercised by the CPU
+tests."""
 from __future__ import annotations
 
-import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from smartspec.runtime.attention import LONG_QUERY, NO_TREE, QueryGroup, StepAttention, set_step
+from smartspec.runtime.attention import LONG_QUERY, NO_TREE, QueryGroup, StepAttention, lay_out, q_per_kv, set_step
 from smartspec.runtime.backends import ModulesBackend
 from smartspec.runtime.step_inputs import StepInputs
+from smartspec.types.padding import PaddedShapes
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, LONG_QUERY)
+# rows x width buckets; a step of one wider than 1024 cells is compute-bound, and graphs gain it little
+GRAPH_SHAPES = PaddedShapes(rows=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256),
+                            widths=(1, 2, 4, 8, 16, 32, LONG_QUERY), max_cells=1024)
 MIN_KV_WIDTH = 128  # cache positions attended: a power of two from here, up to what the cache holds
 MAX_GRAPHS = 48  # buckets captured per runner; a step of another bucket past this runs eagerly
-MAX_CELLS = 1024  # rows x width of the largest bucket: wider steps are compute-bound, graphs gain them little
 MISMATCH = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}  # replay vs eager, x the logit scale
 
 
@@ -46,13 +47,11 @@ class Bucket:
 def bucket_for(inputs: StepInputs, block_size: int, max_kv_width: int) -> Bucket | None:
     """The smallest bucket that holds the step, or None (a prefill chunk, too many rows, too long a context)."""
     counts = torch.bincount(inputs.seq_of)  # a sequence's tokens are contiguous, its row is seq_of
-    rows, width, kv = len(counts), int(counts.max()), int(inputs.kv_len.max())
-    if rows > ROW_BUCKETS[-1] or width > WIDTH_BUCKETS[-1] or kv > max_kv_width:
+    kv = int(inputs.kv_len.max())
+    shape = GRAPH_SHAPES.bucket(len(counts), int(counts.max()))
+    if shape is None or kv > max_kv_width:
         return None
-    rows = ROW_BUCKETS[bisect.bisect_left(ROW_BUCKETS, rows)]
-    width = WIDTH_BUCKETS[bisect.bisect_left(WIDTH_BUCKETS, width)]
-    if rows * width > MAX_CELLS:
-        return None
+    rows, width = shape
     kv_width = min(max(MIN_KV_WIDTH, 1 << (kv - 1).bit_length()), max_kv_width)
     return Bucket(rows, width, -(-kv_width // block_size) * block_size, inputs.tree_base is not None)
 
@@ -87,15 +86,15 @@ class PaddedStep:
             self.host = {name: t.pin_memory() for name, t in self.host.items()}
         self.static = {name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
         s = self.static
-        everything = torch.arange(n, device=device)
         self.attention = StepAttention(
             kv_caches=kv_caches, slots=s["slots"], block_tables=s["block_tables"],
             seq_of=torch.arange(bucket.rows, device=device, dtype=torch.int32).repeat_interleave(bucket.width),
-            kv_len=s["kv_len"], use_kernels=False, tree_base=s.get("tree_base"), tree_mask=s.get("tree_mask"),
-            groups=[QueryGroup(everything, everything, bucket.rows, bucket.width, bucket.kv_width,
-                               s["block_tables"], s["kv_len"].view(grid),
-                               s["tree_base"].view(grid) if bucket.trees else None,
-                               s["tree_mask"].view(grid) if bucket.trees else None)])
+            kv_len=s["kv_len"], use_kernels=False, tree_base=s.get("tree_base"), tree_mask=s.get("tree_mask"))
+        # the grid is the step's whole query group, its tokens in order (load lays them out so)
+        self.group = QueryGroup(None, None, bucket.rows, bucket.width, bucket.kv_width, s["block_tables"],
+                                s["kv_len"].view(grid), s["tree_base"].view(grid) if bucket.trees else None,
+                                s["tree_mask"].view(grid) if bucket.trees else None)
+        self.q_per_kv = q_per_kv(model.config)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None  # the graph's output buffer [rows * width, hidden]
         self.copied: torch.cuda.Event | None = None  # the last step's staging copies (the buffers are reused)
@@ -129,7 +128,8 @@ class PaddedStep:
 
     def forward(self) -> torch.Tensor:
         """The decoder over the static buffers: every grid cell's last hidden state [rows * width, hidden]."""
-        set_step(self.attention)
+        # laid out inside the forward, so a captured graph recomputes the slots and mask from each step's buffers
+        set_step(replace(self.attention, layouts=[lay_out(self.group, self.block_size, self.q_per_kv)]))
         try:
             out = self.decoder(input_ids=self.static["ids"][None], position_ids=self.static["positions"][None],
                                use_cache=False)
@@ -178,6 +178,11 @@ class GraphBackend:
         self.steps: dict[Bucket, PaddedStep] = {}
         self.enabled = True
         self.pool = None
+
+    @property
+    def padded_shapes(self) -> PaddedShapes | None:
+        """The shapes steps run in, for the policy's pricing; None once graphs are off."""
+        return GRAPH_SHAPES if self.enabled else None
 
     @property
     def name(self) -> str:

@@ -12,6 +12,7 @@ from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.cuda_graphs import GraphBackend, graphable
 from smartspec.runtime.page_arena import PageArena
 from smartspec.runtime.step_inputs import StepInputs
+from smartspec.types.padding import PaddedShapes
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 
@@ -144,6 +145,11 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         return self.backend.execute(inputs, self.kv_caches)
+
+    @property
+    def padded_shapes(self) -> PaddedShapes | None:
+        """The buckets decode and verify steps are padded to (None: every step runs as it comes)."""
+        return self.backend.padded_shapes if isinstance(self.backend, GraphBackend) else None
 
     @property
     def use_kernels(self) -> bool:

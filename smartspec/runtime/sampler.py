@@ -33,10 +33,15 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [R, V]. Each sampled row draws from its own generator on the logits' device, and
     the step's tokens come to the host in one read (a read a row would stall a GPU once per request)."""
-    tokens = logits.argmax(dim=-1)
+    return draw_tokens(logits, logits.argmax(dim=-1), params, generators).tolist()
+
+
+def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """sample_tokens left on the logits' device; best: the rows' argmax, the greedy rows' tokens."""
     sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
-        draws = [torch.multinomial(target_probs(logits[row], params[row]), 1, generator=generators[row])
-                 for row in sampled]
-        tokens = tokens.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(draws))
-    return tokens.tolist()
+    if not sampled:
+        return best
+    draws = [torch.multinomial(target_probs(logits[row], params[row]), 1, generator=generators[row])
+             for row in sampled]
+    return best.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(draws))

@@ -1,5 +1,6 @@
 """Accept: per request due a token, the tokens a verify step yields (accepted drafts + one from the target), by the
-lossless rules of rejection_sampler.py; requests without drafts sample their one token in one batched call."""
+lossless rules of rejection_sampler.py; requests without drafts sample their one token in one batched call, and the
+step's tokens come to the host in one read."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -8,9 +9,9 @@ import torch
 
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import sample_tokens
+from smartspec.runtime.sampler import draw_tokens, target_probs
 from smartspec.spec_decode.proposer import Draft
-from smartspec.spec_decode.rejection_sampler import accept, accept_tree
+from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
 from smartspec.structured.matcher import RequestGrammar, apply_masks
 
 
@@ -18,27 +19,47 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
                   eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None) \
         -> dict[str, list[int]]:
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
-    token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens."""
+    token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens.
+
+    Every row's argmax, each sampled chain's verdict and the plain rows' draws stay on the logits' device and come
+    to the host in one read for the step; only a sampled token tree reads once per level of its own (which children
+    it tries at a level depends on the level above)."""
     logits = controlled(items, logits, drafts, eos_token_ids, grammars or {})
-    out, plain_rows, plain = {}, [], []
+    best = logits.argmax(dim=-1)
+    on_device, at = [best], logits.shape[0]  # what the one read brings back, and where the next part starts
+    out, verdicts, plain_rows, plain = {}, [], [], []
     row = 0
     for it in items:
-        if not it.num_logits:
-            continue
-        req = it.request
+        req, n = it.request, it.num_logits
         draft = drafts.get(req.request_id)
-        if draft is not None and draft.tree is not None:
-            out[req.request_id] = accept_tree(logits[row:row + it.num_logits], draft.tree, req.params, req.generator)
-        elif draft is not None:
-            out[req.request_id] = accept(logits[row:row + it.num_logits], draft.tokens, draft.probs, req.params,
-                                         req.generator)
-        else:
+        if not n:
+            continue
+        if draft is None:
             plain_rows.append(row)
             plain.append(req)
-        row += it.num_logits
+        elif draft.tree is not None and not req.params.greedy:
+            out[req.request_id] = accept_tree_sampled(target_probs(logits[row:row + n], req.params), draft.tree,
+                                                      req.generator)
+        elif req.params.greedy:
+            verdicts.append((req.request_id, draft, row, n, None))
+        else:
+            on_device.append(sampled_verdict(target_probs(logits[row:row + n], req.params), draft.tokens,
+                                             draft.probs, req.generator))
+            verdicts.append((req.request_id, draft, row, n, at))
+            at += 2
+        row += n
     if plain:
-        tokens = sample_tokens(logits[plain_rows], [r.params for r in plain], [r.generator for r in plain])
-        out.update((r.request_id, [t]) for r, t in zip(plain, tokens))
+        on_device.append(draw_tokens(logits[plain_rows], best[plain_rows], [r.params for r in plain],
+                                     [r.generator for r in plain]))
+    host = torch.cat(on_device).tolist()
+    for request_id, draft, row, n, verdict in verdicts:
+        if verdict is not None:  # a sampled chain: its accepted drafts, then the token drawn after them
+            out[request_id] = list(draft.tokens[:host[verdict]]) + [host[verdict + 1]]
+        elif draft.tree is not None:
+            out[request_id] = greedy_path(host[row:row + n], draft.tree)
+        else:
+            out[request_id] = greedy_run(host[row:row + n], draft.tokens)
+    out.update((r.request_id, [t]) for r, t in zip(plain, host[at:]))
     return out
 
 

@@ -72,25 +72,36 @@ class DraftTreeProposer(DraftModelProposer):
         super().release(request_id)
 
     # ---- growing -------------------------------------------------------------------------------------------
-    def _expand(self, g: _Growth, node: int, logits: torch.Tensor, req: Request) -> None:
-        """Add `branching` candidate children of node (fed) from the draft's logits after it."""
-        if req.params.greedy:
-            q = self._fit_vocab(torch.softmax(logits.float(), dim=-1))
-            keys = q
-        else:
-            q = self._fit_vocab(target_probs(logits, req.params))
-            uniform = torch.rand(q.shape, generator=req.generator, device=q.device).clamp_(min=1e-20)
-            keys = q.log() - (-uniform.log()).log()  # Gumbel top-k: an ordered draw without replacement
-            g.child_probs[node] = q
-        top = torch.topk(keys, min(self.branching, int((q > 0).sum())))
-        parent_score = 1.0 if node < 0 else g.scores[node]
-        depth = 1 if node < 0 else g.depths[node] + 1
-        for tok in top.indices.tolist():
-            g.tokens.append(tok)
-            g.parents.append(node)
-            g.confidences.append(float(q[tok]))
-            g.scores.append(parent_score * float(q[tok]))
-            g.depths.append(depth)
+    def _expand(self, fed: list[tuple[_Growth, int, Request]], logits: torch.Tensor) -> None:
+        """Add `branching` candidate children to each fed node of one depth (logits row r after fed[r]): greedy
+        rows by the draft's probability, sampled ones by a Gumbel top-k draw (an ordered draw without replacement).
+        Every node's candidates come to the host in one read for the depth, not a few reads per child."""
+        qs, keys = [], []
+        for row, (g, node, req) in enumerate(fed):
+            if req.params.greedy:
+                q = self._fit_vocab(torch.softmax(logits[row].float(), dim=-1))
+                keys.append(q)
+            else:
+                q = self._fit_vocab(target_probs(logits[row], req.params))
+                uniform = torch.rand(q.shape, generator=req.generator, device=q.device).clamp_(min=1e-20)
+                keys.append(q.log() - (-uniform.log()).log())
+                g.child_probs[node] = q
+            qs.append(q)
+        q = torch.stack(qs)
+        top = torch.topk(torch.stack(keys), min(self.branching, q.shape[-1]), dim=-1).indices
+        # token ids are exact in float64, so one tensor brings both back
+        tokens, probs = torch.stack([top.double(), q.gather(1, top).double()]).tolist()
+        for (g, node, _), node_tokens, node_probs in zip(fed, tokens, probs):
+            parent_score = 1.0 if node < 0 else g.scores[node]
+            depth = 1 if node < 0 else g.depths[node] + 1
+            for tok, p in zip(node_tokens, node_probs):
+                if p <= 0.0:  # the filters (top-k, top-p, a grammar) left fewer than `branching` candidates
+                    break
+                g.tokens.append(int(tok))
+                g.parents.append(node)
+                g.confidences.append(p)
+                g.scores.append(parent_score * p)
+                g.depths.append(depth)
 
     @torch.inference_mode()
     def _start_growth(self, requests: list[Request], ks: list[int]) -> list[_Growth]:
@@ -116,9 +127,9 @@ class DraftTreeProposer(DraftModelProposer):
             items = [ForwardItem(g.ds, g.ds.token_ids[g.ds.num_computed_tokens:], g.ds.num_computed_tokens, 1)
                      for g in growing]
             logits = self.runner.forward(items)
-            for row, g in enumerate(growing):
+            for g in growing:
                 g.ds.num_computed_tokens = g.ds.num_tokens
-                self._expand(g, -1, logits[row], requests[g.index])
+            self._expand([(g, -1, requests[g.index]) for g in growing], logits)
         for depth in range(1, max((g.rounds for g in growing), default=0)):
             active, items, fed = [g for g in growing if depth < g.rounds], [], []
             for g in active:
@@ -137,12 +148,8 @@ class DraftTreeProposer(DraftModelProposer):
                 fed.append((g, frontier))
             if not items:
                 break
-            logits = self.runner.forward(items)
-            row = 0
-            for g, frontier in fed:
-                for c in frontier:
-                    self._expand(g, c, logits[row], requests[g.index])
-                    row += 1
+            self._expand([(g, c, requests[g.index]) for g, frontier in fed for c in frontier],
+                         self.runner.forward(items))
         trees = [TokenTree([], [], []) for _ in requests]
         for g in growing:
             trees[g.index] = best_first(g.tokens, g.parents, g.scores, g.confidences, g.child_probs, limit=g.budget,

@@ -10,7 +10,11 @@ from smartspec.types.tree import TokenTree
 
 def accept_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
     """Longest prefix of the draft equal to the target's argmax, then the target's own next token."""
-    best = target_logits.argmax(dim=-1).tolist()
+    return greedy_run(target_logits.argmax(dim=-1).tolist(), draft)
+
+
+def greedy_run(best: list[int], draft: list[int]) -> list[int]:
+    """accept_greedy over the target's argmax rows already on the host."""
     out = []
     for j, tok in enumerate(draft):
         if best[j] != tok:
@@ -31,6 +35,14 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
 
     The k uniforms are drawn at once and compared on p's device (independent draws: the same law as one at a
     time), and the residual is picked there too, so a request costs one read to the host, not two a draft token."""
+    n_host, token = sampled_verdict(p, draft, q, generator).tolist()
+    return list(draft[:n_host]) + [token]
+
+
+def sampled_verdict(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """accept_sampled's outcome left on p's device: [accepted drafts, the token drawn after them], so a step's
+    requests come to the host together (the draft's first n tokens, then the token)."""
     k, dev = len(draft), p.device
     n = torch.zeros((), dtype=torch.long, device=dev)
     if k:
@@ -40,31 +52,27 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         u = torch.rand(k, generator=generator, device=dev)
         accepted = u * q_tok < p_tok  # u < p/q, without dividing by a q that may be tiny
         n = accepted.long().cumprod(0).sum()  # the accepted run before the first rejection
-    last = last_or_residual = p[n]
+    # indexed by a one-element tensor: a 0-d tensor index is read back to the host as a Python int
+    last = last_or_residual = p[n.view(1)][0]
     if q is None and k:  # a rejected deterministic draft: its token's mass goes
-        dropped = last.scatter(0, tokens[n.clamp(max=k - 1)].view(1), 0.0)
+        dropped = last.scatter(0, tokens[n.clamp(max=k - 1).view(1)], 0.0)
         last_or_residual = torch.where(n < k, dropped, last)
     elif q is not None and q.shape[0]:  # a rejected (or cut) sampled draft: the draft's mass at that position goes
-        q_n = q[n.clamp(max=q.shape[0] - 1)]
+        q_n = q[n.clamp(max=q.shape[0] - 1).view(1)][0]
         last_or_residual = torch.where(n < q.shape[0], torch.clamp(last - q_n, min=0.0), last)
     # p == q up to rounding leaves no residual: the rejection had probability ~0, so draw from p
     residual = torch.where(last_or_residual.sum() > 0.0, last_or_residual, last)
-    n_host, token = torch.cat([n.view(1), torch.multinomial(residual, 1, generator=generator)]).tolist()
-    return list(draft[:n_host]) + [token]
-
-
-def accept(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
-           params: SamplingParams, generator: torch.Generator | None) -> list[int]:
-    """The tokens a verify step yields for one request: accepted drafts plus one target token."""
-    if params.greedy:
-        return accept_greedy(target_logits, draft)
-    return accept_sampled(target_probs(target_logits, params), draft, draft_probs, generator)
+    return torch.cat([n.view(1), torch.multinomial(residual, 1, generator=generator)])
 
 
 def accept_tree_greedy(target_logits: torch.Tensor, tree: TokenTree) -> list[int]:
     """target_logits [1 + n, V]: row 0 after the root, row i + 1 after node i. The deepest path whose every token
     is the target's argmax after its parent, then the target's own next token."""
-    best = target_logits.argmax(dim=-1).tolist()
+    return greedy_path(target_logits.argmax(dim=-1).tolist(), tree)
+
+
+def greedy_path(best: list[int], tree: TokenTree) -> list[int]:
+    """accept_tree_greedy over the target's argmax rows already on the host."""
     out, node = [], -1
     while True:
         tok = best[node + 1]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from smartspec.types.padding import PaddedShapes
     from smartspec.types.tree import TokenTree
 
 # the proposers a policy can choose between per request (method names of SpeculativeConfig)
@@ -45,6 +46,9 @@ class StepView:
     # candidate tree. None: the proposer has no lookups; the plan is a k per request.
     lookups: list[TokenTree] | None = None
     draft_available: bool = False  # with lookups: whether the draft model can be chosen this step
+    # the buckets the target's forward is padded to (CUDA graphs): a step is priced by the cells it computes, so
+    # one long chain that widens every row is priced as such. None: steps run as they come
+    shapes: PaddedShapes | None = None
 
 
 @dataclass

@@ -36,3 +36,5 @@ class StepRecord:
     # the proposer each decoding request drew, where the policy chose them (None: one proposer serves all)
     methods: list[str] | None = None
     trees: dict[str, VerifiedTree] = field(default_factory=dict)  # request -> its verified tree, where it had one
+    # token positions the forward computed: its padded bucket's cells (CUDA graphs), else None (= the batched tokens)
+    forward_tokens: int | None = None
