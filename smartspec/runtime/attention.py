@@ -142,7 +142,7 @@ _kernels: dict[tuple, object] = {}  # CUDA: the SDPA kernel chosen for each kind
 
 def attention_kernels() -> dict[str, str]:
     """The kernel each kind of attention call runs on (CUDA only): what a run reports."""
-    return {f"{str(dtype).removeprefix('torch.')} heads={heads} dim={dim}": backend.name
+    return {f"{str(dtype).removeprefix('torch.')} kv_heads={heads} dim={dim}": backend.name
             for (dtype, heads, dim), backend in _kernels.items()}
 
 
