@@ -29,16 +29,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [R, V]. Each sampled row draws from its own generator on the logits' device, and
-    the step's tokens come to the host in one read (a read a row would stall a GPU once per request)."""
-    return draw_tokens(logits, logits.argmax(dim=-1), params, generators).tolist()
-
-
 def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-    """sample_tokens left on the logits' device; best: the rows' argmax, the greedy rows' tokens."""
+    """One token per row of logits [R, V], left on the logits' device (the step reads its tokens back once, not a
+    row at a time): best, the rows' argmax, for the greedy rows; each sampled row drawn from its own generator."""
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     if not sampled:
         return best
