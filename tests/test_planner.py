@@ -35,12 +35,12 @@ class Answer(Policy):
 
 
 def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them():
-    a = decoding("a", 10, max_speculative_tokens=2)
+    a = decoding("a", 10, k_max=2)
     p = Request("p", list(range(30)), SamplingParams(), arrival_time=3.0)
     p.num_computed_tokens = 8
     view = step_view([a], [ScheduledRequest(p, 16)], k_max=4, now=9.0)
     (r,) = view.requests
-    assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.max_speculative_tokens,
+    assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.k_max,
             r.arrival_time) == ("a", 10, 0, 64, 2, 1.5)
     assert (view.prefill_tokens, view.prefill_context) == (16, 24)
     assert [(x.request_id, x.arrival_time) for x in view.prefilling] == [("p", 3.0)]
@@ -50,7 +50,7 @@ def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them
 def test_ks_are_capped_and_their_blocks_reserved():
     blocks = BlockManager(64, 4)
     reqs = [decoding("long", 10), decoding("ending", 10, max_tokens=3), decoding("capped", 10,
-                                                                                max_speculative_tokens=1)]
+                                                                                k_max=1)]
     for r in reqs:
         blocks.allocate(r, r.num_tokens)
     spec = Speculation(NgramProposer(), FixedPolicy(5), 5)

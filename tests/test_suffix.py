@@ -144,7 +144,7 @@ def test_the_choice_is_exact_on_small_instances():
 
 def test_the_depth_bound_never_changes_the_choice():
     """Deeper draft depths are skipped once no plan that deep could beat the best one found: on random instances
-    (batch, caps, prices, costs) the choice is the one a scan of every depth makes."""
+    (batch, k_max, prices, costs) the choice is the one a scan of every depth makes."""
     rng = np.random.default_rng(7)
     for _ in range(400):
         b, k = int(rng.integers(1, 6)), int(rng.integers(1, 9))
@@ -152,9 +152,9 @@ def test_the_depth_bound_never_changes_the_choice():
         lookups = np.sort(rng.random((b, k)), axis=1)[:, ::-1] * (rng.random((b, 1)) > 0.4)
         f = cost(per_token=rng.uniform(0.0005, 0.01), d0=rng.uniform(0, 0.02), d1=rng.uniform(0, 0.003))
         price = None if rng.random() < 0.7 else float(rng.uniform(5, 50))
-        caps = [int(c) for c in rng.integers(0, k + 1, size=b)]
-        bounded = select_proposers(draft, lookups, caps, f, b, 100, price)
-        scanned = select_proposers(draft, lookups, caps, f, b, 100, price, bound=False)
+        k_max = [int(c) for c in rng.integers(0, k + 1, size=b)]
+        bounded = select_proposers(draft, lookups, k_max, f, b, 100, price)
+        scanned = select_proposers(draft, lookups, k_max, f, b, 100, price, bound=False)
         assert (bounded.methods, bounded.ks, bounded.value) == (scanned.methods, scanned.ks, scanned.value)
 
 

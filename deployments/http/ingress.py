@@ -187,7 +187,7 @@ class OpenAIIngress:
                                                        f"tool calls; it cannot also follow {structured[1]}")
                     params = replace(params, structured=compiled(StructuredOutput(**constraint)))
             if body.speculation is not None:
-                params = replace(params, max_speculative_tokens=body.speculation.max_k)
+                params = replace(params, k_max=body.speculation.max_k)
         except (ValueError, TypeError) as exc:  # a value out of range; a schema, regex, grammar or tool refused
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
         if chat:

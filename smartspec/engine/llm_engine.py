@@ -122,7 +122,7 @@ class LLMEngine:
 
     def set_speculation(self, proposer: Proposer | None = None, policy: Policy | None = None,
                         k_max: int | None = None) -> None:
-        """Swap the proposer, the policy or K between runs (benchmarks compare configurations on one loaded
+        """Swap the proposer, the policy or k_max between runs (benchmarks compare configurations on one loaded
         target); what is not given stays. Only while no request is in flight: a proposer holds per-request state.
         The policy is an instance (`make_policy` or `SpeculativeConfig.make_policy` builds one from a name)."""
         if self.has_unfinished():

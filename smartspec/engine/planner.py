@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Speculation:
     """The swappable parts of speculation, and their counters: the proposer (None: no speculation, whatever the
-    policy), the policy and K."""
+    policy), the policy and k_max."""
     proposer: Proposer | None
     policy: Policy
     k_max: int
@@ -41,7 +41,7 @@ class Speculation:
 
 def request_view(req: Request) -> RequestView:
     return RequestView(req.request_id, req.num_tokens, req.num_output_tokens, req.params.max_tokens,
-                       req.params.max_speculative_tokens, req.arrival_time)
+                       req.params.k_max, req.arrival_time)
 
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
@@ -101,8 +101,8 @@ def cap_and_reserve(ks: list[int], decoding: list[Request], budget: int, blocks:
     out = []
     for req, k in zip(decoding, ks):
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
-        if req.params.max_speculative_tokens is not None:
-            k = min(k, req.params.max_speculative_tokens)
+        if req.params.k_max is not None:
+            k = min(k, req.params.k_max)
         room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
         k = max(0, min(k, room))
         if k:

@@ -49,7 +49,7 @@ class CatchupLedger:
         """The gains with each request's catch-up charged (goodput.charge_start_costs)."""
         if not starts.seconds.any():
             return gains
-        return charge_start_costs(gains, step.caps, self._in_tokens(step, gains, starts, cost))
+        return charge_start_costs(gains, step.k_max, self._in_tokens(step, gains, starts, cost))
 
     def _in_tokens(self, step: StepNumbers, gains: np.ndarray, starts: Starts, cost: StepCostModel) -> np.ndarray:
         """A catch-up spread over the steps the request would take to finish while drafting (at most the horizon,
@@ -61,7 +61,7 @@ class CatchupLedger:
         worth and let whole batches start drafting in prefill steps (tested:
         test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
         requests = step.requests
-        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.caps)[:, None], gains, 0.0)
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.k_max)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         remaining = np.array([max(1, r.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
         horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
@@ -73,9 +73,9 @@ class CatchupLedger:
         sooner. Steps are counted at the length of one in which every request drafts its cap (drafting steps are
         the ones a catch-up pays back in); the prior gap is `horizon` such steps, so with no arrivals seen the
         bound is the horizon."""
-        sum_k = sum(step.caps)
+        sum_k = sum(step.k_max)
         step_s = max(1e-9, float(cost.predict(step.tokens + sum_k, step.context + sum_k,
-                                              depth(max(step.caps, default=0)), sum_k)))
+                                              depth(max(step.k_max, default=0)), sum_k)))
         gap = self.arrivals.expected_gap(step.now, self.horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.horizon))
 

@@ -69,7 +69,7 @@ def worth_probing(step: StepNumbers, due: list[int], raw_gains: np.ndarray, gain
     request: it is tried alone on top of the chosen plan, at every draft length up to its cap."""
     if not due:
         return set()
-    caps, tokens, context = step.caps, step.tokens, step.context
+    k_max, tokens, context = step.k_max, step.tokens, step.context
     k_top = raw_gains.shape[1]
     hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
     hopeful[due] = max_alpha ** np.arange(1, k_top + 1)[None, :]
@@ -78,14 +78,14 @@ def worth_probing(step: StepNumbers, due: list[int], raw_gains: np.ndarray, gain
     m = plan.tokens + j
     t = cost(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
     if together:
-        hope = best_plan(plans_by_depth(hopeful, caps, depth_of, cost, tokens, context, price))
+        hope = best_plan(plans_by_depth(hopeful, k_max, depth_of, cost, tokens, context, price))
         return {i for i in due if hope.ks[i] > 0
                 and probe_pays(hope, plan, raw_gains[i, 0], starts.seconds[i], float(t[0]), price,
                                starts.horizon_cap)}
     expected = expected_tokens(gains, plan.ks)  # catch-up charged
     gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
     better = plan_value(gained, t[None, :], price) > plan.value
-    better &= j[None, :] <= np.asarray(caps)[due][:, None]
+    better &= j[None, :] <= np.asarray(k_max)[due][:, None]
     return {i for i, row in zip(due, better) if row.any()}
 
 

@@ -29,14 +29,14 @@ def goodput(ks: list[int], alphas: list[float], step_time: float) -> float:
     return sum(expected_tokens(k, a) for k, a in zip(ks, alphas)) / step_time
 
 
-def select_k(alphas: list[float], caps: list[int], cost: Callable, base_tokens: int,
+def select_k(alphas: list[float], k_max: list[int], cost: Callable, base_tokens: int,
              base_context: int) -> tuple[list[int], float]:
-    """alphas, caps (max k) per request; cost(n_batched, n_context, depth, sum_k) -> seconds, taking numpy arrays
+    """alphas, k_max (max k) per request; cost(n_batched, n_context, depth, sum_k) -> seconds, taking numpy arrays
     for n_batched, n_context and sum_k. base_tokens / base_context: the step at k = 0 (its decode tokens plus any
     prefill). Returns k per request (all 0 unless speculating is predicted to raise goodput) and the predicted
     step time."""
-    k_top = max(caps, default=0)
-    return select_from_gains(chain_gains(alphas, k_top), caps, np.arange(1, k_top + 1), cost, base_tokens,
+    k_top = max(k_max, default=0)
+    return select_from_gains(chain_gains(alphas, k_top), k_max, np.arange(1, k_top + 1), cost, base_tokens,
                              base_context)
 
 
@@ -61,7 +61,7 @@ def plan_value(tokens, seconds, price: float | None = None):
     return tokens / seconds if price is None else tokens - price * seconds
 
 
-def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
+def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
                    base_context: int, price: float | None = None,
                    tokens_of: Callable[[np.ndarray | int, int], np.ndarray | int] | None = None) -> list[Plan]:
     """The best plan under each draft depth, the plan without speculation first (see select_from_gains).
@@ -70,17 +70,17 @@ def plans_by_depth(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cos
     if tokens_of is None:
         def tokens_of(m, depth):
             return base_tokens + m
-    b = len(caps)
+    b = len(k_max)
     t0 = float(cost(tokens_of(0, 0), base_context, 0, 0))
 
     plans = [Plan([0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
-    caps_arr = np.asarray(caps, dtype=np.int64)
-    k_top = int(caps_arr.max()) if b else 0
+    k_max_arr = np.asarray(k_max, dtype=np.int64)
+    k_top = int(k_max_arr.max()) if b else 0
     if k_top == 0:
         return plans
     gains, depth_of = gains[:, :k_top], np.asarray(depth_of[:k_top])
     rank = np.arange(1, k_top + 1)
-    allowed = rank[None, :] <= caps_arr[:, None]
+    allowed = rank[None, :] <= k_max_arr[:, None]
     for depth in sorted(set(depth_of.tolist())):
         rows, cols = np.nonzero(allowed & (depth_of[None, :] <= depth))
         g = gains[rows, cols]
@@ -101,29 +101,29 @@ def best_plan(plans: list[Plan]) -> Plan:
     return max(plans, key=lambda plan: plan.value)
 
 
-def select_from_gains(gains: np.ndarray, caps: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
+def select_from_gains(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, cost: Callable, base_tokens: int,
                       base_context: int, price: float | None = None) -> tuple[list[int], float]:
     """gains [B, K]: the expected tokens the j-th speculated token (chain) or node (tree) of request i adds,
     non-increasing along j; depth_of [K]: the draft depth that j tokens need (chain: j; tree: min(j, max depth)).
     price None: maximise goodput, tokens / T. price p (tokens per second): maximise tokens - p * T instead, which
     keeps a draft only if it adds more than p tokens per second it adds to the step (see the module docstring)."""
-    plan = best_plan(plans_by_depth(gains, caps, depth_of, cost, base_tokens, base_context, price))
+    plan = best_plan(plans_by_depth(gains, k_max, depth_of, cost, base_tokens, base_context, price))
     return plan.ks, plan.seconds
 
 
-def charge_start_costs(gains: np.ndarray, caps: list[int], start_tokens: np.ndarray) -> np.ndarray:
+def charge_start_costs(gains: np.ndarray, k_max: list[int], start_tokens: np.ndarray) -> np.ndarray:
     """gains [B, K] with a one-time cost for request i to draft at all (start_tokens[i], in tokens of goodput: a
     draft model reading a prompt it has not seen). The cost is spread evenly over the prefix of request i's draft
     tokens that pays it best (the concave envelope of its cumulative gain), so each row stays non-increasing within its
     cap and select_from_gains stays exact for the charged gains. A request whose start does not pay gets gains <= 0."""
     out = np.array(gains, dtype=np.float64, copy=True)
-    caps_arr, start = np.asarray(caps, dtype=np.int64), np.asarray(start_tokens, dtype=np.float64)
-    rows = np.nonzero((start > 0) & (caps_arr > 0))[0]
+    k_max_arr, start = np.asarray(k_max, dtype=np.int64), np.asarray(start_tokens, dtype=np.float64)
+    rows = np.nonzero((start > 0) & (k_max_arr > 0))[0]
     if len(rows) == 0:
         return out
     rank = np.arange(1, out.shape[1] + 1)
     mean = (np.cumsum(out[rows], axis=1) - start[rows, None]) / rank  # mean gain of the first j drafts, charged
-    mean[rank[None, :] > caps_arr[rows, None]] = -np.inf
+    mean[rank[None, :] > k_max_arr[rows, None]] = -np.inf
     best = np.argmax(mean, axis=1)
     spread = rank[None, :] <= best[:, None] + 1
     out[rows] = np.where(spread, mean[np.arange(len(rows)), best][:, None], out[rows])

@@ -100,7 +100,7 @@ class GoodputPolicy(Policy):
         gains = self.catchup.charge(raw_gains, step, starts, self.cost)
         price = prefill_step_price(gains, step, depth_of, self.cost.predict) if step.view.prefill_tokens else None
         padded = step.forward_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
-        plans = plans_by_depth(gains, step.caps, depth_of, self.cost.predict, step.tokens, step.context, price,
+        plans = plans_by_depth(gains, step.k_max, depth_of, self.cost.predict, step.tokens, step.context, price,
                                padded)
         if price is not None:
             plan = best_plan(plans)
@@ -124,7 +124,7 @@ class GoodputPolicy(Policy):
         explore, requests = self.exploration, step.requests
         explore.probing = set()
         due = [i for i, r in enumerate(requests)
-               if ks[i] == 0 and step.caps[i] > 0 and explore.is_due(r.request_id, self.step)]
+               if ks[i] == 0 and step.k_max[i] > 0 and explore.is_due(r.request_id, self.step)]
         learning = explore.learning(self.acceptance.evidence)
         worth = worth_probing(step, due, raw_gains, gains, depth_of, starts, plan, price, learning,
                               self.acceptance.first.max_alpha,
@@ -141,7 +141,7 @@ class GoodputPolicy(Policy):
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
         tree's nodes valued by their calibrated confidences, the draft model's tokens by the request's acceptance
         rate, its catch-up charged as for chains."""
-        view, caps, b = step.view, step.caps, len(step.requests)
+        view, k_max, b = step.view, step.k_max, len(step.requests)
         lookup = lookup_gains([node_values(t, self.calibration) for t in view.lookups], view.k_max)
         draft, start_s = None, np.zeros(b)
         if view.draft_available:
@@ -151,9 +151,9 @@ class GoodputPolicy(Policy):
                                         step, starts, self.cost)
         price = None
         if view.prefill_tokens:  # as in prefill_step_price: drafts must beat the decoding batch's own rate
-            alone = select_proposers(draft, lookup, caps, self.cost.predict, b, step.decode_context)
+            alone = select_proposers(draft, lookup, k_max, self.cost.predict, b, step.decode_context)
             price = alone.value * (b + max(1, len(view.prefilling))) / b
-        plan = select_proposers(draft, lookup, caps, self.cost.predict, step.tokens, step.context, price)
+        plan = select_proposers(draft, lookup, k_max, self.cost.predict, step.tokens, step.context, price)
         methods, ks = plan.methods, plan.ks
         self._probe_draft(step, methods, ks, lookup, start_s)
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
@@ -176,7 +176,7 @@ class GoodputPolicy(Policy):
             return
         decode_s = float(self.cost.predict(len(step.requests), step.decode_context))
         due = [i for i, r in enumerate(step.requests)
-               if ks[i] == 0 and step.caps[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
+               if ks[i] == 0 and step.k_max[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
                and start_s[i] <= explore.fraction * self.catchup.horizon * decode_s]
         if due:
             i = min(due, key=lambda i: start_s[i])

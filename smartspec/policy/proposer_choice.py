@@ -28,7 +28,7 @@ class MixedPlan:
     value: float
 
 
-def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, caps: list[int], cost: Callable,
+def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, k_max: list[int], cost: Callable,
                      base_tokens: int, base_context: int, price: float | None = None, bound: bool = True
                      ) -> MixedPlan:
     """draft_gains [B, K]: the expected tokens the j-th draft-model token adds (None: no draft model this step);
@@ -36,21 +36,21 @@ def select_proposers(draft_gains: np.ndarray | None, lookup_gains: np.ndarray, c
     non-increasing along j. cost(n_batched, n_context, depth, draft_tokens) -> seconds, vectorised over numpy
     arrays. base_tokens / base_context: the step at k = 0. price: as in goodput.select_from_gains. bound: stop at
     the first depth that no plan could beat from (False: scan every depth; the same plan, slower)."""
-    b = len(caps)
+    b = len(k_max)
     t0 = float(cost(base_tokens, base_context, 0, 0))
     best = MixedPlan([LOOKUP] * b, [0] * b, t0, plan_value(b, t0, price) if b else 0.0)
     if b == 0:
         return best
     k_top = lookup_gains.shape[1]
-    caps_arr = np.minimum(np.asarray(caps, dtype=np.int64), k_top)
+    k_max_arr = np.minimum(np.asarray(k_max, dtype=np.int64), k_top)
     rank = np.arange(1, k_top + 1)
-    allowed = rank[None, :] <= caps_arr[:, None]
+    allowed = rank[None, :] <= k_max_arr[:, None]
     rate = b / t0 if price is None else price  # what a second of this step is worth, in tokens
     verify_per_token = float(cost(base_tokens + 1, base_context + 1, 0, 0)) - t0
     draft_per_token = float(cost(base_tokens, base_context, 1, 2) - cost(base_tokens, base_context, 1, 1))
     lookup = np.where(allowed, lookup_gains, 0.0)
     lookup_net = _best_prefix_sum(lookup - rate * verify_per_token)
-    depths = range(int(caps_arr.max()) + 1) if draft_gains is not None else range(1)
+    depths = range(int(k_max_arr.max()) + 1) if draft_gains is not None else range(1)
     if draft_gains is not None:
         # reach[m]: the most any m verified tokens can add, the m best gains of either proposer's candidates
         candidates = np.concatenate([lookup.ravel(), np.where(allowed, draft_gains[:, :k_top], 0.0).ravel()])

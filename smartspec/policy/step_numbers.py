@@ -12,14 +12,14 @@ from smartspec.types.plan import RequestView, StepView
 @dataclass
 class StepNumbers:
     view: StepView
-    caps: list[int]  # the most each request may draft
+    k_max: list[int]  # the most each request may draft
     tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
     context: int  # and the context they attend over
     now: float  # the clock of arrival_time
 
     @classmethod
     def of(cls, view: StepView, now: float) -> StepNumbers:
-        return cls(view, caps_of(view), *shape_of(view), now)
+        return cls(view, k_max_of(view), *shape_of(view), now)
 
     @property
     def requests(self) -> list[RequestView]:
@@ -40,11 +40,10 @@ class StepNumbers:
         return self.context - self.view.prefill_context
 
 
-def caps_of(view: StepView) -> list[int]:
-    """The most each request may draft: K, its own cap, and one short of its max_tokens."""
-    k_max = view.k_max
-    return [max(0, min(k_max, r.max_tokens - r.num_output_tokens - 1,
-                       k_max if r.max_speculative_tokens is None else r.max_speculative_tokens))
+def k_max_of(view: StepView) -> list[int]:
+    """The most each request may draft: the engine's k_max, the request's own, and one short of its max_tokens."""
+    return [max(0, min(view.k_max, r.max_tokens - r.num_output_tokens - 1,
+                       view.k_max if r.k_max is None else r.k_max))
             for r in view.requests]
 
 

@@ -39,16 +39,16 @@ class TreeConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """How requests speculate: the proposer, K, the policy that picks each request's k, and where a served draft
+    """How requests speculate: the proposer, k_max, the policy that picks each request's k, and where a served draft
     model runs. One type for the offline engine and the Serve application; parse() takes a user's dict."""
     # "draft_model", "ngram" (prompt lookup), "suffix" (suffix speculation), or ["draft_model", "suffix"]: the
     # proposer chosen per request and step; parse() reads "none" as no speculation
     method: str | list[str] = "draft_model"
     model: str | None = "qwen2.5-coder-0.5b"  # the draft model, for method "draft_model" (same tokenizer as target)
-    num_speculative_tokens: int = 4  # K: the most any request speculates in one step
+    num_speculative_tokens: int = 4  # the most any request speculates in one step: k_max below, in code
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # "smartspec" (goodput), "off", "fixed" (k = K), "fixed:K", "batch_table", or a Policy instance
+    # "smartspec" (goodput), "off", "fixed" (k = k_max), "fixed:K", "batch_table", or a Policy instance
     policy: str | Policy = "smartspec"
     batch_table: dict[int, int] | None = None  # for policy "batch_table": {batch size: k}
     policy_options: dict | None = None  # for policy "smartspec": GoodputPolicy's keyword arguments
@@ -128,8 +128,14 @@ class SpeculativeConfig:
 
     @property
     def k_max(self) -> int:
-        """The most any request speculates in one step: draft tokens for chains, nodes for trees."""
+        """The most any request speculates in one step: draft tokens for chains, nodes for trees. The one place the
+        public num_speculative_tokens (and a tree's size) becomes the code's k_max."""
         return self.tree.max_nodes if self.tree else self.num_speculative_tokens
+
+    @property
+    def max_depth(self) -> int:
+        """The longest draft path: a tree's depth, or a chain's k_max."""
+        return self.tree.max_depth if self.tree else self.num_speculative_tokens
 
     @property
     def key(self) -> str:

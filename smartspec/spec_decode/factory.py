@@ -51,8 +51,7 @@ def make_proposer(spec: SpeculativeConfig, runtime: DraftRuntime,
                              make_proposer(spec.single("suffix"), runtime, draft_factory))
     if spec.method == "suffix":
         from smartspec.spec_decode.suffix import SuffixProposer
-        return SuffixProposer(spec.tree.max_depth if spec.tree else spec.num_speculative_tokens,
-                              spec.tree.branching if spec.tree else 1, spec.suffix_cache_tokens)
+        return SuffixProposer(spec.max_depth, spec.tree.branching if spec.tree else 1, spec.suffix_cache_tokens)
     if spec.method == "ngram":
         from smartspec.spec_decode.ngram import NgramProposer, NgramTreeProposer
         if spec.tree:

@@ -22,7 +22,7 @@ class RequestView:
     num_tokens: int  # prompt + output so far (its context once the step's last token is fed)
     num_output_tokens: int
     max_tokens: int
-    max_speculative_tokens: int | None  # the request's own cap on k (None: none)
+    k_max: int | None  # the request's own cap on k (None: none)
     arrival_time: float
 
 
@@ -37,7 +37,7 @@ class PrefillView:
 class StepView:
     """One step as the policy sees it, before it chooses."""
     requests: list[RequestView]  # the decoding requests, in the step's order
-    k_max: int  # K: the most any request speculates (draft tokens, or tree nodes)
+    k_max: int  # the most any request speculates (draft tokens, or tree nodes); K in the paper's notation
     prefill_tokens: int = 0  # tokens of the step's prefill chunks, which the verify forward carries anyway
     prefill_context: int = 0  # their context (what they attend over)
     prefilling: list[PrefillView] = field(default_factory=list)
