@@ -40,7 +40,7 @@ def autoscaling_config(a: AutoscalingConfig) -> dict:
     config = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
               "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
               "downscale_delay_s": a.downscale_delay_s, "look_back_period_s": a.look_back_period_s,
-              "metrics_interval_s": min(1.0, a.look_back_period_s)}
+              "metrics_interval_s": min(1.0, a.look_back_period_s / 2)}  # Serve: look-back > interval
     if a.policy == "goodput":
         config["policy"] = {"policy_function": "deployments.placement.autoscaling:goodput_policy",
                             "policy_kwargs": {"min_speed_fraction": a.min_speed_fraction}}

@@ -24,6 +24,9 @@ class GenerateCall:
     prompt: str | list[int] | None = None  # a completion's prompt: text or token ids
     messages: list[dict] | None = None  # a chat's messages as chat templates read them
     tools: list[dict] | None = None  # the tools the chat template shows the model
+    # parallel_tool_calls false with tools the model may call on its own ("auto"): its answer ends with its first
+    # call (the replica stops at the closing tag where that is a token; the front keeps one call in any case)
+    one_tool_call: bool = False
     # the prompt as prefix keys are computed on (placement/latency.py): the messages' roles and text, or the
     # prompt; the router and the replica both key it, never the templated prompt
     prefix_text: str = ""

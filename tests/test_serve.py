@@ -414,6 +414,26 @@ def test_a_tool_calling_round_trip_through_the_openai_client(app):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_parallel_tool_calls_false_ends_an_auto_answer_at_its_first_call(app):
+    """parallel_tool_calls false with tool_choice "auto": the answer carries one call and the generation ends at its
+    closing tag (fewer tokens), unary and streamed; true keeps both. A grammar makes the random model call twice."""
+    block = '<tool_call> ' + json.dumps('\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n') + ' </tool_call>'
+    two_calls = {"structured_outputs": {"grammar": f'start: {block} "\\n" {block}'}}
+    client = _client(app)
+    messages = [{"role": "user", "content": "Add 1 and 2, twice."}]
+    kw = dict(model="tiny", messages=messages, tools=[WEATHER, ADD], max_tokens=200, temperature=0,
+              extra_body=two_calls)
+    both = client.chat.completions.create(parallel_tool_calls=True, **kw)
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw)
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == ["add", "add"]
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["add"]
+    assert one.choices[0].finish_reason == "tool_calls" and one.choices[0].message.content is None
+    assert one.usage.completion_tokens < both.usage.completion_tokens  # it stopped, not only hid the second call
+    chunks = list(client.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.arguments for d in deltas] == [one.choices[0].message.tool_calls[0].function.arguments]
+
+
 def test_predicted_outputs_are_drafted_and_counted_in_usage(app, tiny_qwen):
     """OpenAI's prediction: the answer is unchanged, the prediction's tokens are drafted and the usage says how many
     were accepted and rejected (unary and streamed)."""

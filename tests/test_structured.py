@@ -15,6 +15,7 @@ from smartspec.engine.drafter import Drafted, cut_to_grammars
 from smartspec.runtime.sampler import target_probs
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_sampled
+from smartspec.structured.compile import closed_objects, compiled, json_layout
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 from smartspec.types.tree import TokenTree
 
@@ -65,15 +66,25 @@ def test_json_schema_outputs_validate(plain, schema):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_json_mode_answers_are_objects(plain):
+    """JSON mode: any object. A random model's free keys rarely close, so '"' is favoured (logit_bias, a sampling
+    control like any other); every answer is an object the grammar completed, not only empty ones."""
+    quote = plain.engine.tokenizer.encode('"', add_special_tokens=False)[0]
+    params = [SamplingParams(**{**p.__dict__, "logit_bias": {quote: 5.0}, "structured": StructuredOutput(
+        json_object=True)}) for p in PARAMS]
+    outs = plain.generate(PROMPTS, params)
+    assert all(o.finish_reason == "stop" and isinstance(json.loads(o.text), dict) for o in outs), [o.text for o in outs]
+    assert any(json.loads(o.text) for o in outs)
+
+
 @pytest.mark.parametrize("spec, check", [
-    (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
     (StructuredOutput(regex=r"[a-z]{2,6}@(example|test)\.(com|org)"),
      lambda t: re.fullmatch(r"[a-z]{2,6}@(example|test)\.(com|org)", t)),
     (StructuredOutput(choice=["positive", "negative", "neutral"]), lambda t: t in ("positive", "negative", "neutral")),
     (StructuredOutput(grammar='start: "(" num (" + " num)* ")"\nnum: /[0-9]{1,2}/'),
      lambda t: re.fullmatch(r"\([0-9]{1,2}( \+ [0-9]{1,2})*\)", t)),
     (StructuredOutput(grammar='root ::= "yes" | "no" | "maybe"'), lambda t: t in ("yes", "no", "maybe")),  # GBNF
-], ids=["json_object", "regex", "choice", "lark", "gbnf"])
+], ids=["regex", "choice", "lark", "gbnf"])
 def test_other_constraints_hold(plain, spec, check):
     for out in plain.generate(PROMPTS, structured(PARAMS, spec)):
         assert out.finish_reason == "stop" and check(out.text), out.text
@@ -159,20 +170,71 @@ def test_a_cut_sampled_draft_still_follows_the_target_distribution(keep_q_row):
     assert (max(stats) < CHI2_CRIT) == keep_q_row, stats
 
 
+def admits(llm, spec: StructuredOutput, text: str) -> bool:
+    """The spec's grammar takes the whole text and may end there."""
+    grammar = llm.engine.grammar_compiler.matcher(spec)
+    tokens = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return grammar.valid_prefix(tokens) == len(tokens) and (grammar.commit(tokens) or grammar.matcher.is_accepting())
+
+
 def test_an_empty_schema_admits_any_json_value_not_only_objects(plain):
     """{} is JSON Schema's "anything": a grammar of one JSON value of any type (JSON mode's is objects only)."""
-    compiler, tokenizer = plain.engine.grammar_compiler, plain.engine.tokenizer
-
-    def admits(spec: StructuredOutput, text: str) -> bool:
-        grammar = compiler.matcher(spec)
-        tokens = tokenizer.encode(text, add_special_tokens=False)
-        return grammar.valid_prefix(tokens) == len(tokens) and (grammar.commit(tokens) or
-                                                                grammar.matcher.is_accepting())
-
     for text in ('[1, "a"]', '"word"', "42", '{"a": 1}'):
-        assert admits(StructuredOutput(json={}), text), text
-    assert admits(StructuredOutput(json_object=True), '{"a": 1}')
-    assert not admits(StructuredOutput(json_object=True), "42")
+        assert admits(plain, StructuredOutput(json={}), text), text
+    assert admits(plain, StructuredOutput(json_object=True), '{"a": 1}')
+    assert not admits(plain, StructuredOutput(json_object=True), "42")
+
+
+def test_json_takes_the_whitespace_a_model_writes_bounded_and_compact_on_request(plain):
+    """The default layout admits JSON pretty-printed or on one line, as a model writes it, but no free runs of
+    blanks (a model pads with them); a schema's own x-guidance asking for the compact layout admits one line only."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items":
+                                                                                  {"type": "integer"}}}}
+    pretty = json.dumps({"a": 1, "b": [2, 3]}, indent=2)
+    assert admits(plain, StructuredOutput(json=schema), pretty)
+    assert admits(plain, StructuredOutput(json=schema), json.dumps({"a": 1, "b": [2, 3]}))
+    assert admits(plain, StructuredOutput(json=schema), '{"a":1,"b":[2,3]}')
+    for padded in ('{' + " " * 3 + '"a": 1}', '{"a":' + " " * 2 + '1}', '{"a": 1,\n\n  "b": []}'):
+        assert not admits(plain, StructuredOutput(json=schema), padded), padded
+    for own in (json_layout("compact"), {"whitespace_flexible": False}):  # the layout whole, or the docs' one key
+        compact = {**schema, "x-guidance": own}
+        for loose in (pretty, '{"a":1}', '{ "a": 1}'):
+            assert not admits(plain, StructuredOutput(json=compact), loose), (own, loose)
+        assert admits(plain, StructuredOutput(json=compact), '{"a": 1, "b": [2, 3]}')
+
+
+def test_strict_schemas_close_their_objects_and_refuse_what_they_cannot_enforce(plain):
+    """strict (the default, OpenAI's json_schema.strict): an object that lists its properties takes no others;
+    strict false reads the schema as JSON Schema does (open objects) and ignores keywords it cannot enforce."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "inner": {"type": "object", "properties":
+                                                                                     {"b": {"type": "string"}}}}}
+    extra_inside, extra_outside = '{"a": 1, "inner": {"b": "x", "c": 2}}', '{"a": 1, "z": true}'
+    for text in (extra_inside, extra_outside):
+        assert not admits(plain, StructuredOutput(json=schema), text), text
+        assert admits(plain, StructuredOutput(json=schema, strict=False), text), text
+    assert admits(plain, StructuredOutput(json=schema), '{"a": 1, "inner": {"b": "x"}}')
+    odd = {"type": "object", "properties": {"d": {"type": "string", "format": "no-such-format"}}}
+    with pytest.raises(ParamError) as err:
+        compiled(StructuredOutput(json=odd))
+    assert err.value.field == "structured_outputs.json" and "no-such-format" in str(err.value)
+    assert admits(plain, StructuredOutput(json=odd, strict=False), '{"d": "anything"}')
+
+
+def test_closing_objects_reads_the_schema_not_its_property_names():
+    """A property called "properties" is a name, not a keyword; allOf's members stay open (closing each would
+    refuse what the others add); an object that says what else it takes keeps its word."""
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}}},
+              "$defs": {"item": {"type": "object", "properties": {"y": {}}}},
+              "allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}],
+              "items": {"type": "object", "properties": {"z": {}}, "additionalProperties": {"type": "integer"}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]["properties"]["properties"]) == {"x"}
+    assert closed["$defs"]["item"]["additionalProperties"] is False
+    assert closed["allOf"] == schema["allOf"]
+    assert closed["items"]["additionalProperties"] == {"type": "integer"}
+    assert "additionalProperties" not in schema  # the request's own schema is left as it came
 
 
 def test_min_tokens_holds_the_end_while_the_grammar_allows_more_and_a_complete_grammar_ends(plain):

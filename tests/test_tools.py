@@ -41,6 +41,18 @@ def test_a_streamed_answer_gives_the_same_content_and_calls(chunk):
         assert [c["index"] for c in calls] == list(range(len(want_calls)))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_one_call_at_most_keeps_the_first_streamed_or_whole(chunk):
+    """parallel_tool_calls false: the first call is the answer's, later ones are dropped, in both shapes."""
+    content, calls = parse(ANSWER, max_calls=1)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    stream, made = CallStream(max_calls=1), []
+    for i in range(0, len(ANSWER), chunk):
+        made += stream.feed(ANSWER[i:i + chunk])[1]
+    stream.finish()
+    assert [(c["function"], c["index"]) for c in made] == [(calls[0]["function"], 0)]
+
+
 def test_tool_choice_decides_the_prompt_and_the_constraint():
     assert functions([WEATHER], "auto") == ([WEATHER], None)
     assert functions([WEATHER], "none") == ([], None)  # the tools stay out of the prompt

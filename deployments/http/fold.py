@@ -40,10 +40,11 @@ class AnswerFold:
         self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
         # chat with tools the model may call: its answers are read for tool-call blocks
         self.reads_tool_calls = chat and bool(body.tools) and body.tool_choice != "none"
+        self.max_calls = None if not self.reads_tool_calls or body.parallel_tool_calls else 1
         self.choices = [self._fresh() for _ in accepted]
 
     def _fresh(self) -> _Choice:
-        return _Choice(calls=CallStream() if self.reads_tool_calls else None)
+        return _Choice(calls=CallStream(self.max_calls) if self.reads_tool_calls else None)
 
     @property
     def completion_tokens(self) -> int:
@@ -103,7 +104,7 @@ class AnswerFold:
         """The non-streamed answer: every choice whole, and the request's usage."""
         out = []
         for i, c in enumerate(self.choices):
-            text, calls = parse_tool_calls(c.text) if self.reads_tool_calls else (c.text, [])
+            text, calls = parse_tool_calls(c.text, self.max_calls) if self.reads_tool_calls else (c.text, [])
             reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             out.append(answers.choice(i, text, reason, self.chat, c.speculation,
                                       self._logprobs(i, c.entries, c.prompt_entries), calls))

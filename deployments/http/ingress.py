@@ -193,7 +193,8 @@ class OpenAIIngress:
         if chat:
             messages = template_messages([m.model_dump() for m in body.messages])
             key = prefix_text([(m.role, m.content or "") for m in body.messages], None)
-            prompts = [dict(messages=messages, tools=tools, prefix_text=key)]
+            one_call = bool(tools) and body.tool_choice in (None, "auto") and not body.parallel_tool_calls
+            prompts = [dict(messages=messages, tools=tools, prefix_text=key, one_tool_call=one_call)]
         else:
             prompts = [dict(prompt=p, echo=body.echo, prefix_text=prefix_text(None, p)) for p in body.prompts()]
         seeded = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(body.n)]

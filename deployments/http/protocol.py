@@ -21,7 +21,9 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")  # description
     name: str = Field(min_length=1, max_length=64)
     schema_: dict = Field(default_factory=dict, alias="schema")  # an empty schema: any JSON value
-    strict: bool | None = None  # always strict here: the output is constrained to the schema
+    # true or absent: objects take only the properties they list, unsupported keywords refused; false: the schema
+    # as JSON Schema reads it (StructuredOutput.strict). The output is constrained to the schema either way.
+    strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -192,8 +194,8 @@ class _Common(BaseModel):
         if self.response_format is not None and self.response_format.type != "text":
             fmt = self.response_format
             # json_schema's schema as given (an empty one is any JSON value); json_object: any object
-            sources.append(({"json": fmt.json_schema.schema_} if fmt.type == "json_schema" else {"json_object": True},
-                            "response_format"))
+            sources.append(({"json": fmt.json_schema.schema_, "strict": fmt.json_schema.strict is not False}
+                             if fmt.type == "json_schema" else {"json_object": True}, "response_format"))
         if self.structured_outputs is not None:
             sources.append((self.structured_outputs.spec(), "structured_outputs"))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):

@@ -9,7 +9,9 @@ import json
 import re
 import uuid
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from smartspec.structured.compile import TOOL_CALL_TAGS
+
+OPEN, CLOSE = TOOL_CALL_TAGS
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -66,9 +68,10 @@ def _arguments(function: dict):
     return args
 
 
-def parse(text: str) -> tuple[str | None, list[dict]]:
+def parse(text: str, max_calls: int | None = None) -> tuple[str | None, list[dict]]:
     """An answer's text outside its tool-call blocks (None if nothing is left) and its calls, as OpenAI's
-    `tool_calls`. A block that is not a JSON call with a name stays in the text."""
+    `tool_calls`. A block that is not a JSON call with a name stays in the text; calls past max_calls
+    (parallel_tool_calls false: 1) are dropped."""
     calls, kept, end = [], [], 0
     for m in CALL.finditer(text):
         call = _call(m.group(1))
@@ -76,7 +79,8 @@ def parse(text: str) -> tuple[str | None, list[dict]]:
             continue
         kept.append(text[end:m.start()])
         end = m.end()
-        calls.append(call)
+        if max_calls is None or len(calls) < max_calls:
+            calls.append(call)
     kept.append(text[end:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls  # without calls the text is the answer, as written
@@ -99,7 +103,8 @@ class CallStream:
     may still become a block's opening tag is held back, and so is whitespace until text follows it (the newlines
     around blocks are not content)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls  # calls past it are dropped (parallel_tool_calls false: 1)
         self.pending, self.held = "", ""
         self.num_calls, self.sent = 0, False
 
@@ -110,6 +115,8 @@ class CallStream:
             end += len(CLOSE)
             _, found = parse(self.pending[start:end])
             content += self.pending[:start] if found else self.pending[:end]
+            if self.max_calls is not None:
+                found = found[:max(0, self.max_calls - self.num_calls)]
             calls.extend(dict(c, index=self.num_calls + i) for i, c in enumerate(found))
             self.num_calls += len(found)
             self.pending = self.pending[end:]

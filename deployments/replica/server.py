@@ -24,6 +24,7 @@ from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUs
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
+from smartspec.structured.compile import TOOL_CALL_TAGS
 from smartspec.types.logprobs import TokenLogprob
 
 logger = logging.getLogger("ray.serve")
@@ -133,6 +134,8 @@ class LLMServer:
         params = call.params
         if call.until_context_end:
             params = replace(params, max_tokens=self.engine.max_model_len)
+        if call.one_tool_call and (close := self._close_tag_token()) is not None:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, close])
         num_prompt_tokens, stream = self.engine.submit(prompt, params, call.request_id)
         self.served.add(prefix_keys(call.prefix_text))
         self.prompt_chars += len(call.prefix_text)
@@ -143,6 +146,11 @@ class LLMServer:
         tokenizer = self.engine.tokenizer
         return Accepted(num_prompt_tokens, prompt if isinstance(prompt, str) else tokenizer.decode(ids),
                         tokenizer.decode(ids[:1])), stream
+
+    def _close_tag_token(self) -> int | None:
+        """The tool-call block's closing tag as one token of the model's tokenizer (Qwen2.5's), or None."""
+        ids = self.engine.tokenizer.encode(TOOL_CALL_TAGS[1], add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _delta(self, out, first: bool) -> Delta:
         tokenizer = self.engine.tokenizer

@@ -1,8 +1,8 @@
 """Tensors that live in 2 MiB pages.
 
 A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB (costlier still under a
-hypervisor's nested paging); in 2 MiB pages the 1.5B's decode step is about 4% faster (docs/benchmarks.md,
-`scripts/bench_pages.py`). Linux gives anonymous memory huge pages only where asked (`madvise` mode, the usual
+hypervisor's nested paging); in 2 MiB pages the 1.5B's decode step is about 4% faster (docs/benchmarks.md).
+Linux gives anonymous memory huge pages only where asked (`madvise` mode, the usual
 default), so the weights are packed into one mapping that asks before any page is touched. Where huge pages are
 off or unknown (another OS), or with SMARTSPEC_HUGE_PAGES=0, the mapping is ordinary memory and nothing else
 changes. `release_freed_memory` hands what malloc holds on freed chunks back to the OS (loading calls it)."""

@@ -12,9 +12,24 @@ from smartspec.types.sampling_params import ParamError, StructuredOutput
 
 # A JSON value for {"type": "json_object"}: any object (OpenAI's JSON mode).
 ANY_OBJECT = {"type": "object"}
-# JSON as json.dumps writes it, `{"a": 1, "b": [2, 3]}`: one line, the separators fixed, so the grammar forces
-# them (jump-forward has tokens to propose) and models emit what they saw most in training.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The Hermes / Qwen2.5 tool-call block's tags, `<tool_call>\n{...}\n</tool_call>`
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+# The layouts a JSON answer may take. compact: one line as json.dumps writes it, the separators fixed (the grammar
+# forces them, so jump-forward has more to draft). flexible (the default; xgrammar's and vLLM's allow whitespace
+# too): between tokens, nothing, one space, or a newline and an indent, as a model pretty-prints; not free runs of
+# blanks, which a model that may write them pads with (an enum after 20 spaces). Bytes the grammar still forces (a
+# key's rest after its opening quote) are drafted as before. llguidance fills what a schema's own "x-guidance"
+# leaves out from the defaults given, so each layout names every key.
+JSON_LAYOUTS = {"compact": {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ", ",
+                            "key_separator": ": "},
+                "flexible": {"whitespace_flexible": True, "whitespace_pattern": r"(?:\n[\x20\t]{0,32}|\x20)?",
+                             "item_separator": ",", "key_separator": ":"}}  # the blanks after: the pattern's
+DEFAULT_JSON_LAYOUT = "flexible"
+
+
+def json_layout(name: str = DEFAULT_JSON_LAYOUT) -> dict:
+    """llguidance's JSON options for a layout of JSON_LAYOUTS (a schema's own "x-guidance" overrides them)."""
+    return dict(JSON_LAYOUTS[name])
 
 
 def compiled(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> StructuredOutput:
@@ -45,11 +60,11 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
             tool_calls_lark(spec.tool_calls, tool_tags_are_tokens, spec.max_tool_calls))
     elif spec.json is not None or spec.json_object:
         field, what = "structured_outputs.json", "JSON schema"
+        # an empty schema ({}) is any JSON value, not JSON mode's any object
+        schema = ANY_OBJECT if spec.json_object else closed_objects(spec.json) if spec.strict else spec.json
         try:
-            # an empty schema ({}) is any JSON value, not JSON mode's any object
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT if spec.json_object
-                                                                               else spec.json),
-                                                                     defaults=JSON_LAYOUT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={**json_layout(_layout_asked(schema)), "lenient": not spec.strict})
         except ValueError as exc:
             raise ParamError(field, f"invalid JSON schema: {exc}") from None
     elif spec.regex is not None:
@@ -67,6 +82,40 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
     return grammar, field
 
 
+def _layout_asked(schema: dict) -> str:
+    """The layout a schema's own x-guidance asks for: `whitespace_flexible: false` alone means compact (llguidance
+    would otherwise keep the default's whitespace pattern beside it)."""
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    return "compact" if isinstance(own, dict) and own.get("whitespace_flexible") is False else DEFAULT_JSON_LAYOUT
+
+
+def closed_objects(schema):
+    """The schema with every object that lists its properties and says nothing of others closed to them
+    (`additionalProperties: false`), as OpenAI's strict mode requires and xgrammar's strict mode (vLLM's default)
+    assumes: a model left free to add keys goes on adding them. allOf's members stay as written (closing each
+    would refuse what the others add)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed_child(key, value) for key, value in schema.items()}
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                       "unevaluatedProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMAS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then", "else",
+            "contains")
+
+
+def _closed_child(key: str, value):
+    if key in _SCHEMA_MAPS and isinstance(value, dict):
+        return {name: closed_objects(s) for name, s in value.items()}
+    return closed_objects(value) if key in _SCHEMAS else value
+
+
 def tool_calls_lark(functions: list[dict], tags_are_tokens: bool, max_calls: int = 1) -> str:
     """One to max_calls calls, each `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, newline-separated;
     the arguments valid for the named function's parameters. A bound, because a model made to call tools that
@@ -74,8 +123,9 @@ def tool_calls_lark(functions: list[dict], tags_are_tokens: bool, max_calls: int
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                "arguments": f.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
-    open_tag, close_tag = ("<tool_call>", "</tool_call>") if tags_are_tokens else ('"<tool_call>"', '"</tool_call>"')
+    # one line, as the chat template shows the model its calls (`{"name": ..., "arguments": ...}`)
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": json_layout("compact")}
+    open_tag, close_tag = TOOL_CALL_TAGS if tags_are_tokens else tuple(json.dumps(t) for t in TOOL_CALL_TAGS)
     start = "start: call" + ' ("\\n" call' * (max_calls - 1) + ")?" * (max_calls - 1)
     return f'{start}\ncall: {open_tag} "\\n" %json {json.dumps(schema)} "\\n" {close_tag}\n'
 

@@ -16,7 +16,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from smartspec.structured.compile import grammar_of
+from smartspec.structured.compile import TOOL_CALL_TAGS, grammar_of
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 
 
@@ -30,7 +30,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         # Qwen2.5's tool-call tags are tokens of their own; a tokenizer without them spells them out
         self.tool_tags_are_tokens = all(len(tokenizer.encode(t, add_special_tokens=False)) == 1
-                                        for t in ("<tool_call>", "</tool_call>"))
+                                        for t in TOOL_CALL_TAGS)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:

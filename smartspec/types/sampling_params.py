@@ -22,6 +22,10 @@ class StructuredOutput:
     """What the output must match; exactly one is set (vLLM's `structured_outputs` fields). Compiled into a
     grammar per request by smartspec.structured, which names the field of a schema or grammar it rejects."""
     json: dict | None = None  # a JSON schema
+    # strict (OpenAI's json_schema.strict, on unless a request says false): objects that list their properties take
+    # no others, and a keyword the grammar cannot enforce is refused; false: the schema as JSON Schema reads it
+    # (objects open unless closed), unsupported keywords ignored
+    strict: bool = True
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: list[str] | None = None  # one of these strings
@@ -46,6 +50,8 @@ class StructuredOutput:
             raise ParamError("tools", "each tool needs a function name")
         if not is_int(self.max_tool_calls) or self.max_tool_calls < 1:
             raise ParamError("tools", f"max_tool_calls must be an integer >= 1, got {self.max_tool_calls!r}")
+        if not isinstance(self.strict, bool):
+            raise ParamError("strict", f"strict must be true or false, got {self.strict!r}")
         if self.json is not None and not isinstance(self.json, dict):
             raise ParamError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an object)")
         for name in ("regex", "grammar"):
