@@ -118,3 +118,15 @@ def test_qwen_template_and_tool_tags_as_tokens():
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
     out = llm.generate(prompt, SamplingParams(max_tokens=48))[0]
     assert out.finish_reason in ("stop", "length") and out.text  # the model answers from the tool's result
+    # parallel_tool_calls false under "auto": the replica's params end the answer at its first call's closing
+    # tag, which stays in the text (the front reads the block whole); a grammar makes the model call twice
+    from deployments.replica.server import ending_at_first_call
+
+    block = f"<tool_call> {json.dumps(chr(10) + call.split(chr(10))[1] + chr(10))} </tool_call>"
+    twice = StructuredOutput(grammar=f'start: {block} "\\n" {block}')
+    free = llm.generate(prompt, SamplingParams(max_tokens=80, structured=twice))[0]
+    assert free.text.count("</tool_call>") == 2
+    params = ending_at_first_call(SamplingParams(max_tokens=80, structured=twice), llm.tokenizer)
+    first = llm.generate(prompt, params)[0]
+    assert first.finish_reason == "stop" and first.text == call, first.text
+    assert [c["function"]["name"] for c in parse(first.text)[1]] == ["get_weather"]

@@ -26,6 +26,7 @@ from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
 from smartspec.structured.compile import TOOL_CALL_TAGS
 from smartspec.types.logprobs import TokenLogprob
+from smartspec.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,6 +39,14 @@ def token_entries(tokenizer, logprobs: list[TokenLogprob | None]) -> list[TokenE
 
     return [None if lp is None else TokenEntry(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
             for lp in logprobs]
+
+
+def ending_at_first_call(params: SamplingParams, tokenizer) -> SamplingParams:
+    """params whose generation ends with its first tool call (parallel_tool_calls false under "auto"): the block's
+    closing tag a stop token where the tokenizer has it as one (Qwen2.5's); else unchanged, and the front keeps
+    the first call of what comes."""
+    ids = tokenizer.encode(TOOL_CALL_TAGS[1], add_special_tokens=False)
+    return replace(params, stop_token_ids=[*params.stop_token_ids, ids[0]]) if len(ids) == 1 else params
 
 
 @serve.deployment(name="LLMServer")
@@ -134,8 +143,8 @@ class LLMServer:
         params = call.params
         if call.until_context_end:
             params = replace(params, max_tokens=self.engine.max_model_len)
-        if call.one_tool_call and (close := self._close_tag_token()) is not None:
-            params = replace(params, stop_token_ids=[*params.stop_token_ids, close])
+        if call.one_tool_call:
+            params = ending_at_first_call(params, self.engine.tokenizer)
         num_prompt_tokens, stream = self.engine.submit(prompt, params, call.request_id)
         self.served.add(prefix_keys(call.prefix_text))
         self.prompt_chars += len(call.prefix_text)
@@ -146,11 +155,6 @@ class LLMServer:
         tokenizer = self.engine.tokenizer
         return Accepted(num_prompt_tokens, prompt if isinstance(prompt, str) else tokenizer.decode(ids),
                         tokenizer.decode(ids[:1])), stream
-
-    def _close_tag_token(self) -> int | None:
-        """The tool-call block's closing tag as one token of the model's tokenizer (Qwen2.5's), or None."""
-        ids = self.engine.tokenizer.encode(TOOL_CALL_TAGS[1], add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
 
     def _delta(self, out, first: bool) -> Delta:
         tokenizer = self.engine.tokenizer

@@ -171,6 +171,7 @@ class LLMEngine:
         if params.structured is not None:
             params = replace(params, structured=compiled(params.structured,
                                                          self.grammar_compiler.tool_tags_are_tokens))
+            self.grammar_compiler.check(params.structured)
         return ids, params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

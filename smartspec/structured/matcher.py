@@ -49,6 +49,17 @@ class GrammarCompiler:
         grammar = self.matcher(StructuredOutput(json={"type": "object"}))
         grammar.masks([[]])
 
+    def check(self, spec: StructuredOutput) -> None:
+        """A Lark grammar (a request's own, or tool calls') checked against this tokenizer: the special tokens it
+        names must be this model's (the front checked the rest without a tokenizer). Raises ParamError, a 400,
+        before the request is queued rather than a failure inside the step."""
+        if spec.grammar is None and spec.tool_calls is None:
+            return
+        grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
+        if error and not error.startswith("WARNING"):
+            raise ParamError(field, f"invalid {field.split('.')[-1]}: {error.strip().splitlines()[0][:300]}")
+
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
