@@ -3,7 +3,8 @@ and the events its stream sends back (`Event`).
 
 A replica's stream is `Accepted` or `Refused` first, so the front knows the status code before it sends
 headers; then `Delta`s, the last one with `finished` set. Failover (placement/failover.py) adds `Restart` where
-a generation is retried whole and its earlier tokens are void. Every part of the serving layer reads these
+a generation is retried whole and its earlier tokens are void. Beside them: what a replica tells the router
+(`RoutingStats`) and the goodput controller (`ReplicaReport`). Every part of the serving layer reads these
 fields by name; none reads a dict of the wire."""
 from __future__ import annotations
 
@@ -141,3 +142,15 @@ class RoutingStats:
         values["request_speed"] = {int(b): float(v) for b, v in speed.items()} if speed else None
         values["prefix_keys"] = values.get("prefix_keys") or []
         return RoutingStats(**values)
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What a replica tells the goodput controller every controller_interval_s (control/controller.py)."""
+    replica_id: str
+    # the replica's /status view of itself (LLMServer.stats less the policy state): load, prefix cache, chosen k,
+    # speculation counters; shown as it comes, never merged
+    stats: dict
+    # its policy's shared evidence (Policy.shared.export_state: acceptance counts, cost fit), merged across the
+    # replicas of one key; None: the policy shares none
+    policy_state: dict | None = None

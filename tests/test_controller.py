@@ -5,6 +5,7 @@ pytest.importorskip("ray.serve")
 
 from deployments.control.controller import ControllerState  # noqa: E402
 from deployments.control.metrics import render_replica_metrics  # noqa: E402
+from deployments.wire import ReplicaReport  # noqa: E402
 from smartspec.policy.goodput_policy import GoodputPolicy  # noqa: E402
 
 
@@ -20,9 +21,9 @@ def _policy(accept: bool, scale: float) -> GoodputPolicy:
 def test_controller_aggregates_two_replicas_without_double_counting():
     good, bad = _policy(True, 1.0), _policy(False, 2.0)
     state = ControllerState()
-    assert state.report("a", {"running": 1, "policy": good.shared.export_state()}) == {}  # alone: nothing to learn
-    merged_for_b = state.report("b", {"running": 3, "policy": bad.shared.export_state()})
-    merged_for_a = state.report("a", {"running": 1, "policy": good.shared.export_state()})
+    assert state.report(ReplicaReport("a", {"running": 1}, good.shared.export_state())) == {}  # alone: nothing to learn
+    merged_for_b = state.report(ReplicaReport("b", {"running": 3}, bad.shared.export_state()))
+    merged_for_a = state.report(ReplicaReport("a", {"running": 1}, good.shared.export_state()))
     assert merged_for_b["prior"] == good.shared.export_state()["prior"] and merged_for_b["replicas"] == 1
     assert merged_for_a["prior"] == bad.shared.export_state()["prior"]
 
@@ -43,8 +44,8 @@ def test_controller_aggregates_two_replicas_without_double_counting():
 
 def test_controller_forgets_replicas_that_stop_reporting():
     state = ControllerState(stale_after_s=0.0)
-    state.report("a", {"policy": _policy(True, 1.0).shared.export_state()})
-    assert state.report("b", {"policy": _policy(False, 1.0).shared.export_state()}) == {}  # "a" is stale: gone
+    state.report(ReplicaReport("a", {}, _policy(True, 1.0).shared.export_state()))
+    assert state.report(ReplicaReport("b", {}, _policy(False, 1.0).shared.export_state())) == {}  # "a" is stale: gone
 
 
 def test_the_http_front_and_the_controller_load_no_torch():

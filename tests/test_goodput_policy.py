@@ -28,7 +28,7 @@ def run_fully_accepted_batch(policy, steps, b=4):
         n, c, depth = b + sum(ks), sum(r.num_tokens for r in requests) + sum(ks), max(ks)
         verify, drafting = runs_verify(n, c), draft_cost(depth, sum(ks))
         policy.observe(StepRecord(step, b, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting, verify,
-                                  verify + drafting))
+                                  verify + drafting, num_tokens=[r.num_tokens for r in requests]))
         chosen.append(ks)
     return chosen
 
@@ -66,7 +66,7 @@ def test_the_cost_model_keeps_every_step_and_is_refitted_every_refit_every_steps
         n, c = 2 + sum(ks), 200 + 7 * step + sum(ks)
         verify, drafting = true_verify(n, c), draft_cost(max(ks), sum(ks))
         policy.observe(StepRecord(step, 2, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting,
-                                  verify, verify + drafting))
+                                  verify, verify + drafting, num_tokens=[r.num_tokens for r in requests]))
         assert len(policy.cost.verify_samples) == step
         fits.append(None if policy.cost.v is None else list(policy.cost.v))
     first = next(i for i, v in enumerate(fits) if v is not None)  # ready after min_samples steps, fitted each step
@@ -136,11 +136,11 @@ def test_a_draft_catch_up_is_charged_and_tracked():
             assert ks[0] > 0 and ks[1] > 0
             continue
         # reading 499 unseen tokens (2.5 s against 0.1 s steps) does not pay, and is not worth a probe either
-        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in p.exploration.probing
+        assert ks[0] == 0 and ks[1] > 0 and "fresh" not in plan.probes
         assert plan.predicted_s == pytest.approx(p.cost.predict(2 + ks[1], 1000 + ks[1], ks[1], ks[1]))
         p.observe(StepRecord(step=1, batch_size=2, ks=ks, proposed=ks, accepted=[0, 2], request_ids=["fresh", "seen"],
                              num_batched_tokens=2 + ks[1], num_prefill_tokens=0, num_context_tokens=1000,
-                             draft_s=0.02, verify_s=0.1, total_s=0.12))
+                             draft_s=0.02, verify_s=0.1, total_s=0.12, num_tokens=[fresh.num_tokens, seen.num_tokens]))
         # the draft fed the context and its drafts but the last: it saw the accepted ones, up to k - 1 of them
         assert p.catchup.seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p.catchup.seen
         seen.token_ids += [1, 2, 3]  # two drafts accepted and the target's token
@@ -172,9 +172,9 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
         return p.plan(view(requests, 5)), p
 
     plan, alone = choose(1)
-    assert plan.ks == [1] and alone.exploration.probing == {"r0"}
+    assert plan.ks == [1] and plan.probes == ["r0"]
     plan, batched = choose(8)
-    assert plan.ks == [0] * 8 and not batched.exploration.probing
+    assert plan.ks == [0] * 8 and not plan.probes
     assert plan.predicted_s == pytest.approx(0.28)
 
 
@@ -191,10 +191,10 @@ def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cos
         prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
         p.acceptance.observe("finished", 2, 2)
         assert p.exploration.learning(p.acceptance.evidence)
-        ks = p.plan(view(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
-                      now=2 * arrival_gap + 0.5)).ks
-        assert ks.count(1) == len(p.exploration.probing) and sum(ks) == len(p.exploration.probing)
-        return p.exploration.probing
+        plan = p.plan(view(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
+                           now=2 * arrival_gap + 0.5))
+        assert plan.ks.count(1) == len(plan.probes) and sum(plan.ks) == len(plan.probes)
+        return plan.probes
 
     assert not probes(2.0)
     assert len(probes(60.0)) == 1

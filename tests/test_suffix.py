@@ -175,7 +175,7 @@ def test_the_policy_learns_what_lookup_confidences_are_worth():
     for step in range(400):
         path = [0] if rng.random() < 0.2 else []
         policy.observe(StepRecord(step, 1, [4], [4], [len(path)], ["r0"], 5, 0, 45, 0.0, 0.03, 0.03,
-                                  methods=[LOOKUP], trees={"r0": VerifiedTree(tree, path)}))
+                                  methods=[LOOKUP], trees={"r0": VerifiedTree(tree, path)}, num_tokens=[41]))
     assert policy.calibration.probability(0.9) == pytest.approx(0.2, abs=0.05)
     assert policy.acceptance.evidence == 0  # a lookup's outcomes are not the draft model's
     ks = policy.plan(view(reqs, 4, lookups=[tree], use_draft=False)).ks

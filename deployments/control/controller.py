@@ -7,6 +7,7 @@ import time
 
 from ray import serve
 
+from deployments.wire import ReplicaReport
 from smartspec.policy.replica_state import merge_states
 
 
@@ -15,18 +16,19 @@ class ControllerState:
 
     def __init__(self, stale_after_s: float = 15.0) -> None:
         self.stale_after_s = stale_after_s
-        self.reports: dict[str, tuple[float, dict]] = {}
+        self.reports: dict[str, tuple[float, ReplicaReport]] = {}
 
-    def report(self, replica_id: str, report: dict) -> dict:
+    def report(self, report: ReplicaReport) -> dict:
+        """The other replicas' merged policy state for this one ({}: none shares its policy's key)."""
         now = time.monotonic()
-        self.reports[replica_id] = (now, report)
+        self.reports[report.replica_id] = (now, report)
         for rid in [r for r, (t, _) in self.reports.items() if now - t > self.stale_after_s]:
             del self.reports[rid]  # a replica gone (scaled down, crashed) stops counting
-        own = report.get("policy")
+        own = report.policy_state
         if not own:
             return {}
-        others = [r["policy"] for rid, (_, r) in self.reports.items()
-                  if rid != replica_id and r.get("policy") and r["policy"].get("key") == own.get("key")]
+        others = [r.policy_state for rid, (_, r) in self.reports.items()
+                  if rid != report.replica_id and r.policy_state and r.policy_state.get("key") == own.get("key")]
         return merge_states(others) if others else {}
 
     def status(self) -> dict:
@@ -35,13 +37,12 @@ class ControllerState:
         goodput_tokens_per_s), its request speed by batch size, the speculation counters by proposer; and the
         merged policy state."""
         now = time.monotonic()
-        replicas = {rid: {"age_s": round(now - t, 2), **{k: v for k, v in r.items() if k != "policy"},
-                          "prefix_cache_hit_rate": _hit_rate(r.get("prefix_cache")),
-                          "alpha_prior": (r.get("policy") or {}).get("alpha_prior"),
-                          "alpha_prior_later": (r.get("policy") or {}).get("alpha_prior_later"),
-                          "prior_strength": (r.get("policy") or {}).get("prior_strength")}
+        replicas = {rid: {"age_s": round(now - t, 2), **r.stats,
+                          "prefix_cache_hit_rate": _hit_rate(r.stats.get("prefix_cache")),
+                          **{key: (r.policy_state or {}).get(key)
+                             for key in ("alpha_prior", "alpha_prior_later", "prior_strength")}}
                     for rid, (t, r) in self.reports.items()}
-        policies = [r["policy"] for _, r in self.reports.values() if r.get("policy")]
+        policies = [r.policy_state for _, r in self.reports.values() if r.policy_state]
         return {"replicas": replicas, "merged_policy": merge_states(policies) if policies else None}
 
 
@@ -55,8 +56,8 @@ class GoodputController:
     def __init__(self, stale_after_s: float = 15.0) -> None:
         self.state = ControllerState(stale_after_s)
 
-    def report(self, replica_id: str, report: dict) -> dict:
-        return self.state.report(replica_id, report)
+    def report(self, report: ReplicaReport) -> dict:
+        return self.state.report(report)
 
     def status(self) -> dict:
         return self.state.status()

@@ -259,6 +259,7 @@ class LLMEngine:
         if not batch:
             return StepResult([], None, 0)
         decoding, prefill = split_batch(batch)
+        lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
         hints = (self.hints.step_hints(decoding, self.grammars, spec.k_max)
                  if spec.proposer is not None and self.request_hints else None)
@@ -274,8 +275,8 @@ class LLMEngine:
         new_tokens = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, new_tokens)
         t_end = time.perf_counter()
-        record = self._record(step_number, items, decoding, sum(s.num_tokens for s in prefill), plan, drafted,
-                              new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
+        record = self._record(step_number, items, decoding, lengths, sum(s.num_tokens for s in prefill), plan,
+                              drafted, new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
                               self.runner.padded_shapes)
         return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()))
 
@@ -345,8 +346,8 @@ class LLMEngine:
                                 [self.blocks.slot(item.request, p) for p in dst])
 
     @staticmethod
-    def _record(step_number: int, items: list[ForwardItem], decoding: list[Request], num_prefill: int,
-                plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]], trees: dict[str, VerifiedTree],
+    def _record(step_number: int, items: list[ForwardItem], decoding: list[Request], lengths: list[int],
+                num_prefill: int, plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]], trees: dict[str, VerifiedTree],
                 draft_s: float, verify_s: float, total_s: float, shapes: PaddedShapes | None) -> StepRecord:
         drafts = drafted.drafts
         tokens = sum(len(it.tokens) for it in items)
@@ -363,7 +364,7 @@ class LLMEngine:
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,
             predicted_s=drafted.predicted_s if decoding else None,
             draft_catchup_tokens=drafted.catchup_tokens if drafts else 0,
-            methods=plan.methods, trees=trees)
+            methods=plan.methods, trees=trees, num_tokens=lengths, probes=list(plan.probes))
 
 def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
     """A decoding request's root (its last token) and tree nodes: stored side by side, each node at its depth."""

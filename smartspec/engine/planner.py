@@ -81,7 +81,7 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
     if hints is not None and own is None:  # a lookup chosen where there is none drafts nothing
         ks = [0 if m == LOOKUP and not len(t) else k for k, m, t in zip(ks, plan.methods, lookups)]
     ks = cap_and_reserve(ks, decoding, budget, blocks, max_model_len)
-    return view, SpecPlan(ks, plan.methods, plan.predicted_s)
+    return view, SpecPlan(ks, plan.methods, plan.predicted_s, plan.probes)
 
 
 def _check(plan: SpecPlan, view: StepView) -> None:

@@ -29,7 +29,6 @@ class CatchupLedger:
         self.horizon = horizon  # the most steps one catch-up is spread over when choosing k
         self.arrivals = ArrivalGaps()  # ... and the steps to the next arrival bound them
         self.seen: dict[str, int] = {}  # request -> tokens the draft has read
-        self.chosen_at: dict[str, int] = {}  # request -> its length when it last asked for a draft
 
     def see(self, view: StepView) -> None:
         for r in (*view.requests, *view.prefilling):
@@ -79,16 +78,12 @@ class CatchupLedger:
         gap = self.arrivals.expected_gap(step.now, self.horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.horizon))
 
-    def drafting(self, requests: list[RequestView], ks: list[int]) -> None:
-        """The plan's requests that will ask the draft model for tokens (k > 0), at their length now."""
-        self.chosen_at = {r.request_id: r.num_tokens for r, k in zip(requests, ks) if k}
-
-    def observed(self, request_id: str, proposed: int, accepted: int) -> None:
-        """The draft fed the context, then its drafts up to the last."""
-        if proposed and request_id in self.chosen_at:
-            self.seen[request_id] = self.chosen_at[request_id] + min(accepted, proposed - 1)
+    def observed(self, request_id: str, length: int, proposed: int, accepted: int) -> None:
+        """A draft-model outcome: the draft read the request's context (length tokens when the step was planned),
+        then its drafts up to the last."""
+        if proposed:
+            self.seen[request_id] = length + min(accepted, proposed - 1)
 
     def release(self, request_id: str) -> None:
         self.seen.pop(request_id, None)
-        self.chosen_at.pop(request_id, None)
         self.arrivals.release(request_id)

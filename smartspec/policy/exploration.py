@@ -23,7 +23,6 @@ class Exploration:
         self.min_prior_evidence = min_prior_evidence
         self.due_at: dict[str, int] = {}  # request -> step at which a probe is next allowed
         self.wait: dict[str, int] = {}  # request -> current back-off between probes
-        self.probing: set[str] = set()  # the requests probing in the step being planned
 
     def is_due(self, request_id: str, step: int) -> bool:
         return step >= self.due_at.get(request_id, 0)
@@ -36,8 +35,10 @@ class Exploration:
         """Whether the shared prior is still a guess."""
         return evidence < self.min_prior_evidence
 
-    def observed(self, request_id: str, k: int, accepted: int, step: int) -> None:
-        if request_id in self.probing:
+    def observed(self, request_id: str, k: int, accepted: int, step: int, probed: bool) -> None:
+        """A step's outcome for a request: a probe (SpecPlan.probes) backs off when rejected; a chosen k puts the
+        next probe off."""
+        if probed:
             wait = self.interval if accepted else min(self.max_interval, 2 * self.wait.get(request_id, self.interval))
             self.wait[request_id] = wait
             self.due_at[request_id] = step + wait

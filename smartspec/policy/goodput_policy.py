@@ -107,22 +107,21 @@ class GoodputPolicy(Policy):
         else:
             plan, probed = shape_probe(plans, self.step, self.shape_probe_interval, self.shape_probe_loss)
             self.shape_probes += probed
-        ks = self._probe_chains(step, list(plan.ks), raw_gains, gains, depth_of, starts, plan, price)
+        ks, probes = self._probe_chains(step, list(plan.ks), raw_gains, gains, depth_of, starts, plan, price)
         predicted = plan.seconds
-        if self.exploration.probing:
+        if probes:
             sum_k = sum(ks)
             tokens = step.forward_tokens(sum_k, max(ks)) if self.tree_depth is None else step.tokens + sum_k
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
-        self.catchup.drafting(requests, ks)
-        return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)))
+        return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes)
 
     def _probe_chains(self, step: StepNumbers, ks: list[int], raw_gains: np.ndarray, gains: np.ndarray,
-                      depth_of: np.ndarray, starts: Starts, plan: Plan, price: float | None) -> list[int]:
-        """The plan's ks with k = 1 for the requests that probe this step: due, worth it, within the budget, the
-        cheapest catch-ups first; once the prior is learned, not one whose catch-up costs more than a small share
-        of the step (the prior speaks for it)."""
-        explore, requests = self.exploration, step.requests
-        explore.probing = set()
+                      depth_of: np.ndarray, starts: Starts, plan: Plan, price: float | None) \
+            -> tuple[list[int], list[str]]:
+        """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
+        within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
+        more than a small share of the step (the prior speaks for it)."""
+        explore, requests, probes = self.exploration, step.requests, []
         due = [i for i, r in enumerate(requests)
                if ks[i] == 0 and step.k_max[i] > 0 and explore.is_due(r.request_id, self.step)]
         learning = explore.learning(self.acceptance.evidence)
@@ -133,9 +132,9 @@ class GoodputPolicy(Policy):
         for i in sorted(due, key=lambda i: starts.seconds[i]):
             if budget and i in worth and (learning or starts.seconds[i] <= explore.fraction * plan.seconds):
                 ks[i] = 1
-                explore.probing.add(requests[i].request_id)
+                probes.append(requests[i].request_id)
                 budget -= 1
-        return ks
+        return ks, probes
 
     def _plan_proposers(self, step: StepNumbers) -> SpecPlan:
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
@@ -155,33 +154,32 @@ class GoodputPolicy(Policy):
             price = alone.value * (b + max(1, len(view.prefilling))) / b
         plan = select_proposers(draft, lookup, k_max, self.cost.predict, step.tokens, step.context, price)
         methods, ks = plan.methods, plan.ks
-        self._probe_draft(step, methods, ks, lookup, start_s)
+        probes = self._probe_draft(step, methods, ks, lookup, start_s)
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
         m_all, m_draft = sum(ks), sum(drafted)
         predicted = float(self.cost.predict(step.tokens + m_all, step.context + m_all, max(drafted, default=0),
                                             m_draft) + sum(s for s, k in zip(start_s, drafted) if k))
-        self.catchup.drafting(step.requests, drafted)
-        return SpecPlan(ks, methods, predicted)
+        return SpecPlan(ks, methods, predicted, probes)
 
     def _probe_draft(self, step: StepNumbers, methods: list[str], ks: list[int], lookup: np.ndarray,
-                     start_s: np.ndarray) -> None:
+                     start_s: np.ndarray) -> list[str]:
         """While the draft's acceptance prior is unlearned, one request the plan leaves at k = 0 probes the draft
-        model with one token (methods and ks changed in place): a request the lookups do not serve, whose catch-up
+        model with one token (methods and ks changed in place; the prober returned): a request the lookups do not serve, whose catch-up
         costs a small share of the decoding steps it would be spread over (longer prompts are drafted for once the
         prior says it pays). Decoding steps alone: beside a prefill chunk the step is long, but the catch-up delays
         the batch all the same."""
         explore = self.exploration
-        explore.probing = set()
         if not step.view.draft_available or not explore.learning(self.acceptance.evidence):
-            return
+            return []
         decode_s = float(self.cost.predict(len(step.requests), step.decode_context))
         due = [i for i, r in enumerate(step.requests)
                if ks[i] == 0 and step.k_max[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
                and start_s[i] <= explore.fraction * self.catchup.horizon * decode_s]
-        if due:
-            i = min(due, key=lambda i: start_s[i])
-            methods[i], ks[i] = DRAFT, 1
-            explore.probing.add(step.requests[i].request_id)
+        if not due:
+            return []
+        i = min(due, key=lambda i: start_s[i])
+        methods[i], ks[i] = DRAFT, 1
+        return [step.requests[i].request_id]
 
     def _depth(self, k: int) -> int:
         """Draft forwards that k tokens (chain) or k nodes (tree) take."""
@@ -202,13 +200,18 @@ class GoodputPolicy(Policy):
     def observe(self, record: StepRecord) -> None:
         for tree, path in record.trees.values():
             self.calibration.observe(tree, path)
+        if len(record.num_tokens) != len(record.request_ids):
+            raise ValueError(f"StepRecord.num_tokens holds {len(record.num_tokens)} lengths for "
+                             f"{len(record.request_ids)} decoding requests")
         methods = dict(zip(record.request_ids, record.methods)) if record.methods is not None else {}
-        for rid, k, proposed, accepted in zip(record.request_ids, record.ks, record.proposed, record.accepted):
+        probes = set(record.probes)
+        for rid, k, proposed, accepted, length in zip(record.request_ids, record.ks, record.proposed, record.accepted,
+                                                      record.num_tokens):
             if methods.get(rid, DRAFT) != DRAFT:  # a lookup's outcome went to the calibration above
                 continue
             self.acceptance.observe(rid, proposed, accepted)
-            self.catchup.observed(rid, proposed, accepted)
-            self.exploration.observed(rid, k, accepted, self.step)
+            self.catchup.observed(rid, length, proposed, accepted)
+            self.exploration.observed(rid, k, accepted, self.step, rid in probes)
         self.cost_feed.observe(record)
 
     def observe_profile(self, records: list[StepRecord]) -> None:

@@ -87,6 +87,7 @@ class SimReplica:
         """Run one step starting at `now`; return its end time and the requests that finished in it."""
         batch = self.scheduler.schedule()
         decoding, prefill = split_batch(batch)
+        lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
         view, plan = plan_step(self.speculation, decoding, prefill,
                                self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
                                self.max_model_len, now=now)
@@ -121,7 +122,8 @@ class SimReplica:
         num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
                             n_tokens, num_prefill, n_context, draft_s, duration - draft_s, duration,
-                            predicted_s=plan.predicted_s if decoding else None, draft_catchup_tokens=catchup)
+                            predicted_s=plan.predicted_s if decoding else None, draft_catchup_tokens=catchup,
+                            num_tokens=lengths, probes=list(plan.probes))
         self.speculation.policy.observe(record)
         return end, finished
 

@@ -57,6 +57,9 @@ class SpecPlan:
     ks: list[int]
     methods: list[str] | None = None  # DRAFT or LOOKUP per request, when the view offered lookups
     predicted_s: float | None = None  # the step's time as the policy predicts it, when it predicts
+    # the requests whose k > 0 is an exploration probe, not a choice on the evidence (the record carries them back,
+    # so what the policy learns of a probe's outcome reaches observe with it)
+    probes: list[str] = field(default_factory=list)
 
     @classmethod
     def none(cls, view: StepView) -> SpecPlan:

@@ -38,3 +38,5 @@ class StepRecord:
     trees: dict[str, VerifiedTree] = field(default_factory=dict)  # request -> its verified tree, where it had one
     # token positions the forward computed: its padded bucket's cells (CUDA graphs), else None (= the batched tokens)
     forward_tokens: int | None = None
+    num_tokens: list[int] = field(default_factory=list)  # each decoding request's length when the step was planned
+    probes: list[str] = field(default_factory=list)  # the plan's exploration probes (SpecPlan.probes)
