@@ -51,4 +51,5 @@ def build_app(args: dict | None = None) -> Application:
     cfg = AppConfig.model_validate(args or {})
     controller = GoodputController.bind()
     server = LLMServer.options(**llm_server_options(cfg)).bind(cfg.model_dump(), controller)
-    return OpenAIIngress.bind(server, controller, cfg.name)
+    return OpenAIIngress.bind(server, controller, cfg.name, api_key=cfg.api_key,
+                              metrics_need_key=cfg.metrics_need_key)

@@ -81,6 +81,11 @@ class AppConfig(Strict):
     # each replica writes every step (shape, k, accepted, predicted and measured time) to Parquet part files in
     # <step_trace_dir>/<replica id>/, readable while it serves; for diagnosing a server and for `smartspec sim`
     step_trace_dir: str | None = None
+    # clients must send `Authorization: Bearer <api_key>` (401 otherwise; /health stays open). Unset: the
+    # SMARTSPEC_API_KEY environment variable of the ingress's node, if set (better: a config is shown by Serve's
+    # dashboard and API, an environment variable is not); neither: no key, for a server on localhost
+    api_key: str | None = Field(None, min_length=1)
+    metrics_need_key: bool = False  # /metrics asks for the key too (Prometheus then sends it as a bearer token)
 
     @field_validator("speculation", mode="before")
     @classmethod

@@ -97,6 +97,7 @@ def sse(data: dict | str) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            422: "invalid_request_error",
             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -2,7 +2,9 @@
 from the LLMServer replicas through a streaming handle."""
 
 import asyncio
+import hmac
 import json
+import os
 import time
 from contextlib import aclosing
 from dataclasses import replace
@@ -49,13 +51,33 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, server, controller, model_name: str, max_tokens_default: int = 16) -> None:
+    def __init__(self, server, controller, model_name: str, max_tokens_default: int = 16, api_key: str | None = None,
+                 metrics_need_key: bool = False) -> None:
         self.server = server
         self.controller = controller
         self.model_name = model_name
         self.max_tokens_default = max_tokens_default
         self.metrics = IngressMetrics()
         self.created = int(time.time())
+        # the served config's api_key, else SMARTSPEC_API_KEY where this replica runs (a Secret on Kubernetes);
+        # None: no key asked (a server on localhost)
+        self.api_key = api_key or os.environ.get("SMARTSPEC_API_KEY") or None
+        self.metrics_need_key = metrics_need_key
+
+    def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
+        """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
+        None: let it in. Refused before a body is read or a replica is asked."""
+        if self.api_key is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return None
+        if endpoint is not None:
+            self.metrics.request_done(endpoint, 401)
+        refusal = _error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  "authorization")
+        refusal.headers["WWW-Authenticate"] = "Bearer"
+        return refusal
 
     # ---- plain routes --------------------------------------------------------------------------------------
     @api.get("/health")
@@ -68,19 +90,25 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request):
+        if (refusal := self._refused(request)) is not None:
+            return refusal
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "smartspec"}]}
 
     @api.get("/v1/smartspec/status")
-    async def status(self):
+    async def status(self, request: Request):
+        if (refusal := self._refused(request)) is not None:
+            return refusal
         try:
             return await asyncio.wait_for(self.controller.status.remote(), 10)
         except Exception as exc:
             return _error_response(503, f"goodput controller unavailable: {exc!r}")
 
     @api.get("/metrics")
-    async def metrics(self) -> PlainTextResponse:
+    async def metrics(self, request: Request):
+        if self.metrics_need_key and (refusal := self._refused(request)) is not None:
+            return refusal
         # the router's counters through their module: Serve may carry this class to the replica by value, with copies
         # of its module's objects
         text = self.metrics.render() + metrics.ROUTING.render()
@@ -100,6 +128,8 @@ class OpenAIIngress:
         return await self._serve(request, proto.ChatCompletionRequest, chat=True)
 
     async def _serve(self, request: Request, schema, chat: bool):
+        if (refusal := self._refused(request, "chat" if chat else "completions")) is not None:
+            return refusal
         raw = await request.body()
         try:
             data = json.loads(raw)

@@ -19,8 +19,8 @@ from ray import serve
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.latency import CHUNK_CHARS, ServedPrefixes, prefix_keys
-from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, RoutingStats,
-                              TokenEntry)
+from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, ReplicaReport,
+                              RoutingStats, TokenEntry)
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
@@ -201,9 +201,8 @@ class LLMServer:
             await asyncio.sleep(self.cfg.controller_interval_s)
             try:
                 stats = await self.stats()
-                report = {k: v for k, v in stats.items() if k != "policy_state"}
-                report["policy"] = stats["policy_state"]
-                merged = await asyncio.wait_for(self.controller.report.remote(self.replica_id, report), 10)
+                report = ReplicaReport(self.replica_id, stats, stats.pop("policy_state", None))
+                merged = await asyncio.wait_for(self.controller.report.remote(report), 10)
                 if merged:
                     await self.engine.import_policy_state(merged)
             except asyncio.CancelledError:
