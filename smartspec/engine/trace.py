@@ -25,7 +25,8 @@ def trace_schema():
                       ("num_prefill_tokens", pa.int64()), ("num_context_tokens", pa.int64()), ("draft_s", pa.float64()),
                       ("verify_s", pa.float64()), ("total_s", pa.float64()), ("predicted_s", pa.float64()),
                       ("draft_catchup_tokens", pa.int64()), ("methods", pa.list_(pa.string())), ("time", pa.float64()),
-                      ("policy", pa.string()), ("forward_tokens", pa.int64())])
+                      ("policy", pa.string()), ("forward_tokens", pa.int64()), ("num_tokens", ints),
+                      ("probes", pa.list_(pa.string()))])
 
 
 class StepTraceWriter:
