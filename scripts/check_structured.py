@@ -7,9 +7,10 @@ enums and nesting, each answered three ways, greedy:
 
 Checks every constrained answer is valid for its schema and ended on its own (a loop runs to max_tokens), and
 counts how often its values agree with the free answer's (the scalars both have, compared as text). Prints a
-table (its `free` row: free answers that hold a JSON object, and those that ran to max_tokens); writes results/structured_quality/answers.json (every answer) and quality.png.
+table (its `free` row: free answers that hold a JSON object, and those that ran to max_tokens); writes
+results/structured_quality/answers.json (every answer) and quality.png.
 
-    python scripts/check_structured.py                      # the default target, ~10 min on 2 cores
+    python scripts/check_structured.py                      # the default target, ~12 min on 2 cores
     python scripts/check_structured.py --limit 8            # the first 8 prompts
 """
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The API key: with one configured, every route but /health (and /metrics, unless asked) answers 401 to a caller
 without `Authorization: Bearer <key>`, before the body is read or a replica is asked; the OpenAI SDK's api_key is
 that header."""
-import time
-
 import httpx
 import pytest
 from ray import serve
+from served import wait_ready
 
 from deployments.control.config import AppConfig
-
-
-def _wait_ready(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def test_an_empty_key_is_refused_at_the_edge():
@@ -38,7 +25,7 @@ def test_requests_without_the_key_get_401_and_health_stays_open(ray_serve, tiny_
     serve.run(build_app(args), name="keyed", route_prefix="/keyed")
     base = f"{ray_serve}/keyed"
     try:
-        _wait_ready(base)
+        wait_ready(base, timeout=180)
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-key"},
                         {"Authorization": "Basic sk-test-key"}):

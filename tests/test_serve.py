@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+from served import wait_ready  # noqa: E402
 from tool_defs import ADD, WEATHER  # noqa: E402
 
 from ray import serve  # noqa: E402
@@ -16,18 +17,6 @@ from ray import serve  # noqa: E402
 from smartspec import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = ["hello world", "def f(x):\n    return", "abcabcabc abc", "The quick brown fox", "12345 12345 123"]
-
-
-def _wait_ready(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +30,7 @@ def app(ray_serve, tiny_qwen, tiny_qwen_draft):
             "kv_cache_gib": 0.01, "max_model_len": 512, "num_replicas": 2, "replica_num_cpus": 0.2,
             "num_threads": 1, "controller_interval_s": 0.5}
     serve.run(build_app(args), name="main", route_prefix="/")
-    _wait_ready(ray_serve)
+    wait_ready(ray_serve)
     return ray_serve
 
 
@@ -613,7 +602,7 @@ def test_proposers_chosen_per_request_are_served_from_the_config(ray_serve, tiny
             "kv_cache_gib": 0.01, "max_model_len": 512, "replica_num_cpus": 0.1, "num_threads": 1}
     serve.run(build_app(args), name="mixed", route_prefix="/mixed")
     url = f"{ray_serve}/mixed"
-    _wait_ready(url)
+    wait_ready(url)
     try:
         for prompt in ("abcabcabc abc", "hello world"):
             r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
@@ -636,7 +625,7 @@ def _deploy_tight(tiny_qwen, name: str, **limits) -> str:
             "kv_cache_gib": 0.01, "max_model_len": 512, "max_num_seqs": 1, "replica_num_cpus": 0.1,
             "num_threads": 1, "warmup_profile": False, **limits}
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    _wait_ready(f"{_BASE[0]}/{name}")
+    wait_ready(f"{_BASE[0]}/{name}")
     return f"{_BASE[0]}/{name}"
 
 

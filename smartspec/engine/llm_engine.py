@@ -347,8 +347,9 @@ class LLMEngine:
 
     @staticmethod
     def _record(step_number: int, items: list[ForwardItem], decoding: list[Request], lengths: list[int],
-                num_prefill: int, plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]], trees: dict[str, VerifiedTree],
-                draft_s: float, verify_s: float, total_s: float, shapes: PaddedShapes | None) -> StepRecord:
+                num_prefill: int, plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]],
+                trees: dict[str, VerifiedTree], draft_s: float, verify_s: float, total_s: float,
+                shapes: PaddedShapes | None) -> StepRecord:
         drafts = drafted.drafts
         tokens = sum(len(it.tokens) for it in items)
         proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]

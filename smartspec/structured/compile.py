@@ -76,10 +76,17 @@ def grammar_of(spec: StructuredOutput, tool_tags_are_tokens: bool = False) -> tu
     else:
         field, what = "structured_outputs.grammar", "grammar"
         grammar = _lark_or_gbnf(spec.grammar)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    refuse_invalid(grammar, field, what)
+    return grammar, field
+
+
+def refuse_invalid(grammar: str, field: str, what: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
+    """ParamError naming the request's field where llguidance refuses the grammar (warnings pass); with a
+    tokenizer, the special tokens the grammar names are checked against it too."""
+    error = (llguidance.LLMatcher.validate_grammar(grammar) if tokenizer is None
+             else llguidance.LLMatcher.validate_grammar(grammar, tokenizer))
     if error and not error.startswith("WARNING"):
         raise ParamError(field, f"invalid {what}: {error.strip().splitlines()[0][:300]}")
-    return grammar, field
 
 
 def _layout_asked(schema: dict) -> str:

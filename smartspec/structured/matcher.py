@@ -16,7 +16,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from smartspec.structured.compile import TOOL_CALL_TAGS, grammar_of
+from smartspec.structured.compile import TOOL_CALL_TAGS, grammar_of, refuse_invalid
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 
 
@@ -56,9 +56,7 @@ class GrammarCompiler:
         if spec.grammar is None and spec.tool_calls is None:
             return
         grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
-        if error and not error.startswith("WARNING"):
-            raise ParamError(field, f"invalid {field.split('.')[-1]}: {error.strip().splitlines()[0][:300]}")
+        refuse_invalid(grammar, field, field.split(".")[-1], self.tokenizer())
 
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         grammar, field = grammar_of(spec, self.tool_tags_are_tokens)
