@@ -4,8 +4,8 @@ and the events its stream sends back (`Event`).
 A replica's stream is `Accepted` or `Refused` first, so the front knows the status code before it sends
 headers; then `Delta`s, the last one with `finished` set. Failover (placement/failover.py) adds `Restart` where
 a generation is retried whole and its earlier tokens are void. Beside them: what a replica tells the router
-(`RoutingStats`) and the goodput controller (`ReplicaReport`). Every part of the serving layer reads these
-fields by name; none reads a dict of the wire."""
+(`RoutingStats`) and the goodput controller (`ReplicaReport`), and what the controller shows (`ControllerStatus`).
+Every part of the serving layer reads these fields by name; none reads a dict of the wire."""
 from __future__ import annotations
 
 import uuid
@@ -145,12 +145,64 @@ class RoutingStats:
 
 
 @dataclass(frozen=True)
+class ReplicaGauges:
+    """The figures of a replica that /metrics renders (control/metrics.py), read once from its engine's snapshot;
+    None: the replica has no such figure yet."""
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # proposer -> (drafts, draft tokens, accepted tokens)
+    by_source: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    chosen_k: dict[int, int] = field(default_factory=dict)  # speculation length -> decoding requests that ran it
+    goodput_tokens_per_s: float | None = None
+    step_time_error: float | None = None  # mean |predicted - measured| / measured step time
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    alpha_prior: float | None = None
+    alpha_prior_later: float | None = None
+    prior_strength: float | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
+
+@dataclass(frozen=True)
 class ReplicaReport:
     """What a replica tells the goodput controller every controller_interval_s (control/controller.py)."""
     replica_id: str
-    # the replica's /status view of itself (LLMServer.stats less the policy state): load, prefix cache, chosen k,
-    # speculation counters; shown as it comes, never merged
-    stats: dict
+    gauges: ReplicaGauges
+    # the replica's /status view of itself (LLMServer.stats less the policy state): shown to the operator as it
+    # comes, never read
+    view: dict
     # its policy's shared evidence (Policy.shared.export_state: acceptance counts, cost fit), merged across the
     # replicas of one key; None: the policy shares none
     policy_state: dict | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as the controller last heard from it."""
+    age_s: float  # since its last report
+    gauges: ReplicaGauges
+    view: dict
+
+
+@dataclass(frozen=True)
+class ControllerStatus:
+    """The controller's status view: every replica that reports, and the policy state merged across them."""
+    replicas: dict[str, ReplicaStatus]
+    merged_policy: dict | None
+
+    def as_dict(self) -> dict:
+        """/v1/smartspec/status: per replica its own view, with the hit rate and the shared acceptance estimates."""
+        return {"replicas": {rid: {"age_s": r.age_s, **r.view,
+                                   "prefix_cache_hit_rate": r.gauges.prefix_cache_hit_rate,
+                                   "alpha_prior": r.gauges.alpha_prior,
+                                   "alpha_prior_later": r.gauges.alpha_prior_later,
+                                   "prior_strength": r.gauges.prior_strength}
+                             for rid, r in self.replicas.items()},
+                "merged_policy": self.merged_policy}

@@ -5,7 +5,7 @@ pytest.importorskip("ray.serve")
 
 from deployments.control.controller import ControllerState  # noqa: E402
 from deployments.control.metrics import render_replica_metrics  # noqa: E402
-from deployments.wire import ReplicaReport  # noqa: E402
+from deployments.wire import ReplicaGauges, ReplicaReport  # noqa: E402
 from smartspec.policy.goodput_policy import GoodputPolicy  # noqa: E402
 
 
@@ -18,12 +18,20 @@ def _policy(accept: bool, scale: float) -> GoodputPolicy:
     return p
 
 
+def _report(replica: str, running: int, policy: GoodputPolicy) -> ReplicaReport:
+    state = policy.shared.export_state()
+    gauges = ReplicaGauges(running=running, by_source={"draft_model": (3, 9, 7)}, chosen_k={0: 2, 4: 5},
+                           **policy.shared.acceptance_stats())
+    return ReplicaReport(replica, gauges, {"running": running}, state)
+
+
 def test_controller_aggregates_two_replicas_without_double_counting():
     good, bad = _policy(True, 1.0), _policy(False, 2.0)
     state = ControllerState()
-    assert state.report(ReplicaReport("a", {"running": 1}, good.shared.export_state())) == {}  # alone: nothing to learn
-    merged_for_b = state.report(ReplicaReport("b", {"running": 3}, bad.shared.export_state()))
-    merged_for_a = state.report(ReplicaReport("a", {"running": 1}, good.shared.export_state()))
+    assert state.report(_report("a", 1, good)) == {}  # alone: nothing to learn
+    merged_for_b = state.report(_report("b", 3, bad))
+    report_a = _report("a", 1, good)
+    merged_for_a = state.report(report_a)
     assert merged_for_b["prior"] == good.shared.export_state()["prior"] and merged_for_b["replicas"] == 1
     assert merged_for_a["prior"] == bad.shared.export_state()["prior"]
 
@@ -35,17 +43,23 @@ def test_controller_aggregates_two_replicas_without_double_counting():
     assert bad.acceptance.first.prior < good.acceptance.first.prior < alone  # both replicas' evidence now counts
 
     status = state.status()
-    assert set(status["replicas"]) == {"a", "b"} and status["replicas"]["b"]["running"] == 3
-    assert status["merged_policy"]["replicas"] == 2
+    shown = status.as_dict()
+    assert set(shown["replicas"]) == {"a", "b"} and shown["replicas"]["b"]["running"] == 3
+    assert shown["merged_policy"]["replicas"] == 2
     # both acceptance stages reach /metrics, per replica
-    assert 0 < status["replicas"]["a"]["alpha_prior_later"] < 1
-    assert 'smartspec_acceptance_prior_later{replica="a"}' in render_replica_metrics(status)
+    later = report_a.gauges.alpha_prior_later
+    assert 0 < shown["replicas"]["a"]["alpha_prior_later"] == later < 1
+    text = render_replica_metrics(status)
+    assert f'smartspec_acceptance_prior_later{{replica="a"}} {float(later)}' in text
+    assert 'smartspec_requests_running{replica="b"} 3.0' in text
+    assert 'smartspec_spec_decode_num_accepted_tokens_by_source_total{replica="a",source="draft_model"} 7.0' in text
+    assert 'smartspec_chosen_k_total{replica="b",k="4"} 5.0' in text
 
 
 def test_controller_forgets_replicas_that_stop_reporting():
     state = ControllerState(stale_after_s=0.0)
-    state.report(ReplicaReport("a", {}, _policy(True, 1.0).shared.export_state()))
-    assert state.report(ReplicaReport("b", {}, _policy(False, 1.0).shared.export_state())) == {}  # "a" is stale: gone
+    state.report(_report("a", 0, _policy(True, 1.0)))
+    assert state.report(_report("b", 0, _policy(False, 1.0))) == {}  # "a" is stale: gone
 
 
 def test_the_http_front_and_the_controller_load_no_torch():

@@ -7,7 +7,7 @@ import time
 
 from ray import serve
 
-from deployments.wire import ReplicaReport
+from deployments.wire import ControllerStatus, ReplicaReport, ReplicaStatus
 from smartspec.policy.replica_state import merge_states
 
 
@@ -31,23 +31,12 @@ class ControllerState:
                   if rid != report.replica_id and r.policy_state and r.policy_state.get("key") == own.get("key")]
         return merge_states(others) if others else {}
 
-    def status(self) -> dict:
-        """Per replica: where it runs (node_id, pid), its load (running, waiting, in_flight), its prefix cache
-        (prefix_cache_hit_rate and the counts), what the policy chose (steps.chosen_k) and achieved (steps.
-        goodput_tokens_per_s), its request speed by batch size, the speculation counters by proposer; and the
-        merged policy state."""
+    def status(self) -> ControllerStatus:
+        """Every replica that reports (its gauges and its own view) and the merged policy state."""
         now = time.monotonic()
-        replicas = {rid: {"age_s": round(now - t, 2), **r.stats,
-                          "prefix_cache_hit_rate": _hit_rate(r.stats.get("prefix_cache")),
-                          **{key: (r.policy_state or {}).get(key)
-                             for key in ("alpha_prior", "alpha_prior_later", "prior_strength")}}
-                    for rid, (t, r) in self.reports.items()}
+        replicas = {rid: ReplicaStatus(round(now - t, 2), r.gauges, r.view) for rid, (t, r) in self.reports.items()}
         policies = [r.policy_state for _, r in self.reports.values() if r.policy_state]
-        return {"replicas": replicas, "merged_policy": merge_states(policies) if policies else None}
-
-
-def _hit_rate(counts: dict | None) -> float | None:
-    return counts["hits"] / counts["queries"] if counts and counts.get("queries") else None
+        return ControllerStatus(replicas, merge_states(policies) if policies else None)
 
 
 @serve.deployment(name="GoodputController", num_replicas=1, ray_actor_options={"num_cpus": 0.05},
@@ -59,5 +48,5 @@ class GoodputController:
     def report(self, report: ReplicaReport) -> dict:
         return self.state.report(report)
 
-    def status(self) -> dict:
+    def status(self) -> ControllerStatus:
         return self.state.status()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from deployments.wire import ControllerStatus
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -73,64 +75,57 @@ def _line(name: str, labels: dict, value) -> str:
     return f"{name}{{{inner}}} {float(value)}"
 
 
-# family -> (type, help, where a replica's report holds the value: (section or None, key))
+# family -> (type, help, the ReplicaGauges attribute that holds the value)
 REPLICA_FAMILIES = {
-    "smartspec_spec_decode_num_drafts_total": ("counter", "Steps in which a request proposed tokens",
-                                               ("spec_decode", "num_drafts")),
-    "smartspec_spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed",
-                                                     ("spec_decode", "num_draft_tokens")),
-    "smartspec_spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted",
-                                                        ("spec_decode", "num_accepted_tokens")),
+    "smartspec_spec_decode_num_drafts_total": ("counter", "Steps in which a request proposed tokens", "num_drafts"),
+    "smartspec_spec_decode_num_draft_tokens_total": ("counter", "Draft tokens proposed", "num_draft_tokens"),
+    "smartspec_spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted", "num_accepted_tokens"),
     "smartspec_chosen_k_total": ("counter", "Decoding requests that ran a step with this speculation length",
-                                 ("steps", "chosen_k")),
+                                 "chosen_k"),
     "smartspec_goodput_tokens_per_second": ("gauge", "Tokens generated per second of step time",
-                                            ("steps", "goodput_tokens_per_s")),
+                                            "goodput_tokens_per_s"),
     "smartspec_step_time_prediction_error": ("gauge", "Mean |predicted - measured| / measured step time",
-                                             ("steps", "prediction_mean_abs_rel_error")),
-    "smartspec_requests_running": ("gauge", "Requests running in the engine", (None, "running")),
-    "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine", (None, "waiting")),
-    "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", (None, "free_blocks")),
+                                             "step_time_error"),
+    "smartspec_requests_running": ("gauge", "Requests running in the engine", "running"),
+    "smartspec_requests_waiting": ("gauge", "Requests waiting for the engine", "waiting"),
+    "smartspec_kv_blocks_free": ("gauge", "Free KV cache blocks", "free_blocks"),
     "smartspec_prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix cache",
-                                             ("prefix_cache", "queries")),
-    "smartspec_prefix_cache_hits_total": ("counter", "Prompt tokens whose KV the prefix cache held",
-                                          ("prefix_cache", "hits")),
+                                             "prefix_queries"),
+    "smartspec_prefix_cache_hits_total": ("counter", "Prompt tokens whose KV the prefix cache held", "prefix_hits"),
     "smartspec_prefix_cache_hit_rate": ("gauge", "Prompt tokens the prefix cache held / prompt tokens looked up",
-                                        (None, "prefix_cache_hit_rate")),
+                                        "prefix_cache_hit_rate"),
     "smartspec_acceptance_prior": ("gauge", "The policy's shared acceptance estimate of a draft's first token",
-                                   (None, "alpha_prior")),
+                                   "alpha_prior"),
     "smartspec_acceptance_prior_later": ("gauge", ("The policy's shared acceptance estimate of each later draft "
                                                    "token, given the one before it was accepted"),
-                                         (None, "alpha_prior_later")),
+                                         "alpha_prior_later"),
     "smartspec_acceptance_prior_strength": ("gauge", "Outcomes the prior is worth against a request's own, learned "
-                                            "from how much finished requests differ", (None, "prior_strength")),
+                                            "from how much finished requests differ", "prior_strength"),
 }
 
 
-# family -> (help, the counter's key in spec_decode.by_source.<source>)
+# family -> (help, the position of its counter in ReplicaGauges.by_source's triples)
 SOURCE_FAMILIES = {
-    "smartspec_spec_decode_num_drafts_by_source_total": ("Drafts, by who drafted them", "num_drafts"),
-    "smartspec_spec_decode_num_draft_tokens_by_source_total": ("Draft tokens proposed, by who drafted them",
-                                                               "num_draft_tokens"),
-    "smartspec_spec_decode_num_accepted_tokens_by_source_total": ("Draft tokens accepted, by who drafted them",
-                                                                  "num_accepted_tokens"),
+    "smartspec_spec_decode_num_drafts_by_source_total": ("Drafts, by who drafted them", 0),
+    "smartspec_spec_decode_num_draft_tokens_by_source_total": ("Draft tokens proposed, by who drafted them", 1),
+    "smartspec_spec_decode_num_accepted_tokens_by_source_total": ("Draft tokens accepted, by who drafted them", 2),
 }
 
 
-def render_replica_metrics(status: dict) -> str:
-    """The controller's status view as Prometheus text, one series per replica (chosen k: one per k too; the
-    speculation counters by source: one per proposer); a value a replica does not report is left out."""
+def render_replica_metrics(status: ControllerStatus) -> str:
+    """The controller's status as Prometheus text, one series per replica (chosen k: one per k too; the speculation
+    counters by source: one per proposer); a value a replica does not have yet is left out."""
     out = []
-    replicas = status.get("replicas") or {}
-    for name, (doc, key) in SOURCE_FAMILIES.items():
-        lines = [_line(name, {"replica": replica, "source": source}, counts[key])
-                 for replica, r in replicas.items()
-                 for source, counts in ((r.get("spec_decode") or {}).get("by_source") or {}).items()]
+    gauges = {replica: r.gauges for replica, r in status.replicas.items()}
+    for name, (doc, position) in SOURCE_FAMILIES.items():
+        lines = [_line(name, {"replica": replica, "source": source}, counts[position])
+                 for replica, g in gauges.items() for source, counts in g.by_source.items()]
         if lines:
             out += [f"# HELP {name} {doc}", f"# TYPE {name} counter", *lines]
-    for name, (kind, doc, (section, key)) in REPLICA_FAMILIES.items():
+    for name, (kind, doc, attribute) in REPLICA_FAMILIES.items():
         lines = []
-        for replica, r in (status.get("replicas") or {}).items():
-            value = (r.get(section) or {}).get(key) if section else r.get(key)
+        for replica, g in gauges.items():
+            value = getattr(g, attribute)
             if isinstance(value, dict):  # chosen_k: {k: count}
                 lines += [_line(name, {"replica": replica, "k": k}, n) for k, n in value.items()]
             elif value is not None:

@@ -19,8 +19,8 @@ from ray import serve
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.latency import CHUNK_CHARS, ServedPrefixes, prefix_keys
-from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, ReplicaReport,
-                              RoutingStats, TokenEntry)
+from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, ReplicaGauges,
+                              ReplicaReport, RoutingStats, TokenEntry)
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
@@ -200,8 +200,9 @@ class LLMServer:
         while True:
             await asyncio.sleep(self.cfg.controller_interval_s)
             try:
-                stats = await self.stats()
-                report = ReplicaReport(self.replica_id, stats, stats.pop("policy_state", None))
+                view = await self.stats()
+                policy_state = view.pop("policy_state", None)
+                report = ReplicaReport(self.replica_id, gauges_of(view, policy_state), view, policy_state)
                 merged = await asyncio.wait_for(self.controller.report.remote(report), 10)
                 if merged:
                     await self.engine.import_policy_state(merged)
@@ -224,3 +225,18 @@ class LLMServer:
             self.engine.close()
         except Exception:
             pass
+
+
+def gauges_of(snapshot: dict, policy_state: dict | None) -> ReplicaGauges:
+    """The figures /metrics renders, read from the engine's snapshot (LLMEngine.snapshot) and the policy's shared
+    state (its acceptance estimates)."""
+    spec, steps, prefix = snapshot["spec_decode"], snapshot["steps"], snapshot["prefix_cache"]
+    shared = policy_state or {}
+    return ReplicaGauges(
+        snapshot["running"], snapshot["waiting"], snapshot["free_blocks"], spec["num_drafts"],
+        spec["num_draft_tokens"], spec["num_accepted_tokens"],
+        {source: (c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"])
+         for source, c in spec["by_source"].items()},
+        dict(steps["chosen_k"]), steps["goodput_tokens_per_s"], steps["prediction_mean_abs_rel_error"],
+        prefix["queries"], prefix["hits"], shared.get("alpha_prior"), shared.get("alpha_prior_later"),
+        shared.get("prior_strength"))

@@ -1,4 +1,19 @@
-"""The goodput policy (configured as "smartspec"): per request, per step, the k that maximises the batch's goodput."""
+"""The goodput policy (configured as "smartspec"): per request, per step, the k that maximises the batch's goodput.
+Its parts:
+
+- acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
+  (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
+- step cost (T): `StepCostModel`, fed every step and refitted every `refit_every` steps (`CostFeed`), seeded
+  by the engine's warm-up profile.
+- selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
+  never planned to be slower than plain decoding.
+- prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
+  (`chain_plan.prefill_step_price`); a draft model's catch-up is charged once, spread over the steps it serves
+  (`CatchupLedger`).
+- learning: bounded exploration probes for requests at k = 0 (`Exploration`), and now and then a nearby draft
+  length the cost fit has not seen (`chain_plan.shape_probe`).
+- what routing and autoscaling read (`load`, `FittedLoad`) and what replicas share (`shared`).
+"""
 from __future__ import annotations
 
 import time
@@ -27,21 +42,7 @@ class GoodputPolicy(Policy):
 
         goodput(k) = sum_i g(k_i, alpha_i) / T(k),    g(k, a) = 1 + a + ... + a^k,
 
-    the tokens the step is expected to generate per second of step time. Its parts:
-
-    - acceptance (alpha_i): per request, first and later draft tokens apart, shrunk toward a prior per proposer
-      (`ChainAcceptance`); token trees use calibrated node confidences instead (`TreeGains`, `NodeCalibration`).
-    - step cost (T): `StepCostModel`, fed every step and refitted every `refit_every` steps (`CostFeed`), seeded
-      by the engine's warm-up profile.
-    - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
-      never planned to be slower than plain decoding.
-    - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
-      (`chain_plan.prefill_step_price`); a draft model's catch-up is charged once, spread over the steps it serves
-      (`CatchupLedger`).
-    - learning: bounded exploration probes for requests at k = 0 (`Exploration`), and now and then a nearby draft
-      length the cost fit has not seen (`chain_plan.shape_probe`).
-    - what routing and autoscaling read (`load`, `FittedLoad`) and what replicas share (`shared`).
-
+    the tokens the step is expected to generate per second of step time (its parts: the module's docstring).
     docs/policy.md explains each part and links the evidence. Options are the constructor's keyword arguments
     (`speculative_config["policy_options"]`)."""
 
