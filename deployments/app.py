@@ -52,4 +52,4 @@ def build_app(args: dict | None = None) -> Application:
     controller = GoodputController.bind()
     server = LLMServer.options(**llm_server_options(cfg)).bind(cfg.model_dump(), controller)
     return OpenAIIngress.bind(server, controller, cfg.name, api_key=cfg.api_key,
-                              metrics_need_key=cfg.metrics_need_key)
+                              metrics_need_key=cfg.metrics_need_key, replica_wait_s=cfg.replica_wait_s)

@@ -10,7 +10,7 @@ from deployments.app import llm_server_options
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import (autoscaling_metrics, desired_replicas, goodput_policy, merged_table,
                                                speed_at)
-from deployments.placement.failover import FailoverStream, GenerationFailed, may_retry
+from deployments.placement.failover import FailoverStream, GenerationFailed, NoReplicaInTime, may_retry
 from deployments.placement.latency import (
     CHUNK_CHARS,
     PrefillBacklog,
@@ -225,14 +225,16 @@ def test_the_served_config_wires_router_autoscaling_and_drain():
 class ReplicaStream:
     """A streaming handle call's stand-in: events, then (optionally) the replica's death."""
 
-    def __init__(self, events: list, dies: bool = False) -> None:
-        self.events, self.dies, self.cancelled = list(events), dies, False
+    def __init__(self, events: list, dies: bool = False, hangs: bool = False) -> None:
+        self.events, self.dies, self.hangs, self.cancelled = list(events), dies, hangs, False
 
     async def __anext__(self):
         if self.events:
             return self.events.pop(0)
         if self.dies:
             raise ActorDiedError()
+        if self.hangs:  # no replica takes the call (Serve queues it until one is up)
+            await asyncio.Event().wait()
         raise StopAsyncIteration
 
     def cancel(self) -> None:
@@ -295,6 +297,30 @@ def test_unseeded_sampling_after_tokens_and_a_second_death_are_not_retried():
     with pytest.raises(ActorDiedError):
         drain(FailoverStream(start, completion("p", temperature=0.8, seed=3), streaming=False))
     assert len(calls) == 2
+
+
+def test_a_retry_no_replica_takes_fails_after_the_bound_and_is_cancelled():
+    """The only replica died mid-answer and is restarting: the retry waits for it at most wait_s, then fails with
+    NoReplicaInTime (the front's 503 with Retry-After), and Serve's queued call is cancelled."""
+    queued = ReplicaStream([], hangs=True)
+    start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True), queued)
+    stream = FailoverStream(start, completion("p", temperature=0), streaming=False, wait_s=0.01)
+    with pytest.raises(NoReplicaInTime, match="within 0.01 s") as failure:
+        drain(stream)
+    assert len(calls) == 2 and queued.cancelled and failure.value.retry_after_s == 1
+    # a slow answer after the first event is not bounded: a long generation is not a missing replica
+    slow = ReplicaStream([ACCEPTED, delta("a")])
+    start, _ = replicas(slow)
+    stream = FailoverStream(start, completion("p", temperature=0), streaming=True, wait_s=0.01)
+
+    async def first_two_then_hang():
+        events = [await anext(stream), await anext(stream)]
+        slow.hangs = True
+        with pytest.raises(TimeoutError):  # still waiting when the test gives up: no NoReplicaInTime
+            await asyncio.wait_for(anext(stream), 0.1)
+        return events
+
+    assert asyncio.run(first_two_then_hang()) == [ACCEPTED, delta("a")]
 
 
 def test_a_refused_retry_fails_the_generation_and_request_errors_are_never_retried():

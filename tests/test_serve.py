@@ -742,3 +742,58 @@ def test_a_killed_replica_loses_no_request(ray_serve, tiny_qwen, reference):
     assert len(errored) == 1 and len(finished) == 1, ends
     assert re.search(r"smartspec_failover_retries_total 1\.0", metrics), metrics
     assert re.search(r'smartspec_routing_decisions_total\{reason="retry",replica="\w+"\} 1\.0', metrics), metrics
+
+
+def test_the_only_replica_killed_every_request_ends_answered_or_named(ray_serve, tiny_qwen, reference):
+    """One replica running one stream, with a second stream and two greedy unary requests waiting in its engine;
+    it is killed (SIGKILL) and Serve restarts it. The stream that sent tokens ends with an error event; each of the
+    others is retried and either answered as the offline engine answers it, or, if no replica took it within
+    replica_wait_s, refused with a named 503 and Retry-After (a stream: its error event). Nothing goes silent."""
+    import os
+    import signal
+
+    _BASE[0] = ray_serve
+    wait_s = 30
+    url = _deploy_tight(tiny_qwen, "restart", controller_interval_s=0.2, replica_wait_s=wait_s)
+    unary = [{"model": "tiny", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+             for p in PROMPTS[1:3]]
+
+    async def stream(client, opened: asyncio.Event):
+        async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
+            assert response.status_code == 200
+            opened.set()
+            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=wait_s + 120) as client:
+            tasks = []
+            for _ in range(2):
+                opened = asyncio.Event()
+                tasks.append(asyncio.create_task(stream(client, opened)))
+                await opened.wait()
+            tasks += [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for body in unary]
+            status = await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()]
+                                             == [4])
+            start = time.monotonic()
+            os.kill(next(iter(status["replicas"].values()))["pid"], signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            return results, time.monotonic() - start
+
+    try:
+        (first, second, *answers), seconds = asyncio.run(main())
+    finally:
+        serve.delete("restart")
+    assert seconds < wait_s + 110
+    assert first[-1] == "data: [DONE]" and '"error"' in first[-2]  # it had sent tokens: its error, as before
+    for events in (first, second):
+        assert events[-1] == "data: [DONE]"
+    named = 'no replica took the request within 30 s'
+    if named not in second[-2]:  # retried and answered whole: the tokens an undisturbed run gives
+        chunks = [json.loads(line[6:]) for line in second[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == reference("x", LONG["max_tokens"])
+    for body, answer in zip(unary, answers):
+        if answer.status_code == 200:
+            assert answer.json()["choices"][0]["text"] == reference(body["prompt"], 64)
+        else:
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "30", answer.text
+            assert named in answer.json()["error"]["message"]

@@ -76,6 +76,9 @@ class AppConfig(Strict):
     max_queued_requests: int = Field(64, ge=-1)
     max_waiting: int = Field(64, ge=1)
     controller_interval_s: float = Field(1.0, gt=0)
+    # a generation waits at most this long for a replica to take it (all replicas restarting after a crash, or
+    # all busy); then the caller gets 503 with Retry-After instead of waiting on
+    replica_wait_s: float = Field(60.0, gt=0)
     warmup_profile: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (target and draft)
     # each replica writes every step (shape, k, accepted, predicted and measured time) to Parquet part files in

@@ -22,7 +22,7 @@ from deployments.http import protocol as proto
 from deployments.http.fold import AnswerFold
 from deployments.http.tools import ToolError, template_messages
 from deployments.http.tools import functions as tool_functions
-from deployments.placement.failover import FailoverStream
+from deployments.placement.failover import FailoverStream, NoReplicaInTime
 from deployments.placement.latency import prefix_text
 from deployments.wire import GenerateCall, Refused
 from smartspec.structured.compile import compiled
@@ -32,13 +32,22 @@ api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
+
+    @staticmethod
+    def no_replica(exc: NoReplicaInTime) -> "HTTPError":
+        return HTTPError(503, str(exc), retry_after_s=exc.retry_after_s)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(answers.error_body(self.status, self.message, self.param), status_code=self.status,
+                            headers=headers)
 
 
 def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(answers.error_body(status, message, param), status_code=status)
+    return HTTPError(status, message, param).response()
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -52,7 +61,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, controller, model_name: str, max_tokens_default: int = 16, api_key: str | None = None,
-                 metrics_need_key: bool = False) -> None:
+                 metrics_need_key: bool = False, replica_wait_s: float = 60.0) -> None:
         self.server = server
         self.controller = controller
         self.model_name = model_name
@@ -63,6 +72,7 @@ class OpenAIIngress:
         # None: no key asked (a server on localhost)
         self.api_key = api_key or os.environ.get("SMARTSPEC_API_KEY") or None
         self.metrics_need_key = metrics_need_key
+        self.replica_wait_s = replica_wait_s  # the most a generation waits for a replica to take it (failover.py)
 
     def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
         """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
@@ -101,7 +111,7 @@ class OpenAIIngress:
         if (refusal := self._refused(request)) is not None:
             return refusal
         try:
-            return await asyncio.wait_for(self.controller.status.remote(), 10)
+            return (await asyncio.wait_for(self.controller.status.remote(), 10)).as_dict()
         except Exception as exc:
             return _error_response(503, f"goodput controller unavailable: {exc!r}")
 
@@ -138,7 +148,7 @@ class OpenAIIngress:
             return _error_response(400, f"request body is not valid JSON: {exc}")
         result = await self._begin(data, schema, chat)
         if isinstance(result, HTTPError):
-            return _error_response(result.status, result.message, result.param)
+            return result.response()
         fold, streams = result
         if fold.body.stream:
             usage = fold.body.stream_options is not None and fold.body.stream_options.include_usage
@@ -147,7 +157,7 @@ class OpenAIIngress:
             return await self._collect(fold, streams)
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
-            return _error_response(exc.status, exc.message)
+            return exc.response()
 
     # ---- the same API for Python callers (serve.get_app_handle) --------------------------------------------
     async def create(self, body: dict, chat: bool = False) -> dict:
@@ -235,8 +245,11 @@ class OpenAIIngress:
         calls = self._calls(body, chat)
         streams = []
         try:
-            streams = [FailoverStream(self._generate, call, body.stream) for call in calls]
+            streams = [FailoverStream(self._generate, call, body.stream, self.replica_wait_s) for call in calls]
             firsts = [await anext(s) for s in streams]
+        except NoReplicaInTime as exc:
+            self._cancel(streams)
+            raise HTTPError.no_replica(exc) from None
         except BackPressureError as exc:
             self._cancel(streams)
             raise HTTPError(503, f"server overloaded, request queue full; retry later ({exc})") from None
@@ -300,6 +313,9 @@ class OpenAIIngress:
             self._cancel(streams)
             self.metrics.request_done(endpoint, 499)
             raise
+        except NoReplicaInTime as exc:  # its replica died and no other took the retry in time
+            self._cancel(streams)
+            raise HTTPError.no_replica(exc) from None
         except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
             self._cancel(streams)
             raise HTTPError(500, f"generation failed: {exc!r}") from None
@@ -333,6 +349,9 @@ class OpenAIIngress:
             completed = True
         except asyncio.CancelledError:
             raise
+        except NoReplicaInTime as exc:  # the status is sent already: say it in the stream
+            status = 503
+            yield answers.error_body(status, str(exc))
         except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
             status = 500
             yield answers.error_body(status, f"generation failed: {exc!r}")

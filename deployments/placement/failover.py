@@ -9,9 +9,15 @@ The rules (`may_retry`), per generation (one choice of a request):
 - After its first token, a request that is not streamed is retried whole, once, when it is idempotent: greedy
   (temperature 0) or seeded. Its tokens so far are dropped (`Restart`), never sent twice. An unseeded sampled
   request ends with a 500, as without failover.
-A refusal (a replica's 4xx or 503 before acceptance) is an answer, not a failure: it is never retried here."""
+A refusal (a replica's 4xx or 503 before acceptance) is an answer, not a failure: it is never retried here.
+
+Nothing waits unbounded: each attempt waits at most `wait_s` for its replica's first event (a replica restarting
+after a crash, every replica busy); then the generation fails with `NoReplicaInTime`, which the front answers with
+a 503 and Retry-After."""
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 
 from ray.exceptions import RayActorError
@@ -36,16 +42,26 @@ class GenerationFailed(RuntimeError):
     """A retry was refused by the replica it reached (its first event Refused): the generation fails with it."""
 
 
+class NoReplicaInTime(RuntimeError):
+    """No replica took the generation within wait_s: the caller may come back after retry_after_s."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"no replica took the request within {wait_s:g} s (replicas restarting or all busy); "
+                         f"retry later")
+        self.retry_after_s = max(1, math.ceil(wait_s))
+
+
 class FailoverStream:
     """One generation's events from LLMServer.generate, retried per the rules above. start(call) opens a
     streaming handle call. Events pass through unchanged, except that a retry's acceptance is not passed on
     again, and a whole retry is announced by Restart."""
 
     def __init__(self, start: Callable[[GenerateCall], AsyncIterator[Event]], call: GenerateCall,
-                 streaming: bool) -> None:
-        self.start, self.streaming, self.call = start, streaming, call
+                 streaming: bool, wait_s: float = 60.0) -> None:
+        self.start, self.streaming, self.call, self.wait_s = start, streaming, call, wait_s
         self.stream = start(call)
         self.attempts = 1
+        self.attempt_answered = False  # this attempt's replica has sent its first event
         self.accepted = False  # the caller has the acceptance
         self.tokens_sent = False  # the caller has had a delta with tokens
         self.failures: list[BaseException] = []
@@ -56,8 +72,8 @@ class FailoverStream:
     async def __anext__(self) -> Event:
         while True:
             try:
-                event = await self.stream.__anext__()
-            except StopAsyncIteration:
+                event = await self._next()
+            except (StopAsyncIteration, NoReplicaInTime):
                 raise
             except Exception as exc:
                 if not may_retry(exc, self.attempts, self.tokens_sent, self.streaming, self.call):
@@ -78,8 +94,23 @@ class FailoverStream:
                 self.tokens_sent = True
             return event
 
+    async def _next(self) -> Event:
+        if self.attempt_answered:
+            return await self.stream.__anext__()
+        try:
+            event = await asyncio.wait_for(self.stream.__anext__(), self.wait_s)
+        except TimeoutError:
+            try:
+                self.cancel()
+            except Exception:  # a call refused at submission re-raises its refusal here: nothing to stop
+                pass
+            raise NoReplicaInTime(self.wait_s) from None
+        self.attempt_answered = True
+        return event
+
     def _retry(self) -> None:
         self.attempts += 1
+        self.attempt_answered = False
         self.call = self.call.retry()
         self.stream = self.start(self.call)
 
