@@ -797,3 +797,19 @@ def test_the_only_replica_killed_every_request_ends_answered_or_named(ray_serve,
         else:
             assert answer.status_code == 503 and answer.headers["retry-after"] == "30", answer.text
             assert named in answer.json()["error"]["message"]
+
+
+def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):
+    """scripts/fuzz_api.py's requests (every field, wrong types, odd unicode, huge and nested values, hang-ups),
+    over HTTP and the Serve handle: no 5xx, no hang, every 4xx named, and afterwards the server is healthy with
+    every KV block free."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from fuzz_api import fuzz
+
+    tally, back = fuzz(app, "tiny", 100, timeout=120, handle=serve.get_app_handle("main"), progress=False)
+    assert tally.requests == 100 and tally.by_status.get("200", 0) > 0
+    assert (tally.server_errors, tally.hangs, tally.unnamed) == (0, 0, 0), tally.failures[:3]
+    assert back

@@ -307,3 +307,33 @@ def test_invalid_schemas_and_grammars_are_refused_naming_the_field(plain):
         assert err.value.field == field, err.value
     with pytest.raises(ParamError, match="exactly one"):
         StructuredOutput(regex="a", choice=["b"])
+
+
+def test_a_grammar_that_refuses_a_committed_token_ends_its_request_alone(plain, monkeypatch):
+    """Fault injection: one request's grammar refuses a token its step committed (an inconsistency inside structured
+    output). That request ends with finish_reason "error"; the engine goes on and the others are answered as they
+    are alone."""
+    from smartspec.structured.matcher import GrammarRefusedToken, RequestGrammar
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True, structured=StructuredOutput(regex="[a-z]{1,40}"))
+    alone = plain.generate(PROMPTS[:2], [params] * 2)
+    real_commit = RequestGrammar.commit
+    failing = []
+
+    def commit(self, tokens):
+        if self is failing[0]:
+            raise GrammarRefusedToken(f"grammar refused committed tokens {tokens}: injected")
+        real_commit(self, tokens)
+
+    engine = plain.engine
+    ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+    failing.append(engine.grammars[ids[0]])
+    monkeypatch.setattr(RequestGrammar, "commit", commit)
+    finished = {}
+    while len(finished) < 2:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[ids[0]].finish_reason == "error" and len(finished[ids[0]].token_ids) == 1
+    assert finished[ids[1]].token_ids == alone[1].token_ids and finished[ids[1]].finish_reason == "length"
+    assert engine.blocks.num_free == engine.blocks.num_blocks

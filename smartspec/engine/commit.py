@@ -3,6 +3,7 @@ dropped, the outcome is counted, tokens are appended (and detokenized, where the
 stop, and a finished request gives back everything it held. The engine and the simulator both commit through here."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from smartspec.engine.detokenizer import append_text, find_stop
@@ -10,14 +11,16 @@ from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.spec_decode.hints import PREDICTION
-from smartspec.structured.matcher import RequestGrammar
+from smartspec.structured.matcher import GrammarRefusedToken, RequestGrammar
 from smartspec.types.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Committed:
     added: list[int]  # the tokens appended (the step's new tokens up to a stop)
-    finish_reason: str | None  # "stop", "length", or None while the request runs on
+    finish_reason: str | None  # "stop", "length", "error" (its grammar failed), or None while it runs on
 
 
 def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
@@ -49,7 +52,12 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
             reason = "length"
         if grammar is not None and reason != "stop":
-            grammar.commit([tok])
+            try:
+                grammar.commit([tok])
+            except GrammarRefusedToken as exc:  # this request ends; the batch goes on
+                logger.error("request %s ended: %s", req.request_id, exc)
+                reason = "error"
+                break
             reason = "stop" if grammar.finished else reason
         if reason:
             break

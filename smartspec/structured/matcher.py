@@ -66,6 +66,11 @@ class GrammarCompiler:
         return RequestGrammar(matcher, self.tokenizer())
 
 
+class GrammarRefusedToken(RuntimeError):
+    """The grammar refused a token the step committed: an inconsistency inside structured output, never the
+    caller's input. The request it happened to ends (finish reason "error"); the engine and the batch go on."""
+
+
 class RequestGrammar:
     """A request's grammar state at its committed tokens. Drafts are walked into it and rolled back, so between
     steps it always stands at the committed output."""
@@ -115,7 +120,7 @@ class RequestGrammar:
     def commit(self, tokens: list[int]) -> None:
         """The request took these tokens (each one its masked distribution allowed)."""
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"grammar refused committed tokens {tokens}: {self.matcher.get_error()}")
+            raise GrammarRefusedToken(f"grammar refused committed tokens {tokens}: {self.matcher.get_error()[:500]}")
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, valid: list[bool]) -> None:
