@@ -47,7 +47,7 @@ class GenerateCall:
     @property
     def idempotent(self) -> bool:
         """A retry gives the same answer: greedy decoding, or a seeded sampler."""
-        return self.params.temperature == 0 or self.params.seed is not None
+        return self.params.greedy or self.params.seed is not None
 
     @property
     def output_tokens_bound(self) -> int | None:

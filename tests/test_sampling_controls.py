@@ -161,3 +161,18 @@ def test_sampled_speculation_with_penalties_follows_the_reshaped_target(tiny_qwe
     stat = sum((sum(got[s] for s in seqs) - p * n) ** 2 / (p * n) for seqs, p in cells)
     assert stat < chi2_critical(len(cells) - 1), (stat, len(cells), got.most_common(8))
     assert not math.isnan(stat)
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_qwen, tiny_qwen_draft):
+    """A temperature of 1e-136 divides logits to inf (the softmax to NaN, and the engine stopped). Below
+    GREEDY_BELOW it decodes greedily, plainly and under speculation, equal to temperature 0."""
+    from smartspec.types.sampling_params import GREEDY_BELOW
+
+    temperatures = (2.6e-136, 1e-30, GREEDY_BELOW / 2, 0.0)
+    tiny = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, repetition_penalty=2.0, min_p=0.12)
+            for t in temperatures]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    zero = [SamplingParams(**{**p.__dict__, "temperature": 0.0}) for p in tiny]
+    reference = [o.token_ids for o in make(tiny_qwen).generate(PROMPTS, zero)]
+    for spec in (None, mixed_spec("draft_model", tiny_qwen, tiny_qwen_draft)):
+        assert [o.token_ids for o in make(tiny_qwen, spec).generate(PROMPTS, tiny)] == reference

@@ -17,6 +17,9 @@ class ParamError(ValueError):
         return ParamError, (self.field, str(self))
 
 
+GREEDY_BELOW = 1e-5  # a temperature below it decodes greedily (SamplingParams.greedy)
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match; exactly one is set (vLLM's `structured_outputs` fields). Compiled into a
@@ -66,7 +69,7 @@ class StructuredOutput:
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (anything below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     seed: int | None = None
@@ -162,7 +165,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below GREEDY_BELOW decode greedily: dividing logits by them overflows float32 to inf (and
+        the softmax to NaN), and the distribution they ask for is the argmax but for exact ties (vLLM's rule)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def reshapes_logits(self) -> bool:
