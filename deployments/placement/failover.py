@@ -7,7 +7,7 @@ The rules (`may_retry`), per generation (one choice of a request):
 - After its first token, a stream ends with its error event, as it would without failover: the caller has seen
   tokens that a retry could not take back.
 - After its first token, a request that is not streamed is retried whole, once, when it is idempotent: greedy
-  (temperature 0) or seeded. Its tokens so far are dropped (`Restart`), never sent twice. An unseeded sampled
+  (`SamplingParams.greedy`) or seeded. Its tokens so far are dropped (`Restart`), never sent twice. An unseeded sampled
   request ends with a 500, as without failover.
 A refusal (a replica's 4xx or 503 before acceptance) is an answer, not a failure: it is never retried here.
 
@@ -100,10 +100,7 @@ class FailoverStream:
         try:
             event = await asyncio.wait_for(self.stream.__anext__(), self.wait_s)
         except TimeoutError:
-            try:
-                self.cancel()
-            except Exception:  # a call refused at submission re-raises its refusal here: nothing to stop
-                pass
+            self.cancel()
             raise NoReplicaInTime(self.wait_s) from None
         self.attempt_answered = True
         return event
@@ -115,4 +112,7 @@ class FailoverStream:
         self.stream = self.start(self.call)
 
     def cancel(self) -> None:
-        self.stream.cancel()
+        try:
+            self.stream.cancel()
+        except Exception:  # a call refused at submission re-raises its refusal here: it has nothing to stop
+            pass
