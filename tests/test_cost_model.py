@@ -1,4 +1,5 @@
-"""The step-cost model: online fit, refusal of nonsense, stalls left out, the warm-up profile as prior."""
+"""The step-cost model: online fit, refusal of nonsense, stalls left out, speed changes, the warm-up profile as
+prior."""
 import random
 
 import numpy as np
@@ -85,6 +86,7 @@ def test_cost_model_leaves_stalled_steps_out_of_the_fit():
         stalled_steps(model, 300, random.Random(0), stall_rate=0.08)
         fits[cut] = [model.predict_verify(n, 400) / true_verify(n, 400) for n in range(1, 9)]
     assert all(r == pytest.approx(1.0, abs=0.06) for r in fits[3.5])
+    assert model.speed_changes == 0  # stalls now and then are no change of speed
     # what plain least squares made of the same steps: the level and the slope over n both bent by the stalls
     assert max(abs(r - 1) for r in fits[0.0]) > 0.15
 
@@ -98,19 +100,49 @@ def test_cost_model_follows_a_sustained_change_of_speed():
         assert model.predict_verify(n, 400) == pytest.approx(1.4 * true_verify(n, 400), rel=0.06)
 
 
+def test_a_change_of_speed_forgets_the_steps_before_it():
+    """Under a load (2.5x slower) the steps ran every draft length; once it passed, only one. Forgotten, the loaded
+    steps no longer price the lengths the quiet machine has not run yet: the profile's shape at the quiet speed
+    does, where the recent steps cannot tell. The steps of the change itself stay, and one change is counted once."""
+    def loaded(n, c):
+        return 2.5 * true_verify(n, c)
+
+    model = StepCostModel()
+    for n in (1, 2, 4, 8, 12, 24):  # the warm-up profile, quiet
+        model.observe(n, 300, 0, 0, 0.0, true_verify(n, 300))
+        model.observe(n, 600, 0, 0, 0.0, true_verify(n, 600))
+    model.refit()
+    model.hold_prior()
+    rng = random.Random(4)
+    for i in range(150):
+        n = rng.choice((1, 6, 12, 24))
+        model.observe(n, 400, 0, 0, 0.0, loaded(n, 400) * rng.uniform(0.97, 1.03))
+    assert model.speed_changes == 1  # the load came
+    assert model.predict_verify(24, 400) == pytest.approx(loaded(24, 400), rel=0.05)
+    for i in range(40):
+        model.observe(1, 400, 0, 0, 0.0, true_verify(1, 400) * rng.uniform(0.97, 1.03))
+    assert model.speed_changes == 2  # and went
+    assert len(model.verify_samples) < 50  # the 150 loaded steps are gone, but for a few just before the change
+    for n in (1, 6):  # the running shape, and one within the segment it reaches: the profile's split at its speed
+        assert model.predict_verify(n, 400) == pytest.approx(true_verify(n, 400), rel=0.05)
+    assert model.predict_verify(24, 400) < 1.2 * true_verify(24, 400)  # not the loaded 2.5x
+
+
 def context_free_verify(n, c):
     return 0.1 + 0.01 * n
 
 
 def profiled_policy(prior_weight):
     """A policy whose cost model saw the engine's warm-up profile (batch 1 and 4 at 64 tokens of context each, k
-    0/1/2/5), timed by context_free_verify."""
+    0/1/2/5), timed by context_free_verify; prior_weight None: the profile's fit is not held as a prior."""
     policy = GoodputPolicy(key="t")
-    policy.cost.prior_weight = prior_weight
+    policy.cost.prior_weight = prior_weight or 0.0
     records = [StepRecord(0, b, [k] * b, [k] * b, [0] * b, [], b * (k + 1), 0, 64 * b + j, 0.0,
                           context_free_verify(b * (k + 1), 64 * b), context_free_verify(b * (k + 1), 64 * b))
                for b in (1, 4) for k in (0, 1, 2, 5) for j in range(2)]
     policy.observe_profile(records)
+    if prior_weight is None:
+        policy.cost.v_prior = policy.cost.d_prior = None
     return policy
 
 
@@ -119,18 +151,18 @@ def test_the_profile_decides_the_split_the_running_data_cannot():
     between the two; the profile measured them apart, so the fit keeps its split (context free) and prices a shape
     with less context right."""
     fits = {}
-    for weight in (0.0, 4.0):  # 0: no prior, the fit before the profile was kept
+    for weight in (None, 4.0):  # None: no prior, the fit before the profile was kept
         policy = profiled_policy(weight)
         for i in range(300):
             n = 2 + 2 * (i % 4)
             policy.cost.observe(n, 50 * n, 0, 0, 0.0, context_free_verify(n, 50 * n))
         fits[weight] = policy.cost
     for n in (2, 8):  # where the data was, both fits are right
-        assert fits[0.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
+        assert fits[None].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
         assert fits[4.0].predict_verify(n, 50 * n) == pytest.approx(context_free_verify(n, 0), rel=0.01)
     assert fits[4.0].predict_verify(8, 0) == pytest.approx(context_free_verify(8, 0), rel=0.03)
     assert fits[4.0].predict_verify(8, 2000) == pytest.approx(context_free_verify(8, 0), rel=0.03)
-    assert fits[0.0].predict_verify(8, 2000) > 1.3 * context_free_verify(8, 0)  # without it: an arbitrary split
+    assert fits[None].predict_verify(8, 2000) > 1.3 * context_free_verify(8, 0)  # without it: an arbitrary split
 
 
 def test_the_fit_follows_the_data_away_from_the_profile():

@@ -2,6 +2,7 @@
 the engine under it equal to plain decoding."""
 
 import dataclasses
+import random
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -248,6 +249,81 @@ def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
     assert choose(0, seen=False) == [5] * 6
     assert choose(94, seen=False) == [0] * 6
     assert min(choose(94, seen=True)) > 0
+
+def quiet_verify(n, c):
+    """A CPU-like step: a base cost, a little per token and per token of context."""
+    return 0.020 + 0.0015 * n + 2e-6 * c
+
+
+def quiet_draft(depth, sum_k):
+    return 0.0025 * depth + 0.0002 * sum_k
+
+
+def loaded_verify(n, c):
+    return 3 * quiet_verify(n, c)
+
+
+def loaded_draft(depth, sum_k):
+    return 3 * quiet_draft(depth, sum_k)
+
+
+def ks_through_a_load(profile_loaded, quiet_steps, loaded_steps=200, b=4, seed=0):
+    """A policy profiled (as the engine's warm-up does: batch 1 and 4 at k 0/1/2/5) quiet or under a load that
+    makes every step 3x slower, then run loaded_steps steps under the load and quiet_steps quiet ones: b requests
+    of 100-token prompts whose drafts are accepted at 0.8 a token, each replaced by a new one after 64 tokens,
+    every step 3% noisy. The mean k of each quiet step."""
+    rng = random.Random(seed)
+    policy = GoodputPolicy(key="t")
+    verify, drafting = (loaded_verify, loaded_draft) if profile_loaded else (quiet_verify, quiet_draft)
+    policy.observe_profile([StepRecord(0, n, [k] * n, [k] * n, [0] * n, [], n * (k + 1), 0, 64 * n + j,
+                                       drafting(k, k * n), verify(n * (k + 1), 64 * n),
+                                       verify(n * (k + 1), 64 * n) + drafting(k, k * n))
+                            for n in (1, 4) for k in (0, 1, 2, 5) for j in range(2)])
+    started = 0
+
+    def new_request():
+        nonlocal started
+        started += 1
+        return Request(f"r{started}", list(range(100)), SamplingParams(max_tokens=64))
+
+    requests = [new_request() for _ in range(b)]
+    chosen = []
+    for step in range(loaded_steps + quiet_steps):
+        verify, drafting = (loaded_verify, loaded_draft) if step < loaded_steps else (quiet_verify, quiet_draft)
+        ks = policy.plan(view(requests, 6)).ks
+        accepted = []
+        for k in ks:
+            accepted.append(0)
+            while accepted[-1] < k and rng.random() < 0.8:
+                accepted[-1] += 1
+        n, c = b + sum(ks), sum(r.num_tokens for r in requests) + sum(ks)
+        draft_s = drafting(max(ks), sum(ks)) * rng.uniform(0.97, 1.03) if max(ks) else 0.0
+        verify_s = verify(n, c) * rng.uniform(0.97, 1.03)
+        policy.observe(StepRecord(step, b, ks, ks, accepted, [r.request_id for r in requests], n, 0, c, draft_s,
+                                  verify_s, verify_s + draft_s, num_tokens=[r.num_tokens for r in requests]))
+        for i, r in enumerate(requests):
+            r.token_ids += [0] * (1 + accepted[i])
+            if r.num_output_tokens >= r.params.max_tokens:
+                policy.release(r.request_id)
+                requests[i] = new_request()
+        if step >= loaded_steps:
+            chosen.append(float(np.mean(ks)))
+    return chosen
+
+
+@pytest.mark.parametrize("profile_loaded", [False, True], ids=["profiled quiet", "profiled under the load"])
+def test_a_fit_made_under_a_passing_load_returns_to_the_quiet_choice(profile_loaded):
+    """A replica restarted on a loaded box profiles and runs its first steps 3x slower; the load passes. Its cost
+    fit mixed the loaded past with the quiet present, told apart only by the shapes each ran: drafts that ran under
+    the load looked dear, the policy left them (k = 0 for a hundred steps and more), or ran only what looked cheap
+    (k = 6). From 100 quiet steps on, the policy drafts as one that never saw the load does."""
+    quiet = np.mean(ks_through_a_load(False, 400, loaded_steps=0)[100:])
+    assert quiet > 1.5  # drafting pays on the quiet machine
+    after = ks_through_a_load(profile_loaded, 500)[100:]
+    windows = [np.mean(after[i:i + 25]) for i in range(0, len(after), 25)]
+    # a steady policy's mean k varies by up to 0.6 over 25 steps, by 0.2 over 400
+    assert abs(np.mean(after) - quiet) < 0.3 and max(abs(w - quiet) for w in windows) < 1.0, (quiet, windows)
+
 
 def test_state_export_merge_import():
     a, b = GoodputPolicy(key="ngram"), GoodputPolicy(key="ngram")

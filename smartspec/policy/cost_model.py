@@ -13,24 +13,30 @@ T_verify here is everything in a step but drafting (verify forward, sampling, bo
 whole step. Catch-up (a draft model reading tokens it has not seen, a request's whole prompt the first time) is
 fitted as its own term so that it does not inflate the per-step draft cost; the policy charges it once, when a
 request starts drafting (GoodputPolicy). Windowed weighted least squares with exponential
-forgetting over every step, refitted when the caller asks (GoodputPolicy: every few steps); a degenerate fit is
-refused and the last good one kept.
+forgetting by steps, not samples, refitted when the caller asks (GoodputPolicy: every few steps); a degenerate fit is
+refused and the last good one kept. Drafting samples age with the steps that ran without drafts too: a draft cost
+measured under a load long gone must not outweigh the one step that drafts today.
 
 The fit leaves out steps that ran far slower than it predicts, by far more than steps usually disagree with it: a
 shared or noisy machine now and then stalls a step for several times its usual time (a preempted core, a collector
 pause), and plain least squares lets a handful of such steps bend the fitted shape, i.e. how much one more verified
 token costs, which is what k is chosen on. A step that ran far faster than predicted is kept: no stall does that,
 so it is a shape the fit has wrong (the policy runs such shapes now and then to find out; GoodputPolicy). A
-sustained change of speed moves the fit all the same: the typical residual is measured with the forgetting
-weights, so once most of the recent weight is at the new speed, the new speed is typical.
+sustained change of speed is not a stall: when nearly every step of the last few dozen ran well off the fit, in
+the same direction, the steps before them are forgotten (SpeedChange, forget_before), and the fit starts again from
+the recent steps and the profile's shape.
 
 Each fit is drawn toward the warm-up profile's (hold_prior) with the weight of a few steps: running data can move
-two features only together, and their split is then the profile's, not noise's."""
+two features only together, and their split is then the profile's, not noise's. The profile lends its shape, not its
+level: it is scaled to the speed the recent steps ran at (`prior_level`), so a profile taken on a loaded machine
+does not keep a quiet machine's fit, nor the draft cost it has not re-measured since, at the loaded speed."""
 from __future__ import annotations
 
 from collections import deque
 
 import numpy as np
+
+from smartspec.policy.speed_change import SpeedChange
 
 SEGMENTS = ((0, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, float("inf")))
 _SCALARS = (int, float, np.integer, np.floating)
@@ -82,7 +88,8 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 class StepCostModel:
     def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4,
-                 outlier_cut: float = 3.5, robust_rounds: int = 4, prior_weight: float = 4.0) -> None:
+                 outlier_cut: float = 3.5, robust_rounds: int = 4, prior_weight: float = 4.0,
+                 change_steps: int = 16, change_factor: float = 1.3) -> None:
         self.window = window
         # a step whose relative residual lies this many robust deviations from the typical one is left out of the
         # fit (0: plain least squares); robust_rounds: refits at most, until the set left out stops changing
@@ -91,8 +98,9 @@ class StepCostModel:
         self.forget = forget
         self.ridge = ridge
         self.min_samples = min_samples
-        self.verify_samples: deque = deque(maxlen=window)  # (n, c, seconds)
-        self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, catch-up tokens, seconds)
+        self.steps = 0  # steps observed: the clock samples age by
+        self.verify_samples: deque = deque(maxlen=window)  # (n, c, seconds, step)
+        self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, catch-up tokens, seconds, step)
         self.v: list[float] | None = None  # last good verify coefficients: [v0, s_1..s_6, v_c]
         self.d: list[float] = [0.0, 0.0, 0.0]  # draft coefficients (zero until drafting is measured)
         self.refused = 0
@@ -104,6 +112,8 @@ class StepCostModel:
         # relative errors of the fit's prediction of each step, for the shape that step really had (made before
         # the step is added to the fit)
         self.errors: deque = deque(maxlen=window)
+        # a run of steps far off the fit after steps it predicted well: a load came or went (see forget_before)
+        self.speed = SpeedChange(change_steps, change_factor)
 
     # ---- prediction ---------------------------------------------------------------------------------------
     @property
@@ -139,11 +149,30 @@ class StepCostModel:
         if self.v is not None and rest_s + draft_s > 0:  # how well the current fit predicts this step's shape
             predicted = self.predict(n, c, depth, sum_k) + self.d[2] * catchup
             self.errors.append(abs(predicted - (rest_s + draft_s)) / (rest_s + draft_s))
-        self.verify_samples.append((n, c, rest_s))
+            v, d = self.speed.reference_of((self.v, self.d))
+            expected = float(verify_features(n, c) @ np.asarray(v) + np.asarray(d) @ (depth, sum_k, catchup))
+            changed_since = self.speed.observe((rest_s + draft_s) / expected) if expected > 0 else 0
+            if changed_since:  # this step and the changed_since - 1 before it ran at the new speed
+                self.forget_before(self.steps + 1 - changed_since)
+        self.steps += 1
+        self.verify_samples.append((n, c, rest_s, self.steps))
         if depth > 0:
-            self.draft_samples.append((depth, sum_k, catchup, draft_s))
+            self.draft_samples.append((depth, sum_k, catchup, draft_s, self.steps))
         if refit:
             self.refit(draft=depth > 0)
+
+    @property
+    def speed_changes(self) -> int:
+        return self.speed.changes
+
+    def forget_before(self, step: int) -> None:
+        """Forget the steps up to `step`: the machine's speed changed after it (SpeedChange). The fit then rests on
+        the steps since and on the profile's shape at their speed (prior_level). Kept, a slow past and a fast
+        present are told apart only by the shapes each ran: a draft length that ran only under the load is priced
+        at the loaded speed, the policy stops running it (or runs nothing else), and only forgetting, over a
+        hundred steps and more, undoes it."""
+        self.verify_samples = deque((s for s in self.verify_samples if s[-1] > step), maxlen=self.window)
+        self.draft_samples = deque((s for s in self.draft_samples if s[-1] > step), maxlen=self.window)
 
     def hold_prior(self) -> None:
         """Keep the current fit (the warm-up profile's, which ran chosen shapes) as the prior of every later fit.
@@ -154,22 +183,38 @@ class StepCostModel:
         the fit keeps its split where the data cannot tell, and follows the data wherever the data can."""
         self.v_prior = None if self.v is None else np.array(self.v)
         self.d_prior = np.array(self.d) if self.draft_samples else None
+        if self.v is not None:
+            self.speed.profiled()
 
     def refit(self, draft: bool = True) -> None:
-        if draft:
-            self._fit_draft()
-        self._fit_verify()
+        """draft=False: no step since the last fit drafted, so the draft fit is kept, unless a profile is held: its
+        level follows every step's speed, and so does the draft cost drawn toward it."""
+        level = self.prior_level()
+        if draft or self.d_prior is not None:
+            self._fit_draft(level)
+        self._fit_verify(level)
 
-    def _weights(self, count: int) -> np.ndarray:
-        return self.forget ** np.arange(count - 1, -1, -1, dtype=np.float64)
+    def _weights(self, stamps: np.ndarray) -> np.ndarray:
+        return self.forget ** (self.steps - stamps)
 
-    def _fit_verify(self) -> None:
+    def prior_level(self) -> float:
+        """How fast the recent steps ran against the profile's fit of the same shapes: the weighted least-squares
+        scale of its predictions onto the measured times (1.0 without a profile)."""
+        if self.v_prior is None or not self.verify_samples:
+            return 1.0
+        data = np.array(self.verify_samples, dtype=np.float64)
+        w, predicted = self._weights(data[:, 3]), verify_features(data[:, 0], data[:, 1]) @ self.v_prior
+        scale = float(w @ (predicted * predicted))
+        return float(w @ (predicted * data[:, 2])) / scale if scale > 0 else 1.0
+
+    def _fit_verify(self, level: float) -> None:
         if len(self.verify_samples) < self.min_samples:
             return
         data = np.array(self.verify_samples, dtype=np.float64)
         x = verify_features(data[:, 0], data[:, 1])
         reached = [bool((data[:, 0] > a).any()) for a, _ in SEGMENTS]
-        coef = self._robust_fit(x, data[:, 2], self._weights(len(data)), [True] + reached + [True], self.v_prior)
+        prior = None if self.v_prior is None else self.v_prior * level
+        coef = self._robust_fit(x, data[:, 2], self._weights(data[:, 3]), [True] + reached + [True], prior)
         if coef is None or coef[0] <= 0:  # no positive base cost: not a fit to trust
             self.refused += 1
             return
@@ -179,12 +224,17 @@ class StepCostModel:
             coef[j] = coef[j] if hit else last
         self.v = coef.tolist()
 
-    def _fit_draft(self) -> None:
+    def _fit_draft(self, level: float) -> None:
+        """The draft's prior is scaled by the verify steps' level: drafting runs on the same machine, and a draft
+        cost is re-measured only when the policy drafts, which a fit at a loaded speed may never choose again."""
         if len(self.draft_samples) < 2:
+            if self.d_prior is not None:  # none measured since the speed changed: the profile's, at today's level
+                self.d = (self.d_prior * level).tolist()
             return
         data = np.array(self.draft_samples, dtype=np.float64)
-        coef = self._robust_fit(data[:, :3], data[:, 3], self._weights(len(data)),
-                                [True, True, bool(data[:, 2].any())], self.d_prior)
+        prior = None if self.d_prior is None else self.d_prior * level
+        coef = self._robust_fit(data[:, :3], data[:, 3], self._weights(data[:, 4]),
+                                [True, True, bool(data[:, 2].any())], prior)
         if coef is not None:
             self.d = coef.tolist()
 
@@ -216,8 +266,10 @@ class StepCostModel:
                ) -> np.ndarray | None:
         """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens), drawn
         toward prior: a coefficient's departure from it costs what it would on prior_weight steps that spread its
-        feature as the data does. A feature the data holds constant (the base cost's) is not drawn at all, and one
-        it moves only together with another is split as the prior splits it."""
+        feature as the data does. A feature the data holds constant (the base cost's) is drawn only by the ridge, and
+        one it moves only together with another is split as the prior splits it; the ridge too draws toward the
+        prior, so that where the data cannot tell features apart at all (one shape, after a change of speed), the
+        fit departs from the prior, scaled to the data's level, no more than the data asks."""
         sw = np.sqrt(w)[:, None]
         a = x * sw
         scale = np.sqrt((a * a).mean(axis=0))
@@ -227,9 +279,8 @@ class StepCostModel:
         rhs = a.T @ (y * sw[:, 0])
         if prior is not None:
             spread = w @ (x - (w @ x) / w.sum()) ** 2  # sum of w (x - mean)^2, per feature
-            pull = self.prior_weight * spread / w.sum() / scale ** 2
-            diagonal += pull
-            rhs += pull * prior * scale
+            diagonal += self.prior_weight * spread / w.sum() / scale ** 2
+            rhs += diagonal * prior * scale  # the ridge too: where the data cannot tell, nearest the prior
         gram = a.T @ a + np.diag(diagonal)
         try:
             coef = np.linalg.solve(gram, rhs) / scale

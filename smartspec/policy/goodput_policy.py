@@ -228,7 +228,7 @@ class GoodputPolicy(Policy):
     def stats(self) -> dict:
         return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v, "draft_coefficients": self.cost.d,
                 "fits_refused": self.cost.refused, "mean_relative_error": self.cost.mean_relative_error,
-                "steps": self.step, "shape_probes": self.shape_probes}
+                "steps": self.step, "shape_probes": self.shape_probes, "speed_changes": self.cost.speed_changes}
 
 
 class GoodputEvidence(SharedEvidence):
