@@ -43,6 +43,9 @@ class EngineConfig:
     trace_path: str | None = None
     # Seed a learning policy's cost model with a few measured step shapes at start (a few seconds on CPU).
     warmup_profile: bool = True
+    # Keep that profile on disk (under $SMARTSPEC_CACHE/profiles, per configuration and machine) and take it from
+    # there when an engine of the same configuration starts again on this machine (engine/profile_cache.py).
+    profile_cache: bool = False
     # Reuse the KV of full blocks whose tokens (and every token before them) an earlier request computed, in the
     # target's cache and the draft model's: a shared system prompt is prefilled once.
     enable_prefix_caching: bool = True
@@ -69,6 +72,8 @@ class EngineConfig:
             self.quantization = None  # the GGUF modes compute on the kernels
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.profile_cache, bool):
+            raise ValueError(f"profile_cache must be true or false, got {self.profile_cache!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.dtype == "auto":

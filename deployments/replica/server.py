@@ -23,12 +23,34 @@ from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUs
                               ReplicaReport, RoutingStats, TokenEntry)
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.start_phases import StartPhases
 from smartspec.spec_decode.factory import make_draft_proposer
 from smartspec.structured.compile import TOOL_CALL_TAGS
 from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this replica's process started (Ray's worker start, imports, the actor's creation); None
+    where psutil (which Ray installs) is missing."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return time.time() - psutil.Process().create_time()
+
+
+def _engine_logs_to_replica_log() -> None:
+    """The engine's INFO lines (the phases of its start, which backends it runs) in this replica's log, through
+    Serve's own handlers: the library logs under "smartspec" and leaves its level and handlers to its user."""
+    engine_log = logging.getLogger("smartspec")
+    engine_log.setLevel(logging.INFO)
+    for handler in logger.handlers:
+        if handler not in engine_log.handlers:
+            engine_log.addHandler(handler)
+    engine_log.propagate = False  # once, through Serve's handlers, not again through the root logger
 
 
 def token_entries(tokenizer, logprobs: list[TokenLogprob | None]) -> list[TokenEntry | None]:
@@ -52,13 +74,18 @@ def ending_at_first_call(params: SamplingParams, tokenizer) -> SamplingParams:
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, config: dict, controller=None) -> None:
+        phases = StartPhases(f"LLMServer {os.getpid()}", logger)
+        _engine_logs_to_replica_log()
+        if (age := _process_age_s()) is not None:
+            phases.record("process start and imports", age)
         self.cfg = AppConfig.model_validate(config)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else uuid.uuid4().hex[:8]
         self.draft_actor_name = None
-        self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
-                                                          runner_factory=self._runner_factory(),
-                                                          draft_factory=self._draft_factory()))
+        with phases.phase("engine"):  # its own phases are logged as it builds (engine/start_phases.py)
+            self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
+                                                              runner_factory=self._runner_factory(),
+                                                              draft_factory=self._draft_factory()))
         self.engine.warm_grammars()
         self.controller = controller
         self.controller_errors = 0
@@ -70,6 +97,7 @@ class LLMServer:
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
         logger.info("LLMServer %s ready: %s, speculation %s", self.replica_id, self.cfg.model,
                     self.cfg.speculation.as_dict() if self.cfg.speculation else None)
+        phases.done()
 
     # ---- where the parts run ------------------------------------------------------------------------------
     def _runner_factory(self):

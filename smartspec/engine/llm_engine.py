@@ -19,7 +19,9 @@ from smartspec.engine.commit import commit_tokens, finish_request
 from smartspec.engine.drafter import Drafted, cut_to_grammars, propose
 from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logprobs, take_text
 from smartspec.engine.planner import Speculation, plan_step
+from smartspec.engine.profile_cache import load_profile, profile_path, save_profile
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
+from smartspec.engine.start_phases import StartPhases
 from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
@@ -63,8 +65,10 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, config.device, weights=runner_factory is None,
-                            quantization=config.quantization)
+        phases = StartPhases("engine")
+        with phases.phase("load target"):
+            loaded = load_model(config.model, config.dtype, config.device, weights=runner_factory is None,
+                                quantization=config.quantization)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.stop_token_ids = loaded.stop_token_ids
         self.vocab_size = loaded.config.vocab_size
@@ -75,14 +79,16 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(loaded)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
-                       else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
-                                        step_graphs="cuda" if config.cuda_graphs else "off"))
+        with phases.phase("model runner"):
+            self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
+                           else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
+                                            step_graphs="cuda" if config.cuda_graphs else "off"))
         spec = config.speculative_config
         if spec:
             runtime = self.draft_runtime(draft_blocks(spec, num_blocks, config.max_num_seqs, self.blocks.blocks_for))
-            self.speculation = Speculation(make_proposer(spec, runtime, draft_factory), spec.make_policy(),
-                                           spec.k_max)
+            with phases.phase("proposer"):
+                self.speculation = Speculation(make_proposer(spec, runtime, draft_factory), spec.make_policy(),
+                                               spec.k_max)
         else:
             self.speculation = Speculation.off()
         self.trace = (StepTraceWriter(config.trace_path, self.speculation.policy.name) if config.trace_path
@@ -99,8 +105,10 @@ class LLMEngine:
         self.num_steps = 0
         self.stats = StepStats()
         if config.warmup_profile and self.speculation.policy.wants_profile:
-            self.profile_steps()
+            with phases.phase("warm-up profile"):
+                self.warm_up_profile()
         release_freed_memory()  # what loading and warm-up freed, off the main thread too
+        phases.done()
 
     def _num_kv_blocks(self, loaded) -> int:
         """The KV cache's blocks: as configured, or what kv_cache_gib holds; at least one request's worth."""
@@ -132,6 +140,18 @@ class LLMEngine:
         sp = self.speculation
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
+
+    def warm_up_profile(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
+        """The start's profile: the one kept on disk for this configuration and machine, where config.profile_cache
+        asks and there is one (the policy observes it); else measured (and kept, where asked)."""
+        path = profile_path(self.config, batches, context) if self.config.profile_cache else None
+        if path is not None and (records := load_profile(path)) is not None:
+            self.speculation.policy.observe_profile(records)
+            return records
+        records = self.profile_steps(batches, context)
+        if path is not None:
+            save_profile(path, records)
+        return records
 
     def profile_steps(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
         """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py)."""

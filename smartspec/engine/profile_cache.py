@@ -1,0 +1,86 @@
+"""The warm-up profile kept on disk (EngineConfig.profile_cache), per engine configuration and machine: an engine
+started again on the same box (a replica Serve restarts, a second replica) takes the step costs its predecessor
+measured instead of measuring them again. A start is shorter by the profile's time (11 s for the default pair on 2
+cores), and one on a loaded box keeps the profile its predecessor took, rather than measuring the load; the cost
+fit follows the speed it then meets (policy/cost_model.py, policy/speed_change.py).
+
+The key is what the costs depend on: the models and their quantization, the proposer and k_max, dtype, device,
+threads, block size and kernels, the CPU and the smartspec and torch versions. A file that cannot be read is
+measured over; a profile of token trees is not kept (its records carry trees)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from smartspec.models.registry import cache_root
+from smartspec.types.step_record import StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("smartspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def profile_path(config, batches: tuple[int, ...], context: int) -> Path:
+    """Where the profile of an engine of this config (EngineConfig) would be kept."""
+    spec = config.speculative_config
+    what = {"model": config.model, "quantization": config.quantization, "dtype": config.dtype,
+            "device": config.device, "threads": config.num_threads or torch.get_num_threads(),
+            "block_size": config.block_size, "kernels": config.use_kernels, "cuda_graphs": config.cuda_graphs,
+            "prefix_caching": config.enable_prefix_caching, "speculation": spec.as_dict() if spec else None,
+            "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
+            "smartspec": _version(), "torch": torch.__version__}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return cache_root() / "profiles" / f"{key}.json"
+
+
+def load_profile(path: Path) -> list[StepRecord] | None:
+    """The kept profile's records; None where there is none or it cannot be read."""
+    try:
+        kept = json.loads(path.read_text())
+        records = [StepRecord(**r) for r in kept["records"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("warm-up profile %s unreadable (%r): measuring it again", path, exc)
+        return None
+    logger.info("warm-up profile from %s, measured %s", path, kept.get("measured", "?"))
+    return records
+
+
+def save_profile(path: Path, records: list[StepRecord]) -> None:
+    """Keep records at path (atomically: a replica starting beside reads a whole file or none)."""
+    if not records or any(r.trees for r in records):
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                       "records": [dataclasses.asdict(r) for r in records]}))
+        os.replace(partial, path)
+    except OSError as exc:
+        logger.warning("warm-up profile not kept at %s: %r", path, exc)
