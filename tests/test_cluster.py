@@ -49,6 +49,23 @@ def test_rayservice_cluster_shape():
         assert resource in limits and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
 
 
+def test_no_manifest_opens_the_ray_dashboard_and_each_takes_the_api_key_from_a_secret():
+    """The Ray dashboard takes jobs: a manifest binds it to the head's localhost (ray-cluster.yaml) or puts it
+    behind Ray's token (RayService: KubeRay's authOptions, and no pod that turns Ray's auth off). Every RayService
+    pod reads SMARTSPEC_API_KEY from the Secret, never from a literal."""
+    launcher = (ROOT / "cluster/ray-cluster.yaml").read_text()
+    heads = [line for line in launcher.splitlines() if "ray start --head" in line]
+    assert heads and all("--dashboard-host=127.0.0.1" in line for line in heads)
+    for path in ("cluster/rayservice.yaml", "cluster/rayservice-gpu.yaml"):
+        cluster = yaml.safe_load((ROOT / path).read_text())["spec"]["rayClusterConfig"]
+        assert cluster["authOptions"] == {"mode": "token"}, path
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        for group in groups:
+            env = {e["name"]: e for c in group["template"]["spec"]["containers"] for e in c.get("env", [])}
+            assert "RAY_AUTH_MODE" not in env, path  # KubeRay sets it (token) with authOptions
+            assert env["SMARTSPEC_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "smartspec-api-key", path
+
+
 def test_default_config_is_the_default_pair():
     args = AppConfig.model_validate(_serve_config(ROOT / "config.yaml")["applications"][0]["args"])
     assert (args.model, args.speculation.method, args.speculation.model, args.speculation.policy) == (
