@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 from smartspec import LLM, SamplingParams
 from smartspec.bench.report import paired_ratio
+from smartspec.engine.profile_cache import cpu_name
 from smartspec.policy import OffPolicy
 from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.types.sampling_params import StructuredOutput
@@ -138,9 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    results = {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "k": args.k}
+    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "k": args.k}
     spec = SpeculativeConfig(method="draft_model", model=args.draft, num_speculative_tokens=args.k, policy="smartspec")
     llm = LLM(args.target, speculative_config=spec, max_model_len=2048, kv_cache_gib=1.0)
     tok = llm.tokenizer

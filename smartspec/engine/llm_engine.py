@@ -84,13 +84,8 @@ class LLMEngine:
                            else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
                                             step_graphs="cuda" if config.cuda_graphs else "off"))
         spec = config.speculative_config
-        if spec:
-            runtime = self.draft_runtime(draft_blocks(spec, num_blocks, config.max_num_seqs, self.blocks.blocks_for))
-            with phases.phase("proposer"):
-                self.speculation = Speculation(make_proposer(spec, runtime, draft_factory), spec.make_policy(),
-                                               spec.k_max)
-        else:
-            self.speculation = Speculation.off()
+        with phases.phase("proposer"):
+            self.speculation = self._start_speculation(num_blocks, draft_factory)
         self.trace = (StepTraceWriter(config.trace_path, self.speculation.policy.name) if config.trace_path
                       else None)
         self.last_step: StepRecord | None = None  # the last observed step, for callers that inspect steps
@@ -109,6 +104,14 @@ class LLMEngine:
                 self.warm_up_profile()
         release_freed_memory()  # what loading and warm-up freed, off the main thread too
         phases.done()
+
+    def _start_speculation(self, num_blocks: int, draft_factory: DraftFactory) -> Speculation:
+        """The configured proposer (a draft model with its KV blocks, lookups) and policy; off without a config."""
+        spec, config = self.config.speculative_config, self.config
+        if not spec:
+            return Speculation.off()
+        runtime = self.draft_runtime(draft_blocks(spec, num_blocks, config.max_num_seqs, self.blocks.blocks_for))
+        return Speculation(make_proposer(spec, runtime, draft_factory), spec.make_policy(), spec.k_max)
 
     def _num_kv_blocks(self, loaded) -> int:
         """The KV cache's blocks: as configured, or what kv_cache_gib holds; at least one request's worth."""

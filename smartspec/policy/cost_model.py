@@ -189,28 +189,28 @@ class StepCostModel:
     def refit(self, draft: bool = True) -> None:
         """draft=False: no step since the last fit drafted, so the draft fit is kept, unless a profile is held: its
         level follows every step's speed, and so does the draft cost drawn toward it."""
-        level = self.prior_level()
+        data = np.array(self.verify_samples, dtype=np.float64).reshape(-1, 4)
+        level = self.prior_level(data)
         if draft or self.d_prior is not None:
             self._fit_draft(level)
-        self._fit_verify(level)
+        self._fit_verify(data, level)
 
     def _weights(self, stamps: np.ndarray) -> np.ndarray:
         return self.forget ** (self.steps - stamps)
 
-    def prior_level(self) -> float:
-        """How fast the recent steps ran against the profile's fit of the same shapes: the weighted least-squares
-        scale of its predictions onto the measured times (1.0 without a profile)."""
-        if self.v_prior is None or not self.verify_samples:
+    def prior_level(self, data: np.ndarray) -> float:
+        """How fast the steps in data (verify_samples as an array) ran against the profile's fit of the same
+        shapes: the weighted least-squares scale of its predictions onto the measured times (1.0 without a
+        profile)."""
+        if self.v_prior is None or not len(data):
             return 1.0
-        data = np.array(self.verify_samples, dtype=np.float64)
         w, predicted = self._weights(data[:, 3]), verify_features(data[:, 0], data[:, 1]) @ self.v_prior
         scale = float(w @ (predicted * predicted))
         return float(w @ (predicted * data[:, 2])) / scale if scale > 0 else 1.0
 
-    def _fit_verify(self, level: float) -> None:
-        if len(self.verify_samples) < self.min_samples:
+    def _fit_verify(self, data: np.ndarray, level: float) -> None:
+        if len(data) < self.min_samples:
             return
-        data = np.array(self.verify_samples, dtype=np.float64)
         x = verify_features(data[:, 0], data[:, 1])
         reached = [bool((data[:, 0] > a).any()) for a, _ in SEGMENTS]
         prior = None if self.v_prior is None else self.v_prior * level

@@ -31,9 +31,8 @@ class SpeedChange:
         not change them in place) once the last reference has judged `steps` steps and predicted them well; one
         that did not is kept (a change may be under way, and the fit refitted on its first steps would hide it), for
         4 * steps steps at most."""
-        judged = np.array(self.ratios)[-self.judged:] if self.judged else np.ones(1)
         if (self.reference is None or self.judged >= 4 * self.steps
-                or (self.judged >= self.steps and _settled(judged))):
+                or (self.judged >= self.steps and _settled(np.array(self.ratios)[-self.judged:]))):
             self.reference, self.judged = current, 0
         return self.reference
 
