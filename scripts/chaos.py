@@ -24,7 +24,7 @@ an error body, or a stream's error event), lost (neither: a dropped connection, 
 duplicated (a choice answered twice), hung (no end within --hang-s) and the seconds back to healthy. Hang-ups are
 the client's own and are counted apart. Afterwards every replica's KV blocks must be free. The last line:
 `faults F; requests R; completed C; named errors E; lost L; duplicated D; hung H`. Raw rows go to --out.
-Needs the models fetched, and nothing else on ports 6390 and 8000."""
+Needs the models fetched, and nothing else on ports 6390, 6391, 8000 and 8001."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +43,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PORT, GCS, WORKER_PORT = 8000, "127.0.0.1:6390", 6391
+PORT, GCS, WORKER_PORT, WORKER_PROXY_PORT = 8000, "127.0.0.1:6390", 6391, 8001
+PROXY_GUARD = "deployments.http.proxy_guard:middlewares"
 URL = f"http://127.0.0.1:{PORT}"
 FAULTS = ("kill-replica", "kill-draft", "kill-controller", "kill-ingress", "scale-down", "rolling-update",
           "node-stop")
@@ -171,14 +172,17 @@ async def load(fault: str, model: str, max_tokens: int, clients: int, stop: asyn
 
 
 # ---- the cluster and its faults ------------------------------------------------------------------------------
-def ray_cli(*args: str) -> subprocess.CompletedProcess:
+def ray_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    return subprocess.run([ray, *args], check=True, capture_output=True, text=True)
+    return subprocess.run([ray, *args], check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
 def start_worker_node() -> None:
+    # the second node's proxy on a port of its own (two proxies on one machine would otherwise share 8000, and the
+    # kernel would hand it some of the clients' connections): the clients talk to the head's, as to a cluster's
+    # entry point; what a client of a dying node's own proxy sees is in docs/serving.md
     ray_cli("start", f"--address={GCS}", "--num-cpus=1", f"--node-manager-port={WORKER_PORT}",
-            "--disable-usage-stats")
+            "--disable-usage-stats", env={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(WORKER_PROXY_PORT)})
 
 
 def pids(pattern: str) -> list[int]:
@@ -345,6 +349,7 @@ def main() -> int:
     args.rolled = False
     MODEL[0] = args.model
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_GUARD)  # as the README's command sets it
     ray_cli("start", "--head", f"--port={GCS.split(':')[1]}", "--num-cpus=1", "--include-dashboard=false",
             "--disable-usage-stats")
     try:

@@ -121,7 +121,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",
+           "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.http.proxy_guard:middlewares"}
     if kind == "ours":
         traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
         config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces,

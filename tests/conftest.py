@@ -93,6 +93,9 @@ def ray_serve():
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    # Serve's proxies run the proxy guard, as the README's command and the manifests set it (Ray's workers take the
+    # environment of the process that starts Ray)
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "deployments.http.proxy_guard:middlewares")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

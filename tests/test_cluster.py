@@ -13,6 +13,8 @@ from deployments.control.config import AppConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
+PROXY_GUARD = "deployments.http.proxy_guard:middlewares"
+
 
 def _serve_config(path: Path) -> dict:
     doc = yaml.safe_load(path.read_text())
@@ -52,7 +54,7 @@ def test_rayservice_cluster_shape():
 def test_no_manifest_opens_the_ray_dashboard_and_each_takes_the_api_key_from_a_secret():
     """The Ray dashboard takes jobs: a manifest binds it to the head's localhost (ray-cluster.yaml) or puts it
     behind Ray's token (RayService: KubeRay's authOptions, and no pod that turns Ray's auth off). Every RayService
-    pod reads SMARTSPEC_API_KEY from the Secret, never from a literal."""
+    pod reads SMARTSPEC_API_KEY from the Secret, never from a literal, and every node's proxy runs the proxy guard."""
     launcher = (ROOT / "cluster/ray-cluster.yaml").read_text()
     heads = [line for line in launcher.splitlines() if "ray start --head" in line]
     assert heads and all("--dashboard-host=127.0.0.1" in line for line in heads)
@@ -64,6 +66,8 @@ def test_no_manifest_opens_the_ray_dashboard_and_each_takes_the_api_key_from_a_s
             env = {e["name"]: e for c in group["template"]["spec"]["containers"] for e in c.get("env", [])}
             assert "RAY_AUTH_MODE" not in env, path  # KubeRay sets it (token) with authOptions
             assert env["SMARTSPEC_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "smartspec-api-key", path
+            assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == PROXY_GUARD, path
+    assert all(PROXY_GUARD in line for line in launcher.splitlines() if "ray start --" in line)
 
 
 def test_default_config_is_the_default_pair():

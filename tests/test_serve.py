@@ -1,6 +1,7 @@
 """The Ray Serve application end to end: a real Ray instance, real HTTP, the official openai client, tiny models.
 One Ray instance for the whole module (start-up is the slow part); stopped at the end."""
 import asyncio
+import os
 import json
 import re
 import time
@@ -797,6 +798,55 @@ def test_the_only_replica_killed_every_request_ends_answered_or_named(ray_serve,
         else:
             assert answer.status_code == 503 and answer.headers["retry-after"] == "30", answer.text
             assert named in answer.json()["error"]["message"]
+
+
+def _ingress_pid(app_name: str) -> int:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{app_name}#OpenAIIngress#")]
+    assert len(names) == 1, names
+    return ray.get(ray.get_actor(names[0], namespace="serve").__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, reference):
+    """One stream running and two greedy unary requests waiting in the only LLMServer; the only OpenAIIngress
+    replica, which holds all three, is killed (SIGKILL). The proxy guard (deployments/http/proxy_guard.py, set by
+    conftest as the README sets it) ends the stream, which had sent its headers, with an error event and [DONE],
+    and sends each unary request again: Serve restarts the ingress and they are answered as the offline engine
+    answers them. Then every KV block is free again."""
+    import signal
+
+    _BASE[0] = ray_serve
+    url = _deploy_tight(tiny_qwen, "ingress", controller_interval_s=0.2)
+    unary = [{"model": "tiny", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+             for p in PROMPTS[1:3]]
+
+    async def stream(client, opened: asyncio.Event):
+        async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
+            assert response.status_code == 200
+            opened.set()
+            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=180) as client:
+            opened = asyncio.Event()
+            tasks = [asyncio.create_task(stream(client, opened))]
+            await opened.wait()
+            tasks += [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for body in unary]
+            await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()] == [3])
+            os.kill(await asyncio.to_thread(_ingress_pid, "ingress"), signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    try:
+        events, *answers = asyncio.run(main())
+        idle = _status_of(url, lambda s: all(r["in_flight"] == 0 and r["free_blocks"] == r["total_blocks"]
+                                             for r in s["replicas"].values()), timeout=120)
+    finally:
+        serve.delete("ingress")
+    assert events[-1] == "data: [DONE]" and "HTTP front failed" in events[-2], events[-3:]
+    for body, answer in zip(unary, answers):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == reference(body["prompt"], 64)
+    assert idle["replicas"]
 
 
 def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):
