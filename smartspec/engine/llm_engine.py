@@ -19,7 +19,7 @@ from smartspec.engine.commit import commit_tokens, finish_request
 from smartspec.engine.drafter import Drafted, cut_to_grammars, propose
 from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logprobs, take_text
 from smartspec.engine.planner import Speculation, plan_step
-from smartspec.engine.profile_cache import load_profile, profile_path, save_profile
+from smartspec.engine.profile_cache import KeptProfile, load_profile, profile_path, save_profile
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
 from smartspec.engine.start_phases import StartPhases
 from smartspec.engine.step_stats import StepStats
@@ -144,17 +144,20 @@ class LLMEngine:
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
 
-    def warm_up_profile(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
-        """The start's profile: the one kept on disk for this configuration and machine, where config.profile_cache
-        asks and there is one (the policy observes it); else measured (and kept, where asked)."""
+    def warm_up_profile(self, batches=(1, 4), context: int = 64) -> KeptProfile:
+        """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
+        where config.profile_cache asks and there are (the policy observes them); else measured (and kept, where
+        asked)."""
         path = profile_path(self.config, batches, context) if self.config.profile_cache else None
-        if path is not None and (records := load_profile(path)) is not None:
-            self.speculation.policy.observe_profile(records)
-            return records
-        records = self.profile_steps(batches, context)
+        if path is not None and (kept := load_profile(path)) is not None:
+            self.speculation.policy.observe_profile(kept.records)
+            self.speculation.policy.observe_calibration(kept.calibration)
+            return kept
+        from smartspec.engine.profile import calibrate_acceptance
+        measured = KeptProfile(self.profile_steps(batches, context), calibrate_acceptance(self))
         if path is not None:
-            save_profile(path, records)
-        return records
+            save_profile(path, measured)
+        return measured
 
     def profile_steps(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
         """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py)."""

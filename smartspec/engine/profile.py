@@ -1,4 +1,5 @@
-"""The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs."""
+"""The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs; and the
+calibration: the draft model's acceptance on a little real text, so it starts from a measured acceptance too."""
 from __future__ import annotations
 
 import itertools
@@ -58,3 +59,43 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
                 records.append(record)
     spec.policy.observe_profile(records)
     return records
+
+
+# Two short questions of the kinds a served model meets (code and prose); their answers are what the draft is tried on.
+CALIBRATION_QUESTIONS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Explain in three sentences why the sky is blue.",
+)
+
+
+def calibrate_acceptance(engine, max_tokens: int = 24) -> list[StepRecord]:
+    """How often the draft model's tokens are accepted on real text, measured before any request: each calibration
+    question answered greedily for max_tokens, drafted at k_max through the real draft. The policy takes the
+    outcomes as the first evidence of its acceptance prior (Policy.observe_calibration), so the first requests
+    speculate where the draft pays, instead of starting from a guess (0.5) and learning through probes. Only a
+    draft model's chains are calibrated: a lookup's acceptance depends on the request's own text, and a token tree's
+    is learned per node. Like the profile, its steps are not observed, counted or traced."""
+    spec, config = engine.speculation, engine.config.speculative_config
+    drafter = spec.proposer.drafting_part() if spec.proposer is not None else None
+    # a draft model in this process or in its own actor (RemoteDraftProposer), drafting chains
+    if spec.k_max < 1 or drafter is None or drafter.method != "draft_model" or (config and config.tree):
+        return []
+    fixed = Speculation(drafter, FixedPolicy(spec.k_max), spec.k_max)
+    for i, question in enumerate(CALIBRATION_QUESTIONS):
+        engine.add_request(_question_text(engine.tokenizer, question), SamplingParams(max_tokens=max_tokens,
+                           temperature=0.0, ignore_eos=True), request_id=f"__calibration-{next(_prompts)}-{i}")
+    records = []
+    while engine.has_unfinished():
+        record = engine.run_step(fixed).record
+        if record is not None and any(record.proposed):
+            records.append(record)
+    spec.policy.observe_calibration(records)
+    return records
+
+
+def _question_text(tokenizer, question: str) -> str:
+    """The question as the model's chat template frames a user's turn; the bare text for a model without one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return question

@@ -6,7 +6,8 @@ fit follows the speed it then meets (policy/cost_model.py, policy/speed_change.p
 
 The key is what the costs depend on: the models and their quantization, the proposer and k_max, dtype, device,
 threads, block size and kernels, the CPU and the smartspec and torch versions. A file that cannot be read is
-measured over; a profile of token trees is not kept (its records carry trees)."""
+measured over; a profile of token trees is not kept (its records carry trees). The acceptance calibration is kept
+beside it: a restarted replica starts from the acceptance its predecessor measured, without measuring again."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -58,29 +60,35 @@ def profile_path(config, batches: tuple[int, ...], context: int) -> Path:
     return cache_root() / "profiles" / f"{key}.json"
 
 
-def load_profile(path: Path) -> list[StepRecord] | None:
-    """The kept profile's records; None where there is none or it cannot be read."""
+class KeptProfile(NamedTuple):
+    records: list[StepRecord]  # the warm-up profile's steps
+    calibration: list[StepRecord]  # the acceptance calibration's steps (engine/profile.py)
+
+
+def load_profile(path: Path) -> KeptProfile | None:
+    """The kept profile and calibration; None where there is none or it cannot be read."""
     try:
         kept = json.loads(path.read_text())
-        records = [StepRecord(**r) for r in kept["records"]]
+        profile = KeptProfile(*([StepRecord(**r) for r in kept[part]] for part in ("records", "calibration")))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("warm-up profile %s unreadable (%r): measuring it again", path, exc)
         return None
     logger.info("warm-up profile from %s, measured %s", path, kept.get("measured", "?"))
-    return records
+    return profile
 
 
-def save_profile(path: Path, records: list[StepRecord]) -> None:
-    """Keep records at path (atomically: a replica starting beside reads a whole file or none)."""
-    if not records or any(r.trees for r in records):
+def save_profile(path: Path, profile: KeptProfile) -> None:
+    """Keep the profile at path (atomically: a replica starting beside reads a whole file or none)."""
+    if not profile.records or any(r.trees for r in profile.records):
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                                       "records": [dataclasses.asdict(r) for r in records]}))
+                                       **{part: [dataclasses.asdict(r) for r in records]
+                                          for part, records in profile._asdict().items()}}))
         os.replace(partial, path)
     except OSError as exc:
         logger.warning("warm-up profile not kept at %s: %r", path, exc)

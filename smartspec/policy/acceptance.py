@@ -162,8 +162,15 @@ class AcceptanceEstimator:
         rejected = 1.0 if accepted < proposed else 0.0
         self.requests.setdefault(request_id, Counts()).add(accepted, rejected)
         self.totals.setdefault(request_id, Counts()).add(accepted, rejected)
+        self.calibrate(proposed, accepted)
+
+    def calibrate(self, proposed: int, accepted: int) -> None:
+        """An outcome that is evidence for the prior alone (no request's own): the engine's calibration, and the
+        prior's share of every request's outcome."""
+        if proposed <= 0:
+            return
         self.prior_counts.decay(self.prior_decay)
-        self.prior_counts.add(accepted, rejected)
+        self.prior_counts.add(accepted, 1.0 if accepted < proposed else 0.0)
 
     def tick(self, request_ids) -> None:
         """One step passed for these requests: older evidence weighs less (with none new, toward the prior)."""
@@ -203,6 +210,15 @@ class ChainAcceptance:
         self.first.observe(request_id, 1, min(accepted, 1))
         if accepted >= 1 and proposed >= 2:  # the later tokens were tried only if the first was accepted
             self.later.observe(request_id, proposed - 1, accepted - 1)
+        self._later_starts_from_first()
+
+    def calibrate(self, proposed: int, accepted: int) -> None:
+        """A calibration draft's outcome (engine/profile.py): evidence for the priors, not for any request."""
+        if proposed <= 0:
+            return
+        self.first.calibrate(1, min(accepted, 1))
+        if accepted >= 1 and proposed >= 2:
+            self.later.calibrate(proposed - 1, accepted - 1)
         self._later_starts_from_first()
 
     def _later_starts_from_first(self) -> None:

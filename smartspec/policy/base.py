@@ -51,6 +51,10 @@ class Policy:
     def observe_profile(self, records: list[StepRecord]) -> None:
         """The warm-up profile: measured step shapes that say nothing about acceptance."""
 
+    def observe_calibration(self, records: list[StepRecord]) -> None:
+        """The start's calibration (engine/profile.py): draft-model chains on real text, for acceptance alone (their
+        costs, measured beside a prefill or at a context the profile did not choose, are not the profile's)."""
+
     def observe(self, record: StepRecord) -> None:
         """Called after every step; a policy that learns overrides it."""
 

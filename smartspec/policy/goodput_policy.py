@@ -218,6 +218,11 @@ class GoodputPolicy(Policy):
     def observe_profile(self, records: list[StepRecord]) -> None:
         self.cost_feed.observe_profile(records)
 
+    def observe_calibration(self, records: list[StepRecord]) -> None:
+        for record in records:
+            for proposed, accepted in zip(record.proposed, record.accepted):
+                self.acceptance.calibrate(proposed, accepted)
+
     def release(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
         if self.tree_gains is not None:
