@@ -18,6 +18,7 @@ from torch import nn
 
 from smartspec.models.gguf_shard import Shard, ShardPlan, wrap_row_parallel
 from smartspec.runtime.gguf_blocks import FORMATS, PackedRows, QuantizedRows, unpack
+from smartspec.runtime.requantize import WIDER_THAN_4_BITS, to_q4_1
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
-           biases: dict[str, torch.Tensor], plan: ShardPlan | None) -> PackedRows | None:
+           biases: dict[str, torch.Tensor], plan: ShardPlan | None, requantize: bool) -> PackedRows | None:
     """Put one GGUF tensor in the model (this rank's part of it, under a shard plan); returns the token
     embedding's blocks when this is it."""
     from accelerate.utils import set_module_tensor_to_device
@@ -113,6 +114,7 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
         blocks = blocks if order is None else blocks.take(order)
         blocks = blocks if rows is None else blocks.take(np.arange(n)[rows])
         blocks = blocks if cols is None else blocks.columns(cols)
+        blocks = to_q4_1(blocks) if requantize and kind in WIDER_THAN_4_BITS else blocks
         setattr(model.get_submodule(parent) if parent else model, child, linear(blocks, ext))
         return None
     value = _dense(kind, _read(f, tensor, 0, n), (n * k,) if vector else (n, k))
@@ -131,23 +133,27 @@ def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
 
 
 def _tie_output_and_check(model: nn.Module, gguf_file: str, embedding_rows: PackedRows | None, linear, ext,
-                          int8_activations: bool) -> None:
+                          int8_activations: bool, requantize: bool) -> None:
     """A model whose file has no output weight gets the token embedding's blocks as its output layer (tied); then
     every parameter must have come from the file."""
     if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.is_meta:
         if embedding_rows is None:
             raise ValueError(f"{gguf_file} has no output weight and no quantized token embedding to tie it to")
         # tied: the output layer is the embedding's blocks (the int8 kernel packs them a chunk of rows at a time)
-        model.lm_head = linear(embedding_rows if int8_activations else embedding_rows.unpacked(), ext)
+        if requantize and embedding_rows.kind in WIDER_THAN_4_BITS:
+            model.lm_head = linear(to_q4_1(embedding_rows.unpacked()), ext)
+        else:
+            model.lm_head = linear(embedding_rows if int8_activations else embedding_rows.unpacked(), ext)
     missing = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if missing:
         raise ValueError(f"{gguf_file} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
 def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool = True,
-                    shard: Shard | None = None) -> nn.Module:
+                    shard: Shard | None = None, requantize: bool = False) -> nn.Module:
     """The causal LM of model_dir's config with the weights of gguf_file; ext: the CPU kernels. With a shard:
-    that tensor-parallel rank's part of it (smartspec/models/gguf_shard.py)."""
+    that tensor-parallel rank's part of it (smartspec/models/gguf_shard.py). requantize: linears held wider than
+    4-bit blocks become Q4_1 (runtime/requantize.py)."""
     from accelerate import init_empty_weights
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -179,11 +185,11 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
             permuted = config.model_type == "llama" and part in heads
             order = _rotary_order(_shape(tensor)[0] if len(tensor.shape) > 1 else int(tensor.shape[0]),
                                   heads[part]) if permuted else None
-            embedding_rows = _place(model, f, tensor, order, linear, ext, biases, plan) or embedding_rows
+            embedding_rows = _place(model, f, tensor, order, linear, ext, biases, plan, requantize) or embedding_rows
     for module_name, bias in biases.items():
         bias = bias if plan is None else plan.bias(module_name, bias)
         model.get_submodule(module_name).bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    _tie_output_and_check(model, gguf_file, embedding_rows, linear, ext, int8_activations)
+    _tie_output_and_check(model, gguf_file, embedding_rows, linear, ext, int8_activations, requantize)
     if plan is not None:
         wrap_row_parallel(model, plan)
     release_freed_memory()

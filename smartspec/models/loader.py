@@ -40,7 +40,7 @@ def _generation_config(path: str):
         return None
 
 
-QUANTIZATIONS = (None, "auto", "gguf", "gguf_exact")
+QUANTIZATIONS = (None, "auto", "gguf", "gguf_exact", "gguf_q4")
 
 
 def gguf_file_of(path: str) -> str:
@@ -67,7 +67,9 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
     shard: one tensor-parallel rank's part of a GGUF model's quantized weights.
     quantization "gguf": the weights stay in the folder's GGUF block formats, linears computed from them with int8
     activations (llama.cpp's numerics); "gguf_exact": the same weights with fp32 activations, outputs bitwise those
-    of None, the dequantized fp32 model; "auto": "gguf" where the folder has a GGUF file, else None."""
+    of None, the dequantized fp32 model; "gguf_q4": as "gguf", with every linear held wider than 4-bit blocks
+    re-quantized to Q4_1 at load (runtime/requantize.py: for a draft model); "auto": "gguf" where the folder has a
+    GGUF file, else None."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if quantization not in QUANTIZATIONS:
@@ -78,7 +80,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
         quantization = auto_quantization(path, device, dtype) if weights and not from_pretrained else None
         if weights:
             logger.info("%s: quantization 'auto' loads %s", model, quantization or "the safetensors weights")
-    if weights and quantization in ("gguf", "gguf_exact"):
+    if weights and quantization in ("gguf", "gguf_exact", "gguf_q4"):
         from smartspec.models.gguf_model import load_gguf_model
         from smartspec.runtime import kernels
 
@@ -87,10 +89,11 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu", weights:
             state = "loaded" if ext is not None else f"unavailable: {kernels.unavailable_reason()}"
             raise ValueError(f"quantization {quantization!r} runs on the CPU kernels in float32 (here: device {device}, "
                              f"dtype {dtype}, kernels {state})")
-        int8 = quantization == "gguf" and ext.q8_linear_available()
-        if quantization == "gguf" and not int8:
-            logger.warning("this CPU lacks AVX-512 VNNI: quantization 'gguf' computes with fp32 activations")
-        lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8, shard=shard)
+        int8 = quantization != "gguf_exact" and ext.q8_linear_available()
+        if quantization != "gguf_exact" and not int8:
+            logger.warning("this CPU lacks AVX-512 VNNI: quantization %r computes with fp32 activations", quantization)
+        lm = load_gguf_model(path, gguf_file_of(path), ext, int8_activations=int8, shard=shard,
+                             requantize=quantization == "gguf_q4")
         config, generation = lm.config, _generation_config(path)
     elif weights:
         if shard is not None:

@@ -37,6 +37,8 @@ class TreeConfig:
         return _from_dict(cls, value, "speculative_config['tree']", "tree")
 
 
+DRAFT_QUANTIZATIONS = (None, "gguf", "gguf_exact", "gguf_q4")  # models/loader.py: QUANTIZATIONS
+
 @dataclass
 class SpeculativeConfig:
     """How requests speculate: the proposer, k_max, the policy that picks each request's k, and where a served draft
@@ -45,6 +47,9 @@ class SpeculativeConfig:
     # proposer chosen per request and step; parse() reads "none" as no speculation
     method: str | list[str] = "draft_model"
     model: str | None = "qwen2.5-coder-0.5b"  # the draft model, for method "draft_model" (same tokenizer as target)
+    # the draft model's quantization (models/loader.py): None, the target's; "gguf_q4", its GGUF blocks re-quantized
+    # to 4 bits at load, a cheaper draft token on a CPU bound by memory bandwidth
+    draft_quantization: str | None = None
     num_speculative_tokens: int = 4  # the most any request speculates in one step: k_max below, in code
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -80,6 +85,8 @@ class SpeculativeConfig:
                              f"(or 'none'), got {self.method!r}")
         if "draft_model" in self.all_methods and not self.model:
             raise ValueError("speculative method 'draft_model' needs speculation.model (the draft model)")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, got {self.draft_quantization!r}")
         if not is_int(self.suffix_cache_tokens) or self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
         k = self.num_speculative_tokens
@@ -143,6 +150,8 @@ class SpeculativeConfig:
         if self.methods:
             return "+".join(f"{m}:{self.model}" if m == "draft_model" else m for m in self.methods)
         key = f"{self.method}:{self.model}" if self.method == "draft_model" else self.method
+        if self.method == "draft_model" and self.draft_quantization:  # another draft's acceptance
+            key = f"{key}:{self.draft_quantization}"
         return f"{key}:tree" if self.tree else key
 
     @classmethod

@@ -33,7 +33,8 @@ DraftFactory = Callable[[SpeculativeConfig, DraftRuntime], Proposer]
 def make_draft_proposer(spec: SpeculativeConfig, runtime: DraftRuntime) -> Proposer:
     """The draft model in this process: chains, or token trees when the config asks for them."""
     args = (spec.model, runtime.target_tokenizer, runtime.target_vocab_size, runtime.num_blocks, runtime.block_size,
-            runtime.use_kernels, runtime.dtype, runtime.device, runtime.quantization, runtime.enable_prefix_caching,
+            runtime.use_kernels, runtime.dtype, runtime.device, spec.draft_quantization or runtime.quantization,
+            runtime.enable_prefix_caching,
             runtime.cuda_graphs)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
