@@ -86,7 +86,8 @@ class SpeculativeConfig:
         if "draft_model" in self.all_methods and not self.model:
             raise ValueError("speculative method 'draft_model' needs speculation.model (the draft model)")
         if self.draft_quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, got {self.draft_quantization!r}")
+            raise ValueError(f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.draft_quantization!r}")
         if not is_int(self.suffix_cache_tokens) or self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix_cache_tokens must be an integer >= 0, got {self.suffix_cache_tokens!r}")
         k = self.num_speculative_tokens
