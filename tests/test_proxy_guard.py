@@ -105,3 +105,21 @@ def test_the_callback_reads_its_budget_and_names_a_bad_one(monkeypatch):
     monkeypatch.setenv("SMARTSPEC_PROXY_RETRY_S", "soon")
     with pytest.raises(ValueError, match="SMARTSPEC_PROXY_RETRY_S"):
         middlewares()
+
+
+def test_a_body_too_large_to_keep_reaches_the_app_whole_once(monkeypatch):
+    from deployments.http import proxy_guard
+
+    monkeypatch.setattr(proxy_guard, "MAX_KEPT_BODY", 4)
+    inner = ProxyStandIn(fail=1)
+    parts = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+             {"type": "http.request", "body": b'"hi"}', "more_body": False}]
+
+    async def receive():
+        return parts.pop(0) if parts else await asyncio.Future()
+
+    async def send(message):
+        raise AssertionError(f"nothing is sent for a request the proxy left unanswered: {message}")
+    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01)
+    asyncio.run(guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
+    assert inner.calls == 1 and inner.bodies == [b'{"prompt": "hi"}']  # unguarded: not sent again

@@ -41,9 +41,9 @@ class IngressReplay:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        body, client_gone = await read_body(receive)
-        if body is None or client_gone:
-            return await self.app(scope, replay(body or [], receive, []), send)
+        body, kept, client_gone = await read_body(receive)
+        if not kept or client_gone:  # unguarded: what was read is given once, then the rest as it comes
+            return await self.app(scope, replay(body, receive, []), send)
         gone: list[bool] = []
         deadline, pause, attempt = None, self.first_pause_s, 0
         while True:
@@ -69,19 +69,20 @@ class IngressReplay:
             pause = min(pause * 2, 4.0)
 
 
-async def read_body(receive) -> tuple[list[dict] | None, bool]:
-    """The request's body messages, kept to send again; None (and what was read) past MAX_KEPT_BODY."""
+async def read_body(receive) -> tuple[list[dict], bool, bool]:
+    """The request's body messages as read, whether they are the whole body (kept, to send again: not past
+    MAX_KEPT_BODY), and whether the client hung up while it was read."""
     messages, size = [], 0
     while True:
         message = await receive()
         messages.append(message)
         if message["type"] == "http.disconnect":
-            return messages, True
+            return messages, False, True
         size += len(message.get("body", b""))
         if size > MAX_KEPT_BODY:
-            return None, False
+            return messages, False, False
         if not message.get("more_body", False):
-            return messages, False
+            return messages, True, False
 
 
 def replay(messages: list[dict], receive, gone: list[bool]):
