@@ -699,7 +699,6 @@ def test_a_killed_replica_loses_no_request(ray_serve, tiny_qwen, reference):
     """Two replicas of one running slot each, each busy with a long stream; a greedy request waits behind one of
     them. That replica is killed (SIGKILL): its stream, which has sent tokens, ends with an error event; the
     waiting request, which has not, is answered by the other replica, equal to the offline engine's answer."""
-    import os
     import signal
 
     _BASE[0] = ray_serve
@@ -745,32 +744,38 @@ def test_a_killed_replica_loses_no_request(ray_serve, tiny_qwen, reference):
     assert re.search(r'smartspec_routing_decisions_total\{reason="retry",replica="\w+"\} 1\.0', metrics), metrics
 
 
+def _greedy_unary() -> list[dict]:
+    """Two greedy unary requests of 64 tokens (the offline reference answers them)."""
+    return [{"model": "tiny", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+            for p in PROMPTS[1:3]]
+
+
+async def _long_greedy_stream(client, url: str, opened: asyncio.Event) -> list[str]:
+    """A greedy stream of LONG's tokens: its data lines; `opened` set once its headers came."""
+    async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
+        assert response.status_code == 200
+        opened.set()
+        return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
 def test_the_only_replica_killed_every_request_ends_answered_or_named(ray_serve, tiny_qwen, reference):
     """One replica running one stream, with a second stream and two greedy unary requests waiting in its engine;
     it is killed (SIGKILL) and Serve restarts it. The stream that sent tokens ends with an error event; each of the
     others is retried and either answered as the offline engine answers it, or, if no replica took it within
     replica_wait_s, refused with a named 503 and Retry-After (a stream: its error event). Nothing goes silent."""
-    import os
     import signal
 
     _BASE[0] = ray_serve
     wait_s = 30
     url = _deploy_tight(tiny_qwen, "restart", controller_interval_s=0.2, replica_wait_s=wait_s)
-    unary = [{"model": "tiny", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-             for p in PROMPTS[1:3]]
-
-    async def stream(client, opened: asyncio.Event):
-        async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
-            assert response.status_code == 200
-            opened.set()
-            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    unary = _greedy_unary()
 
     async def main():
         async with httpx.AsyncClient(timeout=wait_s + 120) as client:
             tasks = []
             for _ in range(2):
                 opened = asyncio.Event()
-                tasks.append(asyncio.create_task(stream(client, opened)))
+                tasks.append(asyncio.create_task(_long_greedy_stream(client, url, opened)))
                 await opened.wait()
             tasks += [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for body in unary]
             status = await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()]
@@ -817,19 +822,12 @@ def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, referen
 
     _BASE[0] = ray_serve
     url = _deploy_tight(tiny_qwen, "ingress", controller_interval_s=0.2)
-    unary = [{"model": "tiny", "prompt": p, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-             for p in PROMPTS[1:3]]
-
-    async def stream(client, opened: asyncio.Event):
-        async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
-            assert response.status_code == 200
-            opened.set()
-            return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    unary = _greedy_unary()
 
     async def main():
         async with httpx.AsyncClient(timeout=180) as client:
             opened = asyncio.Event()
-            tasks = [asyncio.create_task(stream(client, opened))]
+            tasks = [asyncio.create_task(_long_greedy_stream(client, url, opened))]
             await opened.wait()
             tasks += [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for body in unary]
             await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()] == [3])

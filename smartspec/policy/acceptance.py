@@ -207,19 +207,25 @@ class ChainAcceptance:
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self.first.observe(request_id, 1, min(accepted, 1))
-        if accepted >= 1 and proposed >= 2:  # the later tokens were tried only if the first was accepted
-            self.later.observe(request_id, proposed - 1, accepted - 1)
+        for stage, tried, taken in self._stages(proposed, accepted):
+            stage.observe(request_id, tried, taken)
         self._later_starts_from_first()
 
     def calibrate(self, proposed: int, accepted: int) -> None:
         """A calibration draft's outcome (engine/profile.py): evidence for the priors, not for any request."""
         if proposed <= 0:
             return
-        self.first.calibrate(1, min(accepted, 1))
-        if accepted >= 1 and proposed >= 2:
-            self.later.calibrate(proposed - 1, accepted - 1)
+        for stage, tried, taken in self._stages(proposed, accepted):
+            stage.calibrate(tried, taken)
         self._later_starts_from_first()
+
+    def _stages(self, proposed: int, accepted: int) -> list[tuple[AcceptanceEstimator, int, int]]:
+        """A chain's outcome (proposed > 0) per stage: its first token, then the later ones (tried only if the
+        first was accepted)."""
+        stages = [(self.first, 1, min(accepted, 1))]
+        if accepted >= 1 and proposed >= 2:
+            stages.append((self.later, proposed - 1, accepted - 1))
+        return stages
 
     def _later_starts_from_first(self) -> None:
         """Until later tokens have been tried, guess them as likely accepted as first ones (the single-rate model).
