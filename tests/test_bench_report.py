@@ -1,4 +1,5 @@
-"""The benchmarks' paired comparison at equal box speed (smartspec.bench.report.plain_forward_ratio, paired_ratio)."""
+"""The benchmarks' comparisons: paired at equal box speed (smartspec.bench.report.plain_forward_ratio, paired_ratio),
+and scripts/compare_peer.py's ratios to the peer taken within a cycle."""
 import math
 
 import pytest
@@ -59,3 +60,44 @@ def test_the_latency_plot_leaves_out_configurations_whose_requests_all_failed(tm
               {k: v for k, v in failed.items() if k != "latency_s_mean"}]
     plot_latency_vs_rate([ok, failed, *pooled], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def _compare_peer():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import compare_peer
+    return compare_peer
+
+
+def _compare_rows(mode, cycle, seconds_per_token, texts=("a", "b", "c", "d"), load="one stream"):
+    """One one-stream round and one 4-in-flight run of the four prompts, 10 tokens each."""
+    alone = [{"cycle": cycle, "round": 1, "mode": mode, "load": load, "prompt": p, "tag": f"t{p}", "tokens": 10,
+              "latency_s": 10 * seconds_per_token, "text": texts[p]} for p in range(4)]
+    loaded = [{"cycle": cycle, "round": 1, "mode": mode, "load": "4 in flight", "prompt": p, "tokens": 10,
+               "latency_s": 1.0, "wall_s": 20 * seconds_per_token, "text": ""} for p in range(4)]
+    return alone + loaded
+
+
+def test_compare_peer_takes_each_ratio_within_a_cycle_and_pools_the_cycles():
+    """The box is twice as fast in cycle 2: our 1.5x holds in both cycles, so the pooled ratio is 1.5 with no
+    spread, while the pooled tok/s carry the drift."""
+    compare_peer = _compare_peer()
+    rows = (_compare_rows("llama.cpp plain", 1, 0.1) + _compare_rows("ours", 1, 0.1 / 1.5)
+            + _compare_rows("llama.cpp plain", 2, 0.05) + _compare_rows("ours", 2, 0.05 / 1.5))
+    lines, figures = compare_peer.summarize(rows, "llama.cpp plain")
+    assert figures["ours"]["one stream"]["ratio"] == pytest.approx(1.5)
+    assert figures["ours"]["one stream"]["ratio_se"] == pytest.approx(0.0, abs=1e-12)
+    assert figures["ours"]["one stream"]["tok_s"] == pytest.approx((15 + 30) / 2)
+    assert figures["ours"]["4 in flight"]["ratio"] == pytest.approx(1.5)  # 40 tokens over the wall time
+    assert figures["llama.cpp plain"]["4 in flight"]["tok_s"] == pytest.approx((20 + 40) / 2)
+    assert "ratio" not in figures["llama.cpp plain"]["one stream"]
+    assert any(line.startswith("| ours | ") and "1.50x" in line for line in lines)
+
+
+def test_compare_peer_counts_a_speculated_answer_that_differs_from_plain_decode():
+    compare_peer = _compare_peer()
+    plan = [{"label": "ours", "kind": "ours", "modes": [("ours", None), ("ours, max_k 0", 0)]}]
+    checked = _compare_rows("ours", 1, 0.1, texts=("a", "b", "x", "d"), load=compare_peer.CHECK)
+    rows = _compare_rows("ours, max_k 0", 1, 0.1) + _compare_rows("ours", 1, 0.1) + checked
+    assert compare_peer.greedy_equal(rows, plan) == ["ours: greedy answers equal to max_k 0's in 3 of 4 requests"]

@@ -7,9 +7,34 @@ the benchmark is asked to resolve."""
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import time
 from pathlib import Path
+
+from smartspec.engine.profile_cache import cpu_name
+
+
+def cpu_description() -> str:
+    """The CPU as benchmark figures name it: model name, family and model, the int8 instructions decode leans on, and
+    the logical CPUs (a VM's model name alone, "Intel(R) Xeon(R) Processor", does not tell Zen 4 from Sapphire
+    Rapids)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip() and fields:
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    parts = [cpu_name()]
+    if "cpu family" in fields:
+        parts.append(f"family {fields['cpu family']} model {fields.get('model', '?')}")
+    parts += [name for flag, name in (("avx512_vnni", "AVX-512 VNNI"), ("amx_int8", "AMX")) if flag in flags]
+    return ", ".join(parts) + f"; {os.cpu_count()} logical CPUs"
 
 
 def speed_probe() -> dict:

@@ -83,3 +83,20 @@ def proposer_prompts(workload: str, n: int, tokenizer) -> list[str]:
             texts.append(PROSE_INSTRUCTION + problems[i % len(problems)]["prompt"])
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
             for t in texts]
+
+
+COMPARE_PROMPTS = ("edit", "short answer", "code", "long prompt")
+
+
+def compare_messages() -> list[list[dict]]:
+    """The four chats of the one-stream comparison with a peer server (scripts/compare_peer.py), one per kind of
+    request a single user sends: an edit (the answer copies the prompt), a short answer in prose, new code, and a
+    question about a long pasted module (~2,000 prompt tokens: prefill weighs)."""
+    problems = humaneval_problems()
+    module = "\n\n".join(p["prompt"] + p["canonical_solution"] for p in problems[:12])
+    texts = [EDIT_INSTRUCTION + "```python\n" + problems[0]["prompt"] + problems[0]["canonical_solution"] + "```",
+             "What is the difference between a list and a tuple in Python? Answer in a short paragraph.",
+             "Write a Python function that checks whether a number is prime.",
+             "Here is a Python module:\n\n```python\n" + module + "```\n\nIn one sentence each, say what the first "
+             "three functions of this module do."]
+    return [[{"role": "user", "content": t}] for t in texts]
