@@ -53,6 +53,25 @@ def test_the_draft_keeps_what_the_target_committed_and_catches_up_on_the_rest(ta
     assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
 
 
+def test_a_long_context_is_caught_up_in_pieces_and_drafts_as_if_read_at_once(target, tiny_qwen, monkeypatch):
+    """Pieces of 3 tokens (the real ones are 256): two requests of 7 and 11 tokens read in pieces, then their last
+    token, and drafted the target's own tokens (the draft is the target); the catch-up counted is the whole."""
+    import smartspec.spec_decode.draft_model as draft_model
+    monkeypatch.setattr(draft_model, "CATCHUP_CHUNK", 3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [list(PROMPT), [9, 4, 77, 31, 2, 60, 13, 5, 88, 21, 40]]
+    expected = [out.token_ids for out in target.generate(prompts, params)]
+    draft = draft_of(target, tiny_qwen)
+    forwards = []
+    real_forward = draft.runner.forward
+    monkeypatch.setattr(draft.runner, "forward", lambda items: forwards.append([len(i.tokens) for i in items])
+                        or real_forward(items))
+    proposal = draft.propose([Request("a", prompts[0], params), Request("b", prompts[1], params)], [4, 4])
+    assert proposal.tokens == [expected[0][:4], expected[1][:4]]
+    assert proposal.catchup_tokens == 7 - 1 + 11 - 1
+    assert forwards[:5] == [[3], [3], [3], [3], [3]] and forwards[5] == [1, 2]  # then one forward per depth
+
+
 def test_requests_at_k_zero_cost_the_draft_nothing(target, tiny_qwen):
     draft = draft_of(target, tiny_qwen)
     reqs = [Request(f"r{i}", list(PROMPT), SamplingParams(max_tokens=8)) for i in range(2)]

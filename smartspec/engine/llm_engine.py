@@ -148,12 +148,13 @@ class LLMEngine:
         """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
         where config.profile_cache asks and there are (the policy observes them); else measured (and kept, where
         asked)."""
-        path = profile_path(self.config, batches, context) if self.config.profile_cache else None
+        from smartspec.engine.profile import CALIBRATION_QUESTIONS, CALIBRATION_TOKENS, calibrate_acceptance
+        path = profile_path(self.config, batches, context, (CALIBRATION_QUESTIONS, CALIBRATION_TOKENS)) \
+            if self.config.profile_cache else None
         if path is not None and (kept := load_profile(path)) is not None:
             self.speculation.policy.observe_profile(kept.records)
             self.speculation.policy.observe_calibration(kept.calibration)
             return kept
-        from smartspec.engine.profile import calibrate_acceptance
         measured = KeptProfile(self.profile_steps(batches, context), calibrate_acceptance(self))
         if path is not None:
             save_profile(path, measured)

@@ -62,13 +62,21 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
 
 
 # Two short questions of the kinds a served model meets (code and prose); their answers are what the draft is tried on.
+# One of each kind of request the compare workload sends (new code, prose, an edit, a short answer), 48 tokens
+# each: ~45 first-token outcomes put the prior within a few points of what requests later show. Two questions of
+# 24 tokens (~12 outcomes) left it near 0.73 against 0.91 learned on the first requests (default pair, 2026-11-28),
+# and the first edit and short answer after a start were served at k = 0.
 CALIBRATION_QUESTIONS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Explain in three sentences why the sky is blue.",
+    "Add type hints to this function, changing nothing else:\n\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
+    "        total += x\n    return total / len(xs)",
+    "What is the difference between a list and a tuple in Python?",
 )
+CALIBRATION_TOKENS = 48
 
 
-def calibrate_acceptance(engine, max_tokens: int = 24) -> list[StepRecord]:
+def calibrate_acceptance(engine, max_tokens: int = CALIBRATION_TOKENS) -> list[StepRecord]:
     """How often the draft model's tokens are accepted on real text, measured before any request: each calibration
     question answered greedily for max_tokens, drafted at k_max through the real draft. The policy takes the
     outcomes as the first evidence of its acceptance prior (Policy.observe_calibration), so the first requests

@@ -47,15 +47,16 @@ def _version() -> str:
         return "unknown"
 
 
-def profile_path(config, batches: tuple[int, ...], context: int) -> Path:
-    """Where the profile of an engine of this config (EngineConfig) would be kept."""
+def profile_path(config, batches: tuple[int, ...], context: int, calibration: tuple = ()) -> Path:
+    """Where the profile of an engine of this config (EngineConfig) would be kept; `calibration` names how the
+    acceptance calibration is measured (a changed one is measured again)."""
     spec = config.speculative_config
     what = {"model": config.model, "quantization": config.quantization, "dtype": config.dtype,
             "device": config.device, "threads": config.num_threads or torch.get_num_threads(),
             "block_size": config.block_size, "kernels": config.use_kernels, "cuda_graphs": config.cuda_graphs,
             "prefix_caching": config.enable_prefix_caching, "speculation": spec.as_dict() if spec else None,
             "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
-            "smartspec": _version(), "torch": torch.__version__}
+            "smartspec": _version(), "torch": torch.__version__, "calibration": calibration}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return cache_root() / "profiles" / f"{key}.json"
 
