@@ -18,8 +18,9 @@ times, every other cycle in reverse order, so a drift in the box's speed falls o
 llama-server is taken within a cycle and pooled across cycles (mean and standard error). Every request is tagged
 once ("[c1-r2-m0-alone-3] ..."), so no prefix cache serves a prompt it has seen. At the end of each of our starts
 the speculating mode is asked round 1's plain questions again: its greedy answers must equal plain decode's. The
-box's read bandwidth is probed before each server. Writes <out>/runs.jsonl (one row per request), <out>/comparison.md (the table), <out>/compare_peer.png
-and the servers' logs; prints the table with the CPU's name."""
+box's read bandwidth is probed before each server. Writes <out>/runs.jsonl (one row per request),
+<out>/comparison.md (the table), <out>/compare_peer.png and the servers' logs; prints the table with the CPU's
+name."""
 from __future__ import annotations
 
 import argparse
