@@ -61,11 +61,9 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
     return records
 
 
-# Two short questions of the kinds a served model meets (code and prose); their answers are what the draft is tried on.
-# One of each kind of request the compare workload sends (new code, prose, an edit, a short answer), 48 tokens
-# each: ~45 first-token outcomes put the prior within a few points of what requests later show. Two questions of
-# 24 tokens (~12 outcomes) left it near 0.73 against 0.91 learned on the first requests (default pair, 2026-11-28),
-# and the first edit and short answer after a start were served at k = 0.
+# One question of each kind a served model meets (new code, prose, an edit, a short answer), 48 tokens each: about
+# 45 first-token outcomes, enough to put the prior near what requests later show; far fewer leave it close to the
+# starting guess and the first requests at k = 0 (docs/policy.md).
 CALIBRATION_QUESTIONS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Explain in three sentences why the sky is blue.",

@@ -29,8 +29,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-# A long unseen context is read in pieces of this many tokens, as the target prefills: one forward over 1,800
-# tokens took the default draft 5.6-6.2 s, pieces of 256 took 4.1-4.3 s (Intel Xeon VM, 2 cores).
+# A long unseen context is read in pieces of this many tokens, as the target prefills: one forward over the whole
+# costs the draft about 1.4x the pieces on a CPU (docs/policy.md, "Draft catch-up").
 CATCHUP_CHUNK = 256
 
 
