@@ -34,7 +34,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_serving import ROOT, start_server, stop_server  # noqa: E402
@@ -168,14 +167,12 @@ def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]
             v = rate(mode, "one stream", prompt=p)
             cells.append(f"{v:.1f}" if v else "")
         for load in ("one stream", "4 in flight"):
-            per_cycle = [rate(mode, load, c) for c in cycles]
-            per_cycle = [v for v in per_cycle if v]
+            per_cycle = {c: v for c in cycles if (v := rate(mode, load, c))}
             if not per_cycle:
                 cells += ["", ""]
                 continue
-            value, se = mean_se(per_cycle)
-            ratios = [rate(mode, load, c) / rate(reference, load, c) for c in cycles
-                      if reference and rate(mode, load, c) and rate(reference, load, c)]
+            value, se = mean_se(list(per_cycle.values()))
+            ratios = [v / base for c, v in per_cycle.items() if reference and (base := rate(reference, load, c))]
             figures[mode][load] = {"tok_s": value, "se": se}
             cells.append(f"{value:.1f}" + (f" ± {se:.1f}" if se == se else ""))
             if ratios and mode != reference:

@@ -30,7 +30,7 @@ def cpu_description() -> str:
     except OSError:
         pass
     flags = set(fields.get("flags", "").split())
-    parts = [cpu_name()]
+    parts = [fields.get("model name") or cpu_name()]
     if "cpu family" in fields:
         parts.append(f"family {fields['cpu family']} model {fields.get('model', '?')}")
     parts += [name for flag, name in (("avx512_vnni", "AVX-512 VNNI"), ("amx_int8", "AMX")) if flag in flags]
