@@ -192,6 +192,21 @@ def test_greedy_tree_under_smartspec_equals_plain(method, tiny_qwen, tiny_qwen_d
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
 
 
+def test_a_tree_drafter_catches_up_in_pieces_and_stays_lossless(tiny_qwen, tiny_qwen_draft, plain_outputs,
+                                                                 monkeypatch):
+    """Pieces of 3 tokens (the real ones are 256): every forward that reads a context, not a tree, is at most 3
+    tokens a request, and the greedy output is plain decoding's."""
+    import smartspec.spec_decode.draft_model as draft_model
+    monkeypatch.setattr(draft_model, "CATCHUP_CHUNK", 3)
+    llm = make(tiny_qwen, {"method": "draft_model", "model": tiny_qwen_draft, "tree": TREE, "policy": "fixed"})
+    draft, widths = llm.engine.speculation.proposer, []
+    real_forward = draft.runner.forward
+    monkeypatch.setattr(draft.runner, "forward", lambda items: widths.extend(
+        len(i.tokens) for i in items if i.tree_masks is None) or real_forward(items))
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == plain_outputs
+    assert widths and max(widths) == 3, widths
+
+
 @pytest.mark.parametrize("bad,message", [
     ({"max_nodes": 64}, "max_nodes"), ({"max_depth": 0}, "max_depth"), ({"branching": 8, "max_depth": 10}, "branching"),
     ({"width": 2}, "unknown tree keys"),

@@ -123,6 +123,7 @@ class DraftTreeProposer(DraftModelProposer):
     def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         growing = self._start_growth(requests, ks)
         catchup = sum(g.ds.num_tokens - g.ds.num_computed_tokens - 1 for g in growing)
+        self._catch_up_in_chunks([g.ds for g in growing])
         if growing:  # depth 1: the draft reads every token it has not seen, through the root
             items = [ForwardItem(g.ds, g.ds.token_ids[g.ds.num_computed_tokens:], g.ds.num_computed_tokens, 1)
                      for g in growing]
