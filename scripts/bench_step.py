@@ -1,9 +1,9 @@
 """Forward time per step shape: SmartSpec's engine vs plain transformers, same model, same run.
 
 Shapes: batch 1 with n = 1, 2, 4, 8, 16 new tokens (a verify step), and batch 1, 4, 8, 16 single-token decodes,
-each over a 200-token cached context, timed round-robin. Each shape's cost against a one-token decode is given two
-ways: the ratio of the medians, and the geometric mean of the ratios within a round with its standard error (the
-box's drift cancels there). Prints a table, writes results/bench_step.parquet and a PNG.
+each over a cached context of `--context` tokens (200 by default), timed round-robin. Each shape's cost against a
+one-token decode is given two ways: the ratio of the medians, and the geometric mean of the ratios within a round
+with its standard error (the box's drift cancels there). Prints a table, writes results/bench_step.parquet and a PNG.
 
     python scripts/bench_step.py --models qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 """
@@ -25,7 +25,7 @@ from smartspec.models import resolve
 from smartspec.models.loader import gguf_file_of
 from smartspec.runtime.model_runner import ForwardItem
 
-CONTEXT = 200
+CONTEXT = 200  # tokens already in the cache before each timed step (--context)
 SHAPES = [(1, n) for n in (1, 2, 4, 8, 16)] + [(b, 1) for b in (4, 8, 16)]
 
 
@@ -69,14 +69,15 @@ def measure_bandwidth() -> float:
     return max(x.numel() * 4 / timed(lambda: x.sum(), 5), x.numel() * 4 / timed(lambda: a @ v, 5)) / 1e9
 
 
-def bench_engine(model: str, reps: int, quantization: str | None) -> tuple[dict, int]:
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_batched_tokens=4096,
+def bench_engine(model: str, reps: int, quantization: str | None, context: int) -> tuple[dict, int]:
+    # 16 contexts in the cache: a 1.5B model's fp32 KV is ~57 KB a token, 1 GiB holds 16 x 1,000 with room
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=max(1.0, context / 1000), max_num_batched_tokens=4096,
                                     quantization=quantization))
     weight_bytes = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
     gen = torch.Generator().manual_seed(0)
-    for i in range(16):  # 16 requests with a 200-token context already in the cache
-        engine.add_request(torch.randint(100, 5000, (CONTEXT,), generator=gen).tolist(), request_id=f"b{i}")
-    while any(r.num_computed_tokens < CONTEXT for r in engine.requests.values()):
+    for i in range(16):  # 16 requests with their context already in the cache
+        engine.add_request(torch.randint(100, 5000, (context,), generator=gen).tolist(), request_id=f"b{i}")
+    while any(r.num_computed_tokens < context for r in engine.requests.values()):
         batch = engine.scheduler.schedule()
         engine.runner.forward([ForwardItem(s.request, s.request.token_ids[s.request.num_computed_tokens:][:s.num_tokens],
                                            s.request.num_computed_tokens, 0) for s in batch])
@@ -84,13 +85,13 @@ def bench_engine(model: str, reps: int, quantization: str | None) -> tuple[dict,
             s.request.num_computed_tokens += s.num_tokens
     reqs = [engine.requests[f"b{i}"] for i in range(16)]
     for r in reqs:
-        engine.blocks.allocate(r, CONTEXT + 16)
-    steps = {(b, n): [ForwardItem(r, [7] * n, CONTEXT, n) for r in reqs[:b]] for b, n in SHAPES}
+        engine.blocks.allocate(r, context + 16)
+    steps = {(b, n): [ForwardItem(r, [7] * n, context, n) for r in reqs[:b]] for b, n in SHAPES}
     return interleaved({shape: (lambda items=items: engine.runner.forward(items)) for shape, items in steps.items()},
                        reps), weight_bytes
 
 
-def bench_transformers(model: str, reps: int) -> dict:
+def bench_transformers(model: str, reps: int, context: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     path = resolve(model)
@@ -101,7 +102,7 @@ def bench_transformers(model: str, reps: int) -> dict:
     out = {}
     with torch.inference_mode():
         for b, n in SHAPES:
-            ctx = torch.randint(100, 5000, (b, CONTEXT), generator=gen)
+            ctx = torch.randint(100, 5000, (b, context), generator=gen)
             cache = DynamicCache(config=hf.config)
             hf(input_ids=ctx, past_key_values=cache, use_cache=True)
             new = torch.full((b, n), 7)
@@ -118,6 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--context", type=int, default=CONTEXT, help="tokens cached before each step")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantization", default="auto", choices=["auto", "gguf", "gguf_exact", "none"],
                     help="the engine's weights (auto: the GGUF blocks of a bundled model)")
@@ -135,11 +137,11 @@ def main() -> int:
     rows = []
     for model in args.models:
         print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
-        ours, weight_bytes = bench_engine(model, args.reps, quantization)
+        ours, weight_bytes = bench_engine(model, args.reps, quantization, args.context)
         theirs = {}
         if not args.no_transformers:
             print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
-            theirs = bench_transformers(model, args.reps)
+            theirs = bench_transformers(model, args.reps, args.context)
         for (b, n), samples in ours.items():
             ratio, ratio_se = paired_ratio(samples, ours[(1, 1)])
             for impl, sec in (("smartspec", statistics.median(samples)), ("transformers", theirs.get((b, n)))):
@@ -147,7 +149,8 @@ def main() -> int:
                     continue
                 paired = (dict(vs_one_token=ratio, vs_one_token_se=ratio_se) if impl == "smartspec"
                           else dict(vs_one_token=None, vs_one_token_se=None))
-                rows.append(dict(model=model, impl=impl, quantization=args.quantization, batch=b, new_tokens=n, ms=sec * 1e3,
+                rows.append(dict(model=model, impl=impl, quantization=args.quantization, context=args.context, batch=b,
+                                 new_tokens=n, ms=sec * 1e3,
                                  tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
                                  bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads,
                                  **paired))
@@ -172,11 +175,11 @@ def main() -> int:
                   f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x {paired:>15s}")
     print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB. vs 1-tok: ratio of medians; paired: "
           f"geometric mean of the per-round ratios to 1 x 1, with its standard error")
-    _plot(rows, args.models, out / "bench_step.png")
+    _plot(rows, args.models, out / "bench_step.png", args.context)
     return 0
 
 
-def _plot(rows, models, path) -> None:
+def _plot(rows, models, path, context: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -191,7 +194,7 @@ def _plot(rows, models, path) -> None:
                        and (r["batch"], r["new_tokens"]) == s) for s in SHAPES]
             ax.bar([i + off for i in range(len(SHAPES))], ms, width=width, label=impl)
         ax.set_xticks(range(len(SHAPES)), labels)
-        ax.set_ylabel("ms per forward (200-token context)")
+        ax.set_ylabel(f"ms per forward ({context}-token context)")
         ax.set_title(model)
         ax.legend()
     fig.tight_layout()
