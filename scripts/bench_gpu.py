@@ -99,23 +99,55 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class PolicyClock:
+    """The host seconds a policy's plan and observe calls take, counted while installed on the policy instance
+    (the engine calls both on the step's critical path: plan before the forward, observe after the tokens)."""
+
+    def __init__(self, policy) -> None:
+        self.policy, self.seconds = policy, 0.0
+
+    def __enter__(self) -> PolicyClock:
+        for name in ("plan", "observe"):
+            setattr(self.policy, name, self._timed(getattr(type(self.policy), name).__get__(self.policy)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in ("plan", "observe"):
+            delattr(self.policy, name)
+
+    def _timed(self, call):
+        def timed(*args):
+            began = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.seconds += time.perf_counter() - began
+        return timed
+
+
 def run(engine, prompts, params, cap_s: float, buckets=lambda: 0) -> dict:
     """All prompts at once, stepped until done or cap_s of steady steps; what is left is aborted. buckets(): the
-    buckets the runners hold; a step that added one (a graph captured and checked) is not steady."""
+    buckets the runners hold; a step that added one (a graph captured and checked) is not steady. A step's seconds
+    are the wall time of engine.step() (the policy's observe included, which the step record's total_s is not);
+    policy_s, the policy's own share of them (PolicyClock)."""
     ids = [engine.add_request(p, params) for p in prompts]
     steps, t0, done = [], time.perf_counter(), set()
+    clock = PolicyClock(engine.speculation.policy)
     while engine.has_unfinished():
         if sum(s["s"] for s in steps if s["steady"]) >= cap_s:
             break
-        before, held = engine.num_steps, buckets()
-        outs = engine.step()
+        before, held, policy_before = engine.num_steps, buckets(), clock.seconds
+        began = time.perf_counter()
+        with clock:
+            outs = engine.step()
+        wall = time.perf_counter() - began
         done.update(o.request_id for o in outs if o.finished)
         if engine.num_steps == before:  # nothing was scheduled: no new record
             continue
         r = engine.last_step
         new = sum(1 + a for a in r.accepted)
         captured = buckets() > held
-        steps.append({"s": r.total_s, "captured": captured,
+        steps.append({"s": wall, "policy_s": clock.seconds - policy_before, "captured": captured,
                       "steady": r.num_prefill_tokens == 0 and r.draft_catchup_tokens <= r.batch_size and not captured,
                       "new": new, "ks": list(r.ks), "tokens": r.num_batched_tokens,
                       # all but drafting, as the cost model's T_verify: on a GPU the forward returns before its
@@ -130,6 +162,7 @@ def run(engine, prompts, params, cap_s: float, buckets=lambda: 0) -> dict:
     ks = [k for s in steady for k in s["ks"]]
     return {"steady_tok_s": sum(s["new"] for s in steady) / seconds if seconds else None,
             "ms_per_step": 1000 * seconds / len(steady) if steady else None,
+            "policy_ms_per_step": 1000 * sum(s["policy_s"] for s in steady) / len(steady) if steady else None,
             "tokens_per_step": sum(s["new"] for s in steady) / len(steady) if steady else None,
             "mean_k": statistics.fmean(ks) if ks else None, "steady_steps": len(steady),
             "wall_s": time.perf_counter() - t0, "steps": steps}
@@ -155,7 +188,8 @@ def summarize(repeats: list[dict], off: list[dict]) -> dict:
     return {"steady_tok_s": statistics.median(speeds) if speeds else None,
             "tok_s_min": min(speeds, default=None), "tok_s_max": max(speeds, default=None),
             "vs_off": statistics.median(ratios) if ratios else None, "vs_off_each": ratios,
-            "ms_per_step": median("ms_per_step"), "tokens_per_step": median("tokens_per_step"),
+            "ms_per_step": median("ms_per_step"), "policy_ms_per_step": median("policy_ms_per_step"),
+            "tokens_per_step": median("tokens_per_step"),
             "mean_k": median("mean_k"), "captures": sum(r["captures"] for r in repeats),
             "repeats": len(repeats), "steps": [s for r in repeats for s in r["steps"]]}
 
@@ -287,7 +321,7 @@ def main(argv=None) -> int:
 
     smart = make_policy("smartspec", K, key="bench-gpu")
     engine.set_speculation(proposer, smart, K)
-    engine.profile_steps(batches=(1, 4))
+    engine.profile_steps()  # the batches a served engine's start profiles on this runner, up to max(batches)
     print("the step cost of 1 and 5 tokens ...", flush=True)
     results["step_cost"] = step_cost(engine, args.device, 200, 5 if args.tiny else 20)
     configs = [("off", make_policy("off", K)), (f"fixed:{K}", make_policy(f"fixed:{K}", K)), ("smartspec", smart)]
@@ -308,8 +342,9 @@ def main(argv=None) -> int:
             r = summarize(repeats[name], repeats["off"])
             results["runs"][f"b={b} {name}"] = r
             print(f"b={b} {name}: {r['steady_tok_s'] or 0:.1f} tok/s steady (median of {args.repeats}, "
-                  f"{r['tok_s_min'] or 0:.1f}-{r['tok_s_max'] or 0:.1f}), {r['ms_per_step'] or 0:.1f} ms a step, "
-                  f"mean k {r['mean_k'] or 0:.2f}, {r['captures']} captures while timed", flush=True)
+                  f"{r['tok_s_min'] or 0:.1f}-{r['tok_s_max'] or 0:.1f}), {r['ms_per_step'] or 0:.1f} ms a step "
+                  f"({r['policy_ms_per_step'] or 0:.2f} in the policy), mean k {r['mean_k'] or 0:.2f}, "
+                  f"{r['captures']} captures while timed", flush=True)
         dt = getattr(torch, engine.config.dtype)
         results["runs"][f"b={b} transformers generate"] = {
             "steady_tok_s": hf_speed(built["target"], args.device, dt, b, 17, min(args.max_new, 64))}
@@ -370,8 +405,8 @@ def print_table(results: dict, batches: list[int]) -> None:
     print(f"\nSmartSpec on {results['device']} ({results['dtype']}, {results['backend']}), torch {results['torch']}; "
           f"draft agreement {results['built']['agreement']:.2f}; {results['args']['repeats']} interleaved repeats "
           f"after a warm-up of every configuration, medians")
-    print(f"{'run':30s} {'steady tok/s':>12s} {'min-max':>15s} {'ms/step':>8s} {'tok/step':>8s} {'mean k':>6s} "
-          f"{'vs off':>6s} {'captures':>8s}")
+    print(f"{'run':30s} {'steady tok/s':>12s} {'min-max':>15s} {'ms/step':>8s} {'policy':>6s} {'tok/step':>8s} "
+          f"{'mean k':>6s} {'vs off':>6s} {'captures':>8s}")
 
     def f(x, fmt):
         return format(x, fmt) if x is not None else format("-", ">" + fmt.split(".")[0].rstrip("d"))
@@ -383,8 +418,10 @@ def print_table(results: dict, batches: list[int]) -> None:
                 r["steady_tok_s"] / runs[f"b={b} off"]["steady_tok_s"] if runs[f"b={b} off"]["steady_tok_s"]
                 else None)
             print(f"{f'b={b} {name}':30s} {f(r['steady_tok_s'], '12.1f')} {spread:>15s} "
-                  f"{f(r.get('ms_per_step'), '8.1f')} {f(r.get('tokens_per_step'), '8.2f')} "
+                  f"{f(r.get('ms_per_step'), '8.1f')} {f(r.get('policy_ms_per_step'), '6.2f')} "
+                  f"{f(r.get('tokens_per_step'), '8.2f')} "
                   f"{f(r.get('mean_k'), '6.2f')} {f(vs_off, '6.2f')} {f(r.get('captures'), '8d')}")
+    print("ms/step: wall time of a steady step, the policy's plan and observe included (policy: their share)")
     print(f"buckets held by the target's and the draft's runners: {results['graphs_captured']} "
           f"(captures: steps of a timed run that captured one, left out of its steady figures); attention kernels: "
           f"{results['attention_kernels'] or 'the torch path off CUDA'}")

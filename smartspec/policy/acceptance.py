@@ -41,7 +41,10 @@ def _strength_averaged(terms: tuple, a: np.ndarray, r: np.ndarray) -> np.ndarray
     """AcceptanceEstimator._averaged_over_strengths for requests with outcomes a, r [B], given the prior's terms."""
     s, a0, r0, log_a0, log_r0, log_s = terms
     a, r = a[:, None], r[:, None]
-    logs = log_gamma(a + a0) + log_gamma(r + r0) - log_gamma(a + r + s) - log_a0 - log_r0 + log_s
+    # the three log-gammas in one call: elementwise, so the same values, at a third of numpy's per-call cost (the
+    # policy asks for every batch's estimates every step)
+    lg_a, lg_r, lg_n = log_gamma(np.stack(np.broadcast_arrays(a + a0, r + r0, a + r + s)))
+    logs = lg_a + lg_r - lg_n - log_a0 - log_r0 + log_s
     weights = np.exp(logs - logs.max(axis=1, keepdims=True))
     return (weights * (a + a0) / (a + r + s)).sum(axis=1) / weights.sum(axis=1)
 
@@ -146,14 +149,21 @@ class AcceptanceEstimator:
         prior = min(max(prior, 1e-3), 1 - 1e-3)
         if self._prior_terms is None or self._prior_terms[0] != prior:  # the prior moves only when outcomes arrive
             s = np.array(self.cold_strengths)[None, :]
-            terms = (s, prior * s, (1 - prior) * s, log_gamma(prior * s), log_gamma((1 - prior) * s), log_gamma(s))
-            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0), once per prior
-            self._prior_terms = (prior, terms, float(_strength_averaged(terms, np.zeros(1), np.zeros(1))[0]))
+            log_a0, log_r0, log_s = log_gamma(np.stack((prior * s, (1 - prior) * s, s)))
+            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0) is taken once
+            # per prior, in the first call's batch (rows are independent: the same value as alone)
+            self._prior_terms = (prior, (s, prior * s, (1 - prior) * s, log_a0, log_r0, log_s), None)
         _, terms, unseen_estimate = self._prior_terms
-        unseen = (a == 0) & (r == 0)
-        out = np.full(len(a), unseen_estimate)
-        if not unseen.all():
-            out[~unseen] = _strength_averaged(terms, a[~unseen], r[~unseen])
+        seen = (a != 0) | (r != 0)
+        rows = np.flatnonzero(seen)
+        if unseen_estimate is None:  # one more row, of no outcomes
+            rows, a, r = np.append(rows, len(a)), np.append(a, 0.0), np.append(r, 0.0)
+        estimates = _strength_averaged(terms, a[rows], r[rows]) if len(rows) else np.zeros(0)
+        if unseen_estimate is None:
+            unseen_estimate, estimates = float(estimates[-1]), estimates[:-1]
+            self._prior_terms = (prior, terms, unseen_estimate)
+        out = np.full(len(seen), unseen_estimate)
+        out[seen] = estimates
         return out
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:

@@ -63,6 +63,28 @@ def verify_features(n: np.ndarray, c: np.ndarray) -> np.ndarray:
                           axis=-1)
 
 
+def verify_seconds(v: list[float], n, c):
+    """A verify step's seconds under coefficients v ([v0, a slope per segment, v_c]); n, c: numbers or numpy
+    arrays."""
+    t = v[0] + v[-1] * c
+    if isinstance(n, _SCALARS):
+        for slope, (a, b) in zip(v[1:-1], SEGMENTS):
+            if slope:
+                t = t + slope * _segment_tokens_of_a_number(n, a, b)
+        return t
+    # summed in the order the numbers' path sums them, so that a shape costs the same float either way
+    within = segment_tokens(n)
+    for j, slope in enumerate(v[1:-1]):
+        if slope:
+            t = t + slope * within[..., j]
+    return t
+
+
+def draft_seconds(d: list[float], depth, sum_k, catchup=0):
+    """Drafting's seconds under coefficients d ([per draft forward, per draft token, per catch-up token])."""
+    return d[0] * depth + d[1] * sum_k + d[2] * catchup
+
+
 def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
                       prior: np.ndarray | None = None) -> np.ndarray | None:
     """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set).
@@ -122,22 +144,10 @@ class StepCostModel:
 
     def predict_verify(self, n, c):
         """n, c: numbers or numpy arrays."""
-        v = self.v
-        t = v[0] + v[-1] * c
-        if isinstance(n, _SCALARS):
-            for slope, (a, b) in zip(v[1:-1], SEGMENTS):
-                if slope:
-                    t = t + slope * _segment_tokens_of_a_number(n, a, b)
-            return t
-        # summed in the order the numbers' path sums them, so that a shape costs the same float either way
-        within = segment_tokens(n)
-        for j, slope in enumerate(v[1:-1]):
-            if slope:
-                t = t + slope * within[..., j]
-        return t
+        return verify_seconds(self.v, n, c)
 
     def predict_draft(self, depth, sum_k, catchup=0):
-        return self.d[0] * depth + self.d[1] * sum_k + self.d[2] * catchup
+        return draft_seconds(self.d, depth, sum_k, catchup)
 
     def predict(self, n, c, depth=0, sum_k=0):
         return self.predict_verify(n, c) + self.predict_draft(depth, sum_k)
@@ -150,7 +160,8 @@ class StepCostModel:
             predicted = self.predict(n, c, depth, sum_k) + self.d[2] * catchup
             self.errors.append(abs(predicted - (rest_s + draft_s)) / (rest_s + draft_s))
             v, d = self.speed.reference_of((self.v, self.d))
-            expected = float(verify_features(n, c) @ np.asarray(v) + np.asarray(d) @ (depth, sum_k, catchup))
+            # in Python floats, as predict does: this runs every step, and numpy on one row costs more than the sum
+            expected = float(verify_seconds(v, n, c) + draft_seconds(d, depth, sum_k, catchup))
             changed_since = self.speed.observe((rest_s + draft_s) / expected) if expected > 0 else 0
             if changed_since:  # this step and the changed_since - 1 before it ran at the new speed
                 self.forget_before(self.steps + 1 - changed_since)

@@ -80,15 +80,18 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
         return plans
     gains, depth_of = gains[:, :k_top], np.asarray(depth_of[:k_top])
     rank = np.arange(1, k_top + 1)
-    allowed = rank[None, :] <= k_max_arr[:, None]
+    rows, cols = np.nonzero(rank[None, :] <= k_max_arr[:, None])  # every draft token a request may make
+    g = gains[rows, cols]
+    # sorted once, largest gain first: a depth bound's candidates in this order are those of a sort of their own,
+    # since a stable sort of a subset keeps the subset's order within the whole's
+    order = np.argsort(-g, kind="stable")
+    sorted_depths = depth_of[cols[order]]
     for depth in sorted(set(depth_of.tolist())):
-        rows, cols = np.nonzero(allowed & (depth_of[None, :] <= depth))
-        g = gains[rows, cols]
-        order = np.argsort(-g, kind="stable")
-        m = np.arange(1, len(order) + 1)
-        values = plan_value(b + np.cumsum(g[order]), cost(tokens_of(m, depth), base_context + m, depth, m), price)
+        within = order[sorted_depths <= depth]
+        m = np.arange(1, len(within) + 1)
+        values = plan_value(b + np.cumsum(g[within]), cost(tokens_of(m, depth), base_context + m, depth, m), price)
         i = int(np.argmax(values))
-        chosen = order[: i + 1]
+        chosen = within[: i + 1]
         used = int(depth_of[cols[chosen].max()])
         seconds = float(cost(tokens_of(i + 1, used), base_context + i + 1, used, i + 1))
         plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i]), used, i + 1))

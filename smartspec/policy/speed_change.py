@@ -10,9 +10,8 @@ slow step, not a run of them; a young fit that is wrong about the shapes is not 
 from it."""
 from __future__ import annotations
 
+import statistics
 from collections import deque
-
-import numpy as np
 
 
 class SpeedChange:
@@ -32,7 +31,7 @@ class SpeedChange:
         that did not is kept (a change may be under way, and the fit refitted on its first steps would hide it), for
         4 * steps steps at most."""
         if (self.reference is None or self.judged >= 4 * self.steps
-                or (self.judged >= self.steps and _settled(np.array(self.ratios)[-self.judged:]))):
+                or (self.judged >= self.steps and _settled(list(self.ratios)[-self.judged:]))):
             self.reference, self.judged = current, 0
         return self.reference
 
@@ -48,22 +47,23 @@ class SpeedChange:
         self.judged += 1
         if len(self.ratios) < self.steps:
             return 0
-        ratios = np.array(self.ratios)
+        # in Python floats: a few dozen ratios every step, where numpy's per-call cost is most of the work
+        ratios = list(self.ratios)
         before, recent = ratios[:-self.steps], ratios[-self.steps:]
         settled = _settled(before) if len(before) == self.steps else self.after_profile
         if len(before) == self.steps:
             self.after_profile = False
-        slower = (recent > self.factor).mean() >= 7 / 8
-        if not settled or not (slower or (recent < 1.0 / self.factor).mean() >= 7 / 8):
+        slower = sum(x > self.factor for x in recent) / len(recent) >= 7 / 8
+        if not settled or not (slower or sum(x < 1.0 / self.factor for x in recent) / len(recent) >= 7 / 8):
             return 0
-        off = ratios > self.factor if slower else ratios < 1.0 / self.factor
-        run = len(off) - (int(np.flatnonzero(~off)[-1]) + 1 if (~off).any() else 0)
+        off = [x > self.factor if slower else x < 1.0 / self.factor for x in ratios]
+        run = len(off) - (max(i for i, o in enumerate(off) if not o) + 1 if not all(off) else 0)
         self.ratios.clear()
         self.reference, self.after_profile = None, False
         self.changes += 1
         return max(run, 1)
 
 
-def _settled(ratios: np.ndarray) -> bool:
+def _settled(ratios: list[float]) -> bool:
     """Whether a fit predicted these steps well: the median step within 10%."""
-    return bool(np.median(np.abs(ratios - 1.0)) < 0.1)
+    return statistics.median(abs(x - 1.0) for x in ratios) < 0.1
