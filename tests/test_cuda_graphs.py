@@ -179,3 +179,26 @@ def test_the_warm_up_profile_measures_a_capturing_runner_on_its_second_pass(tiny
     twice, forwards_twice = profiled(True)
     assert len(once) == len(twice) > 0
     assert forwards_twice == 2 * forwards_once
+
+
+def test_a_padded_runner_is_profiled_up_to_the_batch_it_serves(tiny_qwen):
+    """Padded steps cost their bucket's cells, and a 16-row bucket is one that batches 1 and 4 never ran: on a padded
+    runner the warm-up profile also runs the served batch (max_num_seqs), drafting, so the cost fit has measured
+    what drafting costs there. An unpadded runner keeps the two small batches."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "policy": "smartspec"}
+
+    def profiled(pad: bool):
+        llm = LLM(tiny_qwen, num_kv_blocks=512, block_size=4, max_model_len=256, max_num_seqs=16,
+                  speculative_config=spec, use_kernels=False, warmup_profile=False)
+        if pad:
+            padded(llm)
+        return llm.engine.profile_batches(), llm.engine.profile_steps()
+
+    unpadded_batches, unpadded_records = profiled(False)
+    batches, records = profiled(True)
+    assert unpadded_batches == (1, 4) and max(r.batch_size for r in unpadded_records) == 4
+    assert batches == (1, 4, 16)
+    served = [r for r in records if r.batch_size == 16]
+    assert {max(r.ks) for r in served} == {0, 1, 2}  # every profiled k at the served batch
+    # fed to the fit as the buckets' cells: 16 x 1, 16 x 2, and 16 x 4 for a row of 3 tokens
+    assert {(max(r.ks), r.forward_tokens) for r in served} == {(0, 16), (1, 32), (2, 64)}

@@ -144,11 +144,12 @@ class LLMEngine:
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
 
-    def warm_up_profile(self, batches=(1, 4), context: int = 64) -> KeptProfile:
+    def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64) -> KeptProfile:
         """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
         where config.profile_cache asks and there are (the policy observes them); else measured (and kept, where
-        asked)."""
+        asked). batches None: the runner's (profile.profile_batches)."""
         from smartspec.engine.profile import CALIBRATION_QUESTIONS, CALIBRATION_TOKENS, calibrate_acceptance
+        batches = batches or self.profile_batches()
         path = profile_path(self.config, batches, context, (CALIBRATION_QUESTIONS, CALIBRATION_TOKENS)) \
             if self.config.profile_cache else None
         if path is not None and (kept := load_profile(path)) is not None:
@@ -160,10 +161,16 @@ class LLMEngine:
             save_profile(path, measured)
         return measured
 
-    def profile_steps(self, batches=(1, 4), context: int = 64) -> list[StepRecord]:
-        """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py)."""
+    def profile_steps(self, batches: tuple[int, ...] | None = None, context: int = 64) -> list[StepRecord]:
+        """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py); batches None:
+        the runner's (profile_batches)."""
         from smartspec.engine.profile import profile_steps
-        return profile_steps(self, batches, context)
+        return profile_steps(self, batches or self.profile_batches(), context)
+
+    def profile_batches(self) -> tuple[int, ...]:
+        """The batch sizes the warm-up profile runs on this engine's runner (engine/profile.py)."""
+        from smartspec.engine.profile import profile_batches
+        return profile_batches(self.runner.padded_shapes, self.config.max_num_seqs)
 
     def close(self) -> None:
         if self.trace is not None:

@@ -7,6 +7,7 @@ import itertools
 from smartspec.engine.planner import Speculation
 from smartspec.policy.baselines import FixedPolicy
 from smartspec.spec_decode.proposer import Proposal, Proposer
+from smartspec.types.padding import PaddedShapes
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.step_record import StepRecord
 
@@ -34,7 +35,23 @@ class _PaddedProposer(Proposer):
         self.inner.release(request_id)
 
 
-def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]:
+UNPADDED_BATCHES = (1, 4)
+
+
+def profile_batches(shapes: PaddedShapes | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes the warm-up profile measures. A step that runs as it comes costs what its tokens cost, and
+    the fit carries batches 1 and 4 over to larger ones (on a CPU a larger batch would add seconds to a start). A
+    runner that pads steps into buckets (shapes: CUDA graphs) is another machine at every row bucket: a 64-row
+    step, with one draft token a row, is a bucket of 128 cells that batches 1 and 4 never ran, and the fit cannot
+    price drafting at the batch it serves (measured on an H200: k = 0 at 64 streams throughout, where k = 4 ran
+    1.27x faster). There the profile also runs powers of four up to max_num_seqs, and max_num_seqs itself."""
+    if shapes is None:
+        return UNPADDED_BATCHES
+    served = {4 ** i for i in range(max_num_seqs.bit_length()) if 4 ** i <= max_num_seqs}
+    return tuple(sorted(served | set(UNPADDED_BATCHES) | {max_num_seqs}))
+
+
+def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[StepRecord]:
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. The profile's steps are not observed,
     counted or traced. A runner that captures CUDA graphs spends a shape's first step capturing it, so there each
@@ -45,13 +62,19 @@ def profile_steps(engine, batches=(1, 4), context: int = 64) -> list[StepRecord]
     passes = (False, True) if engine.runner.captures_graphs else (True,)
     for batch, k, measured in itertools.product(batches, sorted({0, 1, 2, spec.k_max}), passes):
         fixed = Speculation(padded, FixedPolicy(k), max(spec.k_max, 1))
-        for i in range(batch):  # max_tokens: one token from the prefill, then at least one full-k step
+        # max_tokens: one token from the prefill, then at least one full-k step with the whole batch decoding; where
+        # the first step's budget cannot prefill the batch, the prompts prefilled first decode (k + 1 tokens a
+        # step, taken from the budget) for as many steps as the rest take
+        budget, prompts = engine.config.max_num_batched_tokens, batch * context
+        waiting = 0 if prompts <= budget else -(-(prompts - budget) // max(1, budget - batch * (k + 1)))
+        max_tokens = k + 2 + waiting * (k + 1)
+        for i in range(batch):
             # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
             # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
             # catch-up, and the fit would price catch-ups at nothing
             n = next(_prompts)
             prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
-            engine.add_request(prompt, SamplingParams(max_tokens=k + 2, ignore_eos=True),
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                request_id=f"__profile-{batch}-{k}-{i}")
         while engine.has_unfinished():
             record = engine.run_step(fixed).record
