@@ -5,7 +5,8 @@ cache, and returns the fp32 logits of the rows the step keeps. Today's backends:
 
 - `FusedKernelBackend`: Llama-family layers on int8 GGUF weights, one CPU kernel call per decoder layer.
 - `ModulesBackend`: transformers' modules as written, attention through the paged cache (attention.py) on the CPU
-  kernels where they load, else on torch's scaled-dot-product attention over query groups (any device).
+  kernels where they load, else on torch's scaled-dot-product attention over query groups (any device); on a GPU
+  each RMSNorm in one kernel (fused_norms.py).
 
 `select_backend` picks the fastest that runs the model on its device and dtype."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from smartspec.runtime import attention, kernels
 from smartspec.runtime.fast_linear import pack_linears
 from smartspec.runtime.fused_decoder import FusedDecoder
+from smartspec.runtime.fused_norms import fuse_rms_norms
 from smartspec.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class ModulesBackend:
         self.q_per_kv = attention.q_per_kv(model.config)
         self.name = "transformers-modules" + ("+cpu-kernels" if uses_kernels else "")
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
+        if device.type == "cuda" and fuse_rms_norms(model):  # on a CPU, the kernels or the tests' reference path
+            self.name += "+fused-norms"
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
