@@ -12,7 +12,8 @@ Configurations (--configs, default all):
   llama-none, llama-ngram, llama-draft  scripts/llama_peer.sh serve none|ngram|draft (install it first): llama.cpp
                                   on the same GGUF files, K = 8
 Our configurations use config.yaml's draft model; --proposers ngram serves them with prompt lookup instead
-(labels smartspec-ngram, fixed:5-ngram, ...), --proposers draft_model ngram with each in turn.
+(labels smartspec-ngram, fixed:5-ngram, ...), --proposers mixed with the draft model or suffix speculation per
+request (`method: [draft_model, suffix]`, labels -mixed), --proposers draft_model ngram with each in turn.
 
 Each server is started, waited for, measured and stopped before the next; the box must be otherwise idle, and
 no other Ray may run on it (after each of our servers, `ray stop --force` clears the Ray that `serve run` started). Per
@@ -97,7 +98,9 @@ def write_config(policy: str, k: int, path: Path, method: str = "draft_model", t
         config["applications"][0]["args"]["step_trace_dir"] = str(trace_dir.resolve())
     spec = config["applications"][0]["args"]["speculation"]
     spec["policy"], spec["num_speculative_tokens"] = policy, k
-    if method != "draft_model":  # prompt lookup: no draft model, no draft actor
+    if method == "mixed":  # the draft model or suffix speculation, per request and step
+        spec["method"] = ["draft_model", "suffix"]
+    elif method != "draft_model":  # prompt lookup: no draft model, no draft actor
         spec["method"] = method
         for key in ("model", "draft_actor"):
             spec.pop(key, None)
@@ -278,9 +281,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--out", default="results/sweep")
-    ap.add_argument("--proposers", nargs="+", default=["draft_model"], choices=["draft_model", "ngram"],
-                    help="our servers' proposers: the draft model of config.yaml, and/or prompt lookup (labels get "
-                         "-ngram); our configurations are served once with each")
+    ap.add_argument("--proposers", nargs="+", default=["draft_model"], choices=["draft_model", "ngram", "mixed"],
+                    help="our servers' proposers: the draft model of config.yaml, prompt lookup, and/or the draft "
+                         "model or suffix speculation per request (labels get -ngram, -mixed); our configurations "
+                         "are served once with each")
     ap.add_argument("--cycles", type=int, default=1,
                     help="serve the whole plan this many times, in reverse order every other cycle (A B C, C B A), "
                          "each cycle in <out>/cycle-N; the table then averages the cycles")

@@ -71,9 +71,11 @@ def test_no_manifest_opens_the_ray_dashboard_and_each_takes_the_api_key_from_a_s
 
 
 def test_default_config_is_the_default_pair():
+    """The default pair under the goodput policy, which chooses per request the draft model or suffix speculation
+    (docs/benchmarks.md, "One user against llama.cpp")."""
     args = AppConfig.model_validate(_serve_config(ROOT / "config.yaml")["applications"][0]["args"])
     assert (args.model, args.speculation.method, args.speculation.model, args.speculation.policy) == (
-        "qwen2.5-coder-1.5b", "draft_model", "qwen2.5-coder-0.5b", "smartspec")
+        "qwen2.5-coder-1.5b", ["draft_model", "suffix"], "qwen2.5-coder-0.5b", "smartspec")
     assert yaml.safe_load((ROOT / "config.yaml").read_text())["http_options"] == {"host": "127.0.0.1", "port": 8000}
 
 
