@@ -67,7 +67,7 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
         # step, taken from the budget) for as many steps as the rest take
         budget, prompts = engine.config.max_num_batched_tokens, batch * context
         waiting = 0 if prompts <= budget else -(-(prompts - budget) // max(1, budget - batch * (k + 1)))
-        max_tokens = k + 2 + waiting * (k + 1)
+        max_tokens = min(k + 2 + waiting * (k + 1), engine.max_model_len - context)  # a tiny budget: bounded
         for i in range(batch):
             # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
             # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
