@@ -101,7 +101,8 @@ def sync(device: str) -> None:
 
 class PolicyClock:
     """The host seconds a policy's plan and observe calls take, counted while installed on the policy instance
-    (the engine calls both on the step's critical path: plan before the forward, observe after the tokens)."""
+    (the engine calls both on the step's critical path: plan before the forward, observe after the tokens). The
+    engine reads `speculation.policy` anew each step, so the instance's own attributes are what it calls."""
 
     def __init__(self, policy) -> None:
         self.policy, self.seconds = policy, 0.0
@@ -132,28 +133,27 @@ def run(engine, prompts, params, cap_s: float, buckets=lambda: 0) -> dict:
     policy_s, the policy's own share of them (PolicyClock)."""
     ids = [engine.add_request(p, params) for p in prompts]
     steps, t0, done = [], time.perf_counter(), set()
-    clock = PolicyClock(engine.speculation.policy)
-    while engine.has_unfinished():
-        if sum(s["s"] for s in steps if s["steady"]) >= cap_s:
-            break
-        before, held, policy_before = engine.num_steps, buckets(), clock.seconds
-        began = time.perf_counter()
-        with clock:
+    with PolicyClock(engine.speculation.policy) as clock:
+        while engine.has_unfinished():
+            if sum(s["s"] for s in steps if s["steady"]) >= cap_s:
+                break
+            before, held, policy_before = engine.num_steps, buckets(), clock.seconds
+            began = time.perf_counter()
             outs = engine.step()
-        wall = time.perf_counter() - began
-        done.update(o.request_id for o in outs if o.finished)
-        if engine.num_steps == before:  # nothing was scheduled: no new record
-            continue
-        r = engine.last_step
-        new = sum(1 + a for a in r.accepted)
-        captured = buckets() > held
-        steps.append({"s": wall, "policy_s": clock.seconds - policy_before, "captured": captured,
-                      "steady": r.num_prefill_tokens == 0 and r.draft_catchup_tokens <= r.batch_size and not captured,
-                      "new": new, "ks": list(r.ks), "tokens": r.num_batched_tokens,
-                      # all but drafting, as the cost model's T_verify: on a GPU the forward returns before its
-                      # kernels finish, and the step waits for them when it reads the tokens
-                      "verify_s": r.total_s - r.draft_s,
-                      "context": r.num_context_tokens})
+            wall = time.perf_counter() - began
+            done.update(o.request_id for o in outs if o.finished)
+            if engine.num_steps == before:  # nothing was scheduled: no new record
+                continue
+            r = engine.last_step
+            captured = buckets() > held
+            steps.append({"s": wall, "policy_s": clock.seconds - policy_before, "captured": captured,
+                          "steady": (r.num_prefill_tokens == 0 and r.draft_catchup_tokens <= r.batch_size
+                                     and not captured),
+                          "new": sum(1 + a for a in r.accepted), "ks": list(r.ks), "tokens": r.num_batched_tokens,
+                          # all but drafting, as the cost model's T_verify: on a GPU the forward returns before its
+                          # kernels finish, and the step waits for them when it reads the tokens
+                          "verify_s": r.total_s - r.draft_s,
+                          "context": r.num_context_tokens})
     for rid in ids:
         if rid not in done:
             engine.abort_request(rid)
