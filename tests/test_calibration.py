@@ -1,5 +1,6 @@
 """The start's acceptance calibration (engine/profile.py): the draft model tried on a little real text before any
-request, its outcomes the first evidence of the goodput policy's acceptance prior."""
+request, its outcomes the first evidence of the goodput policy's acceptance prior; suffix lookups replayed along the
+same answers, the first evidence of its node calibration."""
 import json
 
 import pytest
@@ -9,8 +10,10 @@ from policy_views import view
 from smartspec import LLM, SamplingParams
 from smartspec.engine import llm_engine, profile, profile_cache
 from smartspec.policy.goodput_policy import GoodputPolicy
+from smartspec.spec_decode.suffix import SuffixProposer
 from smartspec.types.request import Request
 from smartspec.types.step_record import StepRecord
+from smartspec.types.tree import TokenTree
 
 OPTIONS = dict(num_kv_blocks=256, block_size=4, max_model_len=256)
 
@@ -64,20 +67,83 @@ def test_a_calibrated_policy_drafts_from_the_first_step_of_the_first_request(cal
     assert chosen == ([3] if calibrated else []) and (plan.probes == []) == calibrated, plan
 
 
-def test_lookups_are_not_calibrated(tiny_qwen):
+def test_prompt_lookup_is_not_calibrated(tiny_qwen):
+    """N-gram trees offer no lookups before planning: nothing to replay, and no draft model to calibrate."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "policy": "smartspec"}
     engine = LLM(tiny_qwen, speculative_config=spec, **OPTIONS).engine
     assert engine.speculation.policy.acceptance.evidence == 0
-    assert profile.calibrate_acceptance(engine) == []
+    assert engine.speculation.policy.calibration.total.sum() == 0
+    assert profile.calibrate_acceptance(engine) == ([], [])
 
 
-def test_a_kept_calibration_is_taken_again_without_measuring(tiny_qwen, tmp_path, monkeypatch):
+def test_suffix_lookups_start_calibrated_along_the_same_answers_with_or_without_a_draft(tiny_qwen, tiny_qwen_draft):
+    """The calibration answers are greedy, so the same whether the draft model drafted them or plain decoding wrote
+    them: the lookups replayed along them give the node calibration the same first evidence either way."""
+    calibrations = []
+    for method in (["draft_model", "suffix"], "suffix"):
+        spec = {"method": method, "model": tiny_qwen_draft, "num_speculative_tokens": 3, "policy": "smartspec"}
+        engine = LLM(tiny_qwen, speculative_config=spec, **OPTIONS).engine
+        calibrations.append(engine.speculation.policy.calibration)
+        assert engine.speculation.proposer.lookups([], 3) == []  # the serving proposer holds nothing of the replay
+        assert (engine.speculation.policy.acceptance.evidence > 0) == (method != "suffix")
+    mixed, suffix = calibrations
+    assert mixed.total.sum() > 10  # a random tiny model repeats itself: its answers hold matches
+    assert mixed.accepted.tolist() == suffix.accepted.tolist() and mixed.total.tolist() == suffix.total.tolist()
+
+
+@pytest.mark.parametrize("method", ["draft_model", ["draft_model", "suffix"]])
+def test_a_kept_calibration_is_taken_again_without_measuring(method, tiny_qwen, tmp_path, monkeypatch):
     monkeypatch.setattr(profile_cache, "cache_root", lambda: tmp_path)
-    first = _engine(tiny_qwen, tiny_qwen, profile_cache=True).speculation.policy.acceptance
+    spec = {"method": method, "model": tiny_qwen, "num_speculative_tokens": 3, "policy": "smartspec"}
+
+    def start():
+        return LLM(tiny_qwen, speculative_config=spec, profile_cache=True, **OPTIONS).engine.speculation.policy
+    first = start()
     (kept,) = (tmp_path / "profiles").glob("*.json")
-    assert json.loads(kept.read_text())["calibration"]
+    assert json.loads(kept.read_text())["calibration"] and json.loads(kept.read_text())["answers"]
     with monkeypatch.context() as patched:
         patched.setattr(profile, "calibrate_acceptance", lambda engine: pytest.fail("calibrated again"))
         patched.setattr(llm_engine.LLMEngine, "profile_steps", lambda self, *a: pytest.fail("measured again"))
-        second = _engine(tiny_qwen, tiny_qwen, profile_cache=True).speculation.policy.acceptance
-    assert second.export_counts() == first.export_counts()
+        second = start()
+    assert second.acceptance.export_counts() == first.acceptance.export_counts()
+    assert second.calibration.export_state() == first.calibration.export_state()
+    assert (first.calibration.total.sum() > 0) == (method != "draft_model")
+
+
+def test_replayed_lookups_walk_each_answer_through_the_tree_offered_before_it():
+    """Prompt 10..29; the answer copies its start, then strays at the fourth token. Each position's lookup (depth 3)
+    and the path the answer takes through it, as greedy verification would accept it."""
+    lookup = SuffixProposer(max_depth=3)
+    prompt, answer = list(range(10, 30)), [10, 11, 12, 40, 41, 42, 43, 44]
+    replayed = lookup.replayed_lookups([(prompt, answer)], budget=3)
+    # after "10": 11 12 13 offered, 11 12 met; after "10 11": 12 13 14, 12 met; after "10 11 12": 13 14 15, none
+    assert [(t.tokens, path) for t, path in replayed] == [([11, 12, 13], [0, 1]), ([12, 13, 14], [0]),
+                                                         ([13, 14, 15], [])]
+    assert lookup.local == {} and lookup.finished.num_tokens == 0  # the proposer replaying is left as it was
+
+
+def test_a_later_answer_is_replayed_against_the_answers_before_it():
+    """As in serving, each replayed answer goes to the finished-output cache: a second question whose prompt shares
+    nothing with the first, answered the same way, is drafted from the first answer, every node accepted."""
+    lookup = SuffixProposer(max_depth=3)
+    answer = list(range(10, 22))
+    first = lookup.replayed_lookups([(list(range(60, 80)), answer)], budget=3)
+    both = lookup.replayed_lookups([(list(range(60, 80)), answer), (list(range(100, 120)), answer)], budget=3)
+    second = both[len(first):]
+    assert len(second) == len(answer) - 3  # every position but the first (its context ends in the new prompt)
+    assert all(t.tokens == answer[j + 1:j + 4] and path == [0, 1, 2] for j, (t, path) in enumerate(second))
+
+
+def test_replayed_lookups_that_were_not_accepted_make_the_first_requests_prefer_the_draft():
+    """Lookups confident at 0.9 that the calibration answers rejected: the first request's step no longer takes the
+    lookup's word for it."""
+    def first_plan(policy):
+        policy.cost.v = [0.020, 0.002, 0.002, 0.002, 0.002, 0.002, 0.002, 0.0]
+        request = Request("r0", list(range(40)), SamplingParams(max_tokens=64))
+        return policy.plan(view([request], 4, lookups=[TokenTree.chain([1, 2, 3, 4], [0.9] * 4)], use_draft=False))
+    assert first_plan(GoodputPolicy(key="t")).ks == [4]
+    calibrated = GoodputPolicy(key="t")
+    calibrated.observe_lookup_calibration([(TokenTree.chain([1, 2, 3, 4], [0.9] * 4), [0] if i % 5 == 0 else [])
+                                           for i in range(200)])
+    assert calibrated.calibration.probability(0.9) == pytest.approx(1 / 6, abs=0.02)  # 40 of 240 nodes tried
+    assert first_plan(calibrated).ks[0] <= 1

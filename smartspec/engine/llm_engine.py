@@ -148,13 +148,13 @@ class LLMEngine:
         """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
         where config.profile_cache asks and there are (the policy observes them); else measured (and kept, where
         asked). batches None: the runner's (profile.profile_batches)."""
-        from smartspec.engine.profile import CALIBRATION_QUESTIONS, CALIBRATION_TOKENS, calibrate_acceptance
+        from smartspec.engine.profile import CALIBRATION_KEY, calibrate_acceptance, take_calibration
         batches = batches or self.profile_batches()
-        path = profile_path(self.config, batches, context, (CALIBRATION_QUESTIONS, CALIBRATION_TOKENS)) \
+        path = profile_path(self.config, batches, context, CALIBRATION_KEY) \
             if self.config.profile_cache else None
         if path is not None and (kept := load_profile(path)) is not None:
             self.speculation.policy.observe_profile(kept.records)
-            self.speculation.policy.observe_calibration(kept.calibration)
+            take_calibration(self.speculation, kept.calibration)
             return kept
         measured = KeptProfile(self.profile_steps(batches, context), calibrate_acceptance(self))
         if path is not None:

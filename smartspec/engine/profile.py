@@ -1,10 +1,12 @@
 """The warm-up profile: a few measured step shapes, so a learning policy starts from measured costs; and the
-calibration: the draft model's acceptance on a little real text, so it starts from a measured acceptance too."""
+calibration: the draft model's acceptance and the lookups' worth on a little real text, so it starts from measured
+acceptance too."""
 from __future__ import annotations
 
 import itertools
 
 from smartspec.engine.planner import Speculation
+from smartspec.engine.profile_cache import Calibration
 from smartspec.policy.baselines import FixedPolicy
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.padding import PaddedShapes
@@ -95,31 +97,49 @@ CALIBRATION_QUESTIONS = (
     "What is the difference between a list and a tuple in Python?",
 )
 CALIBRATION_TOKENS = 48
+# names a kept calibration (engine/profile_cache.py): one measured otherwise, or kept in another form, is not taken
+CALIBRATION_KEY = (CALIBRATION_QUESTIONS, CALIBRATION_TOKENS, "draft outcomes and answers")
 
 
-def calibrate_acceptance(engine, max_tokens: int = CALIBRATION_TOKENS) -> list[StepRecord]:
-    """How often the draft model's tokens are accepted on real text, measured before any request: each calibration
-    question answered greedily for max_tokens, drafted at k_max through the real draft. The policy takes the
-    outcomes as the first evidence of its acceptance prior (Policy.observe_calibration), so the first requests
-    speculate where the draft pays, instead of starting from a guess (0.5) and learning through probes. Only a
-    draft model's chains are calibrated: a lookup's acceptance depends on the request's own text, and a token tree's
-    is learned per node. Like the profile, its steps are not observed, counted or traced."""
+def calibrate_acceptance(engine, max_tokens: int = CALIBRATION_TOKENS) -> Calibration:
+    """How often drafts are accepted on real text, measured before any request: each calibration question answered
+    greedily for max_tokens, drafted at k_max through the real draft model where there is one. The policy takes the
+    draft's outcomes as the first evidence of its acceptance prior, and the lookups suffix speculation would have
+    offered along the answers as the first evidence of its node calibration (`take_calibration`), so the first
+    requests speculate where it pays, with the proposer that pays, instead of starting from a guess and learning
+    through probes. A draft model's token trees are left to be learned per node. Like the profile, its steps are
+    not observed, counted or traced."""
     spec, config = engine.speculation, engine.config.speculative_config
-    drafter = spec.proposer.drafting_part() if spec.proposer is not None else None
+    if spec.k_max < 1 or spec.proposer is None:
+        return Calibration([], [])
+    drafter = spec.proposer.drafting_part()
     # a draft model in this process or in its own actor (RemoteDraftProposer), drafting chains
-    if spec.k_max < 1 or drafter is None or drafter.method != "draft_model" or (config and config.tree):
-        return []
-    fixed = Speculation(drafter, FixedPolicy(spec.k_max), spec.k_max)
+    chains = drafter.method == "draft_model" and not (config and config.tree)
+    if not chains and spec.proposer.lookups([], spec.k_max) is None:
+        return Calibration([], [])
+    run = Speculation(drafter, FixedPolicy(spec.k_max), spec.k_max) if chains else Speculation.off()
+    prompts = {}
     for i, question in enumerate(CALIBRATION_QUESTIONS):
-        engine.add_request(_question_text(engine.tokenizer, question), SamplingParams(max_tokens=max_tokens,
-                           temperature=0.0, ignore_eos=True), request_id=f"__calibration-{next(_prompts)}-{i}")
-    records = []
+        ids = engine.tokenize(_question_text(engine.tokenizer, question))
+        rid = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                 request_id=f"__calibration-{next(_prompts)}-{i}")
+        prompts[rid] = ids
+    records, answers = [], {}
     while engine.has_unfinished():
-        record = engine.run_step(fixed).record
-        if record is not None and any(record.proposed):
-            records.append(record)
-    spec.policy.observe_calibration(records)
-    return records
+        step = engine.run_step(run)
+        answers.update((out.request_id, out.token_ids) for out in step.outputs if out.finished)
+        if step.record is not None and any(step.record.proposed):
+            records.append(step.record)
+    calibration = Calibration(records, [(prompts[rid], answers[rid]) for rid in prompts if rid in answers])
+    take_calibration(spec, calibration)
+    return calibration
+
+
+def take_calibration(spec: Speculation, calibration: Calibration) -> None:
+    """Hand a calibration, measured now or kept from an earlier start, to the policy."""
+    spec.policy.observe_calibration(calibration.records)
+    if spec.proposer is not None and spec.k_max > 0:
+        spec.policy.observe_lookup_calibration(spec.proposer.replayed_lookups(calibration.answers, spec.k_max))
 
 
 def _question_text(tokenizer, question: str) -> str:

@@ -7,7 +7,8 @@ fit follows the speed it then meets (policy/cost_model.py, policy/speed_change.p
 The key is what the costs depend on: the models and their quantization, the proposer and k_max, dtype, device,
 threads, block size and kernels, the CPU and the smartspec and torch versions. A file that cannot be read is
 measured over; a profile of token trees is not kept (its records carry trees). The acceptance calibration is kept
-beside it: a restarted replica starts from the acceptance its predecessor measured, without measuring again."""
+beside it (the draft's outcomes and the answers, along which lookups are replayed): a restarted replica starts from
+the acceptance its predecessor measured, without measuring again."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,16 +62,24 @@ def profile_path(config, batches: tuple[int, ...], context: int, calibration: tu
     return cache_root() / "profiles" / f"{key}.json"
 
 
+class Calibration(NamedTuple):
+    """The start's acceptance calibration (engine/profile.py)."""
+    records: list[StepRecord]  # the draft model's chains along the answers (none without a draft model)
+    answers: list[tuple[list[int], list[int]]]  # each question's prompt and greedy answer, token ids
+
+
 class KeptProfile(NamedTuple):
     records: list[StepRecord]  # the warm-up profile's steps
-    calibration: list[StepRecord]  # the acceptance calibration's steps (engine/profile.py)
+    calibration: Calibration
 
 
 def load_profile(path: Path) -> KeptProfile | None:
     """The kept profile and calibration; None where there is none or it cannot be read."""
     try:
         kept = json.loads(path.read_text())
-        profile = KeptProfile(*([StepRecord(**r) for r in kept[part]] for part in ("records", "calibration")))
+        profile = KeptProfile([StepRecord(**r) for r in kept["records"]],
+                              Calibration([StepRecord(**r) for r in kept["calibration"]],
+                                          [(list(prompt), list(output)) for prompt, output in kept["answers"]]))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -88,8 +97,9 @@ def save_profile(path: Path, profile: KeptProfile) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                                       **{part: [dataclasses.asdict(r) for r in records]
-                                          for part, records in profile._asdict().items()}}))
+                                       "records": [dataclasses.asdict(r) for r in profile.records],
+                                       "calibration": [dataclasses.asdict(r) for r in profile.calibration.records],
+                                       "answers": profile.calibration.answers}))
         os.replace(partial, path)
     except OSError as exc:
         logger.warning("warm-up profile not kept at %s: %r", path, exc)

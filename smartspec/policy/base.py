@@ -55,6 +55,10 @@ class Policy:
         """The start's calibration (engine/profile.py): draft-model chains on real text, for acceptance alone (their
         costs, measured beside a prefill or at a context the profile did not choose, are not the profile's)."""
 
+    def observe_lookup_calibration(self, replayed: list[tuple[TokenTree, list[int]]]) -> None:
+        """The start's calibration of lookup trees: what suffix speculation would have offered along the calibration
+        answers, each tree with the path the answer takes through it (Proposer.replayed_lookups)."""
+
     def observe(self, record: StepRecord) -> None:
         """Called after every step; a policy that learns overrides it."""
 

@@ -223,6 +223,10 @@ class GoodputPolicy(Policy):
             for proposed, accepted in zip(record.proposed, record.accepted):
                 self.acceptance.calibrate(proposed, accepted)
 
+    def observe_lookup_calibration(self, replayed: list[tuple[TokenTree, list[int]]]) -> None:
+        for tree, path in replayed:
+            self.calibration.observe(tree, path)
+
     def release(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
         if self.tree_gains is not None:

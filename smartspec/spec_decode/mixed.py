@@ -35,6 +35,10 @@ class MixedProposer(Proposer):
     def lookups(self, requests: list[Request], budget: int) -> list[TokenTree]:
         return self.lookup.lookups(requests, budget)
 
+    def replayed_lookups(self, answers: list[tuple[list[int], list[int]]], budget: int) -> list[tuple[TokenTree,
+                                                                                                       list[int]]]:
+        return self.lookup.replayed_lookups(answers, budget)
+
     def drafting_part(self) -> Proposer:
         return self.draft.drafting_part()
 

@@ -57,6 +57,12 @@ class Proposer:
         draft model), so the policy chooses on them; None: this proposer offers none."""
         return None
 
+    def replayed_lookups(self, answers: list[tuple[list[int], list[int]]], budget: int) -> list[tuple[TokenTree,
+                                                                                                       list[int]]]:
+        """The lookups this proposer would have offered along known answers (prompt, output), each with the path the
+        answer takes through it: calibration evidence for lookup trees (engine/profile.py); [] where it offers none."""
+        return []
+
     def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
         """Up to ks[i] draft tokens (or tree nodes) for each request; methods: the proposer each request drew,
         where the plan chose them (only proposers that offer lookups get them)."""

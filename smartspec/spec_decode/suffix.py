@@ -195,13 +195,16 @@ class SuffixProposer(Proposer):
         return trees
 
     def _tree(self, req: Request, budget: int) -> TokenTree:
-        local = self.local.get(req.request_id)
+        return self._tree_of(req.request_id, req.token_ids, budget)
+
+    def _tree_of(self, key: str, context: list[int], budget: int) -> TokenTree:
+        """The lookup of a request whose tokens so far are `context` (they only grow from call to call)."""
+        local = self.local.get(key)
         if local is None:
-            local = self.local[req.request_id] = SuffixIndex()
+            local = self.local[key] = SuffixIndex()
         seen = local.num_tokens(0)
-        if seen < req.num_tokens:
-            local.extend(0, req.token_ids[seen:])
-        context = req.token_ids
+        if seen < len(context):
+            local.extend(0, context[seen:])
         shared = self.finished.index.occurrences(context)
         found = local.occurrences(context) + shared
         if not found:
@@ -224,6 +227,25 @@ class SuffixProposer(Proposer):
 
     def finish(self, request: Request) -> None:
         self.finished.add(request.output_token_ids)
+
+    def replayed_lookups(self, answers: list[tuple[list[int], list[int]]], budget: int) -> list[tuple[TokenTree,
+                                                                                                       list[int]]]:
+        """Along each known answer (prompt, output), at every position, the tree a lookup would have offered and the
+        path the answer takes through it: what greedy verification would have accepted, with no forward run. A
+        fresh proposer of these settings reads the answers in turn, each finished into its cache as serving does;
+        this one is left as it was."""
+        fresh = SuffixProposer(self.max_depth, self.branching, self.finished.max_tokens)
+        depth = min(self.max_depth, budget)
+        replayed = []
+        for n, (prompt, output) in enumerate(answers):
+            key = f"__replay-{n}"
+            for j in range(len(output) - depth + 1):  # a tree's deepest node has a known token to meet
+                tree = fresh._tree_of(key, list(prompt) + list(output[:j]), budget)
+                if len(tree):
+                    replayed.append((tree, tree.follow(list(output[j:]))))
+            fresh.local.pop(key, None)
+            fresh.finished.add(list(output))
+        return replayed
 
     def release(self, request_id: str) -> None:
         self.local.pop(request_id, None)
