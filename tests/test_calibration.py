@@ -147,3 +147,30 @@ def test_replayed_lookups_that_were_not_accepted_make_the_first_requests_prefer_
                                            for i in range(200)])
     assert calibrated.calibration.probability(0.9) == pytest.approx(1 / 6, abs=0.02)  # 40 of 240 nodes tried
     assert first_plan(calibrated).ks[0] <= 1
+
+
+def test_a_start_from_a_kept_profile_warms_both_models_up_and_observes_nothing(tiny_qwen, tmp_path, monkeypatch):
+    """A kept profile runs no forward at start; a model's first forwards in a process cost several times the next
+    ones, and the first request would teach the cost fit that. One short request drafts through both models at
+    start instead, seen by no one: not the policy, not the lookups' cache."""
+    monkeypatch.setattr(profile_cache, "cache_root", lambda: tmp_path)
+    spec = {"method": ["draft_model", "suffix"], "model": tiny_qwen, "num_speculative_tokens": 3, "policy": "smartspec"}
+
+    def start():
+        return LLM(tiny_qwen, speculative_config=spec, profile_cache=True, **OPTIONS).engine
+    measured = start()
+    steps = []
+    real_step = llm_engine.LLMEngine.run_step
+
+    def run_step(self, speculation, step_number=0):
+        result = real_step(self, speculation, step_number)
+        steps.append(result.record)
+        return result
+    monkeypatch.setattr(llm_engine.LLMEngine, "run_step", run_step)
+    kept = start()
+    records = [r for r in steps if r is not None]
+    assert records and all(rid.startswith("__warm-up-") for r in records for rid in r.request_ids)
+    assert any(r.draft_s > 0 and max(r.proposed, default=0) == 3 for r in records)  # the draft ran a full-k step
+    assert not kept.has_unfinished() and kept.speculation.proposer.lookup.finished.num_tokens == 0
+    assert len(kept.speculation.policy.cost.verify_samples) == len(measured.speculation.policy.cost.verify_samples)
+    assert kept.speculation.policy.step == measured.speculation.policy.step == 0

@@ -146,15 +146,16 @@ class LLMEngine:
 
     def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64) -> KeptProfile:
         """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
-        where config.profile_cache asks and there are (the policy observes them); else measured (and kept, where
-        asked). batches None: the runner's (profile.profile_batches)."""
-        from smartspec.engine.profile import CALIBRATION_KEY, calibrate_acceptance, take_calibration
+        where config.profile_cache asks and there are (the policy observes them; one short request then warms the
+        models up); else measured (and kept, where asked). batches None: the runner's (profile.profile_batches)."""
+        from smartspec.engine.profile import CALIBRATION_KEY, calibrate_acceptance, take_calibration, warm_up_forwards
         batches = batches or self.profile_batches()
         path = profile_path(self.config, batches, context, CALIBRATION_KEY) \
             if self.config.profile_cache else None
         if path is not None and (kept := load_profile(path)) is not None:
             self.speculation.policy.observe_profile(kept.records)
             take_calibration(self.speculation, kept.calibration)
+            warm_up_forwards(self, context)
             return kept
         measured = KeptProfile(self.profile_steps(batches, context), calibrate_acceptance(self))
         if path is not None:

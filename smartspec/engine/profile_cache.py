@@ -8,7 +8,8 @@ The key is what the costs depend on: the models and their quantization, the prop
 threads, block size and kernels, the CPU and the smartspec and torch versions. A file that cannot be read is
 measured over; a profile of token trees is not kept (its records carry trees). The acceptance calibration is kept
 beside it (the draft's outcomes and the answers, along which lookups are replayed): a restarted replica starts from
-the acceptance its predecessor measured, without measuring again."""
+the acceptance its predecessor measured, without measuring again. It still runs one short request through both
+models (profile.warm_up_forwards): their first forwards in a process cost several times the next ones."""
 from __future__ import annotations
 
 import dataclasses
