@@ -3,11 +3,14 @@ prior."""
 import random
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from costs import runs_verify, seen_verify, true_verify
 
+from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy
 from smartspec.policy.cost_model import StepCostModel
+from smartspec.types.plan import chunk_context
 from smartspec.types.step_record import StepRecord
 
 
@@ -196,3 +199,49 @@ def test_cost_model_keeps_steps_that_ran_faster_than_its_fit():
         model.observe(24, 440, 0, 0, 0.0, runs_verify(24, 440))
         model.observe(12, 440, 0, 0, 0.0, runs_verify(12, 440))
     assert model.predict_verify(12, 440) < 1.3 * runs_verify(12, 440)  # still 1.47x if they were left out
+
+
+def long_prompt_steps(count_context):
+    """Decode steps at short contexts (what a warm-up profile runs), then a 1,792-token prompt read in chunks of
+    256: (tokens, context as counted, seconds) of each step, on a machine where a token costs 4 ms through the
+    linears, a chunk 1 us per position one of its tokens attends over, and a decoding row 2 us per context token
+    it reads."""
+    steps = [(1, context, 0.04 + 0.004 + 2e-6 * context) for context in range(64, 320, 8)]
+    for start in range(0, 1792, 256):
+        pairs = 256 * start + 256 * 257 // 2
+        steps.append((256, count_context(start, 256), 0.04 + 0.004 * 256 + 1e-6 * pairs))
+    return steps
+
+
+def test_a_long_prompt_s_chunks_do_not_price_a_decode_step_at_their_context():
+    """A chunk's tokens each attend over the context: counted by chunk_context, a long prompt's chunks and the
+    decode steps before them fit one cost per context position, and the first decode step after the prompt is
+    priced at its cost. Counted as a decoding row's (start + tokens), the chunks' growing cost lands on each
+    context token and that step is priced at several times its cost (measured on the 1.5B: 0.29 s for a 0.05 s
+    step, and a draft model's catch-up of the prompt then looked cheap beside it)."""
+    truth = 0.04 + 0.004 + 2e-6 * 1900
+    fits = {}
+    for name, count in (("chunk", chunk_context), ("row", lambda start, tokens: start + tokens)):
+        model = StepCostModel()
+        for n, c, seconds in long_prompt_steps(count):
+            model.observe(n, c, 0, 0, 0.0, seconds)
+        fits[name] = float(model.predict_verify(1, 1900))
+    assert fits["chunk"] == pytest.approx(truth, rel=0.1)
+    assert fits["row"] > 2 * truth
+
+
+def test_a_prefill_chunk_counts_the_context_each_of_its_tokens_attends_over(tiny_qwen, tmp_path):
+    trace = tmp_path / "trace.parquet"
+    llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, max_num_batched_tokens=16,
+              trace_path=str(trace))
+    llm.generate([list(range(5, 45))], SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.close()
+    start, decodes = 0, 0
+    for row in pq.read_table(trace).to_pylist():
+        if row["num_prefill_tokens"]:
+            assert row["num_context_tokens"] == chunk_context(start, row["num_prefill_tokens"])
+            start += row["num_prefill_tokens"]
+        else:  # a decoding row reads its context once: the prompt and the tokens made so far
+            decodes += 1
+            assert row["num_context_tokens"] == start + decodes
+    assert start == 40 and decodes == 3

@@ -42,7 +42,8 @@ def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them
     (r,) = view.requests
     assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.k_max,
             r.arrival_time) == ("a", 10, 0, 64, 2, 1.5)
-    assert (view.prefill_tokens, view.prefill_context) == (16, 24)
+    # 16 tokens from position 8: each attends over its own prefix (9 + 10 + ... + 24)
+    assert (view.prefill_tokens, view.prefill_context) == (16, 264)
     assert [(x.request_id, x.arrival_time) for x in view.prefilling] == [("p", 3.0)]
     assert view.lookups is None and view.now == 9.0
 

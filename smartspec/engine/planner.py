@@ -15,7 +15,7 @@ from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.padding import PaddedShapes
-from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView
+from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView, chunk_context
 from smartspec.types.request import Request
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: i
     """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step."""
     return StepView([request_view(r) for r in decoding], k_max,
                     prefill_tokens=sum(s.num_tokens for s in prefill),
-                    prefill_context=sum(s.request.num_computed_tokens + s.num_tokens for s in prefill),
+                    prefill_context=sum(chunk_context(s.request.num_computed_tokens, s.num_tokens) for s in prefill),
                     prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],
                     now=now, lookups=lookups, draft_available=draft_available, shapes=shapes)
 
