@@ -245,3 +245,21 @@ def test_a_prefill_chunk_counts_the_context_each_of_its_tokens_attends_over(tiny
             decodes += 1
             assert row["num_context_tokens"] == start + decodes
     assert start == 40 and decodes == 3
+
+
+def test_the_profile_times_each_drafting_shape_after_a_catch_up_and_after_none(tiny_qwen, tiny_qwen_draft):
+    """Every shape of the warm-up profile runs two steps with its whole batch decoding: the first drafts after the
+    draft model reads the prompts, the second after next to nothing, so the fit can tell a draft forward's cost from
+    a catch-up token's. Requests still running after them end without leaving anything behind."""
+    llm = LLM(tiny_qwen, num_kv_blocks=2048, block_size=4, max_model_len=256, warmup_profile=False,
+              speculative_config={"method": "draft_model", "model": tiny_qwen_draft, "num_speculative_tokens": 3})
+    records = llm.engine.profile_steps()
+    for batch in (1, 4):
+        for k in (1, 2, 3):
+            shape = [r for r in records if r.batch_size == batch and max(r.ks) == k]
+            assert len(shape) == 2, [(r.batch_size, r.ks) for r in records]
+            first, second = shape
+            assert first.draft_catchup_tokens >= 63 * batch  # the 64-token prompts, read once
+            assert second.draft_catchup_tokens <= (k + 1) * batch
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

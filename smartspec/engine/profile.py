@@ -4,7 +4,9 @@ acceptance too."""
 from __future__ import annotations
 
 import itertools
+import time
 
+from smartspec.engine.commit import finish_request
 from smartspec.engine.planner import Speculation
 from smartspec.engine.profile_cache import Calibration
 from smartspec.policy.baselines import FixedPolicy
@@ -64,12 +66,15 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
     passes = (False, True) if engine.runner.captures_graphs else (True,)
     for batch, k, measured in itertools.product(batches, sorted({0, 1, 2, spec.k_max}), passes):
         fixed = Speculation(padded, FixedPolicy(k), max(spec.k_max, 1))
-        # max_tokens: one token from the prefill, then at least one full-k step with the whole batch decoding; where
-        # the first step's budget cannot prefill the batch, the prompts prefilled first decode (k + 1 tokens a
-        # step, taken from the budget) for as many steps as the rest take
+        # max_tokens: one token from the prefill, then at least two full-k steps with the whole batch decoding: the
+        # first drafts after the draft's catch-up of the prompt, the second after none, so the fit tells a draft
+        # forward's cost from a catch-up token's (with only the first, each shape's catch-up grows with its batch
+        # and the split was noise's: the default draft's forward fitted at 22 ms where it takes 17); where the
+        # first step's budget cannot prefill the batch, the prompts prefilled first decode (k + 1 tokens a step,
+        # taken from the budget) for as many steps as the rest take
         budget, prompts = engine.config.max_num_batched_tokens, batch * context
         waiting = 0 if prompts <= budget else -(-(prompts - budget) // max(1, budget - batch * (k + 1)))
-        max_tokens = min(k + 2 + waiting * (k + 1), engine.max_model_len - context)  # a tiny budget: bounded
+        max_tokens = min(2 * k + 3 + waiting * (k + 1), engine.max_model_len - context)  # a tiny budget: bounded
         for i in range(batch):
             # any valid tokens (only cost counts), but a prompt of its own, also across profiles (one per policy
             # a benchmark tries): a prefix cached by an earlier profile request would spare the draft model its
@@ -78,12 +83,26 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
             prompt = [(17 + 13 * j + 7919 * n) % engine.vocab_size for j in range(context)]
             engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                request_id=f"__profile-{batch}-{k}-{i}")
-        while engine.has_unfinished():
+        full_steps = 0
+        while engine.has_unfinished() and full_steps < 2:
             record = engine.run_step(fixed).record
-            if measured and record is not None and record.num_prefill_tokens == 0:
-                records.append(record)
+            if record is not None and record.num_prefill_tokens == 0:
+                full_steps += record.batch_size == batch
+                if measured:
+                    records.append(record)
+        _end(engine, fixed, [f"__profile-{batch}-{k}-{i}" for i in range(batch)])
     spec.policy.observe_profile(records)
     return records
+
+
+def _end(engine, fixed: Speculation, request_ids: list[str]) -> None:
+    """End the profile's requests still running after their measured steps (how many steps a request takes
+    depends on how many padded drafts the model happens to accept; the profile's do not), through the profile's
+    speculation: the serving proposer keeps nothing of them."""
+    for request_id in request_ids:
+        req = engine.requests.pop(request_id, None)
+        if req is not None:
+            finish_request(req, "abort", engine.scheduler, fixed, time.monotonic())
 
 
 def warm_up_forwards(engine, context: int = 64) -> int:

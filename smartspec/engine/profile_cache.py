@@ -49,6 +49,11 @@ def _version() -> str:
         return "unknown"
 
 
+# what engine/profile.py's profile_steps measures; a kept profile of another is measured again (2: two full-k
+# drafting steps a shape, the first after the prompt's catch-up and the second after none)
+PROFILE_STEPS = 2
+
+
 def profile_path(config, batches: tuple[int, ...], context: int, calibration: tuple = ()) -> Path:
     """Where the profile of an engine of this config (EngineConfig) would be kept; `calibration` names how the
     acceptance calibration is measured (a changed one is measured again)."""
@@ -58,7 +63,8 @@ def profile_path(config, batches: tuple[int, ...], context: int, calibration: tu
             "block_size": config.block_size, "kernels": config.use_kernels, "cuda_graphs": config.cuda_graphs,
             "prefix_caching": config.enable_prefix_caching, "speculation": spec.as_dict() if spec else None,
             "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
-            "smartspec": _version(), "torch": torch.__version__, "calibration": calibration}
+            "smartspec": _version(), "torch": torch.__version__, "calibration": calibration,
+            "profile_steps": PROFILE_STEPS}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return cache_root() / "profiles" / f"{key}.json"
 

@@ -1,7 +1,8 @@
 """Step time predicted from the step's shape, fitted online on measured steps.
 
     T = T_verify(N, C) + T_draft(depth, sum_k)
-    T_verify = v0 + sum_j s_j clip(N - a_j, 0, b_j - a_j) + v_c C     N: batched tokens, C: context tokens
+    T_verify = v0 + sum_j s_j clip(N - a_j, 0, b_j - a_j) + v_c C     N: batched tokens, C: context (a
+                                                                  prefill chunk's: types/plan.py chunk_context)
     T_draft  = d0 depth + d1 sum_k (+ d2 catch-up tokens)             depth: max k, sum_k: draft tokens
 
 T_verify is piecewise linear in N over the segments [0, 8], [8, 16], [16, 32], [32, 64], [64, 128], [128, inf):
