@@ -38,7 +38,7 @@ from smartspec.structured.compile import compiled
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 from smartspec.types.padding import PaddedShapes
-from smartspec.types.plan import SpecPlan, chunk_context
+from smartspec.types.plan import SpecPlan, fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
 from smartspec.types.step_record import StepRecord, VerifiedTree
@@ -397,8 +397,8 @@ class LLMEngine:
             forward_tokens=tokens if shapes is None else shapes.forward_tokens(
                 len(items), max(len(it.tokens) for it in items), tokens),
             num_prefill_tokens=num_prefill,
-            num_context_tokens=sum(it.start + len(it.tokens) if it.request.request_id in decoding_ids
-                                   else chunk_context(it.start, len(it.tokens)) for it in items),
+            num_context_tokens=sum(fed_context(it.start, len(it.tokens), it.request.request_id not in decoding_ids)
+                                   for it in items),
             draft_s=draft_s, verify_s=verify_s, total_s=total_s,
             predicted_s=drafted.predicted_s if decoding else None,
             draft_catchup_tokens=drafted.catchup_tokens if drafts else 0,

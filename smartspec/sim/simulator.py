@@ -19,7 +19,7 @@ from smartspec.policy import make_policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.sim.profile import SimProfile
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.types.plan import chunk_context
+from smartspec.types.plan import fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.step_record import StepRecord
@@ -96,9 +96,8 @@ class SimReplica:
         catchup = propose(self.speculation, view, decoding, plan).catchup_tokens
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
-        n_context = sum(s.request.num_computed_tokens + s.num_tokens + k_of[s.request.request_id]
-                        if s.request.request_id in k_of else chunk_context(s.request.num_computed_tokens, s.num_tokens)
-                        for s in batch)
+        n_context = sum(fed_context(s.request.num_computed_tokens, s.num_tokens + k_of.get(s.request.request_id, 0),
+                                    s.request.request_id not in k_of) for s in batch)
         duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks), catchup)
         draft_s = float(self.profile.cost.predict_draft(max(ks, default=0), sum(ks), catchup)) if any(ks) else 0.0
         end, finished, accepted = now + duration, [], []

@@ -21,8 +21,14 @@ def chunk_context(start: int, tokens: int) -> int:
     counts as start + its tokens; a chunk of hundreds of tokens attends over it once per token. Counted as a row's,
     the chunks of a long prompt, each costlier than the last, tell the fit that a context token costs what a
     chunk's hundreds of tokens pay for it, and a decode step at that context is priced several times its cost (the
-    1.5B after an 1,800-token prompt: 0.25 s predicted for a 0.05 s step). One token (start + 1) counts as a row."""
+    1.5B after an 1,800-token prompt: 0.29 s predicted for a 0.05 s step). One token (start + 1) counts as a row."""
     return tokens * start + tokens * (tokens + 1) // 2
+
+
+def fed_context(start: int, tokens: int, prefill: bool) -> int:
+    """The context one request's part of a step counts for in the step-cost model: a prefill chunk's by
+    chunk_context, a decoding row's (its last token and drafts, fed at `start`) as start + tokens."""
+    return chunk_context(start, tokens) if prefill else start + tokens
 
 
 @dataclass(frozen=True)
