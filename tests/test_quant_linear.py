@@ -74,7 +74,8 @@ def test_quant_linear_adds_a_bias_and_keeps_leading_dimensions():
 
 @needs_vnni
 @pytest.mark.parametrize("kind", sorted(FORMATS))
-@pytest.mark.parametrize("n,k", [(40, 768), (16, 256), (33, 1536)])
+# 100 rows (7 panels): whole tiles of 4 panels for every row count, and the panels left over
+@pytest.mark.parametrize("n,k", [(40, 768), (16, 256), (33, 1536), (100, 512)])
 def test_int8_kernel_is_its_reference_for_every_row_count(kind, n, k):
     raw = random_tensor(kind, n, k, seed=n + k)
     rows = unpack(kind, raw, n, k)

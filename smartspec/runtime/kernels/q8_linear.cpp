@@ -291,10 +291,16 @@ void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float*
   }
 }
 
-// Up to 8 rows share a pass over the weights (a verify step of k = 7 streams them once); fewer panels a tile as
-// rows grow keep the integer sums in registers.
+// Up to 8 rows share a pass over the weights (a verify step of k = 7 streams them once). Panels a tile: on Intel
+// Xeon, fewer as rows grow keep the integer sums in registers. On AMD Zen 4, where a few rows already keep the VNNI
+// ports busy, a tile's panels are the memory streams in flight while they are, and more of them pay for the
+// spilled sums: 3-5 rows 0.76-0.89x the time, 6-8 rows 0.85-0.88x (the 1.5B's linears, scripts/bench_step.py).
 constexpr int kQ8MaxRows = 8;
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)  // -march=native on Zen 4: znver3 (GCC 12)
+template <int MR> constexpr int q8_panels() { return MR <= 5 ? 4 : 2; }
+#else
 template <int MR> constexpr int q8_panels() { return MR <= 2 ? 4 : MR <= 4 ? 2 : 1; }
+#endif
 
 // All rows of x against panels [c0, c1): row tiles outside, so the panels' codes are reused from cache.
 template <typename F, int MR>
