@@ -50,3 +50,17 @@ def test_profile_cache_is_checked():
     from smartspec import EngineConfig
     with pytest.raises(ValueError, match="profile_cache"):
         EngineConfig(profile_cache="yes")
+
+
+def test_a_profile_is_kept_per_kernel_source(tiny_qwen, monkeypatch):
+    """A kernel changed in place (a pull without a version bump) runs at another speed: its steps are measured again,
+    not priced from the old kernel's profile."""
+    from smartspec import EngineConfig
+    from smartspec.runtime import kernels
+
+    config = EngineConfig(model=tiny_qwen)
+    before = profile_cache.profile_path(config, (1, 4), 64)
+    assert profile_cache.profile_path(config, (1, 4), 64) == before  # the key is stable
+    monkeypatch.setattr(kernels, "source_digest", lambda: "another kernel")
+    assert profile_cache.profile_path(config, (1, 4), 64) != before
+    assert profile_cache.profile_path(EngineConfig(model=tiny_qwen, use_kernels=False), (1, 4), 64) != before

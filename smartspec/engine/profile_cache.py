@@ -5,11 +5,12 @@ cores), and one on a loaded box keeps the profile its predecessor took, rather t
 fit follows the speed it then meets (policy/cost_model.py, policy/speed_change.py).
 
 The key is what the costs depend on: the models and their quantization, the proposer and k_max, dtype, device,
-threads, block size and kernels, the CPU and the smartspec and torch versions. A file that cannot be read is
-measured over; a profile of token trees is not kept (its records carry trees). The acceptance calibration is kept
-beside it (the draft's outcomes and the answers, along which lookups are replayed): a restarted replica starts from
-the acceptance its predecessor measured, without measuring again. It still runs one short request through both
-models (profile.warm_up_forwards): their first forwards in a process cost several times the next ones."""
+threads, block size, the kernels (their sources: a changed kernel runs at another speed), the CPU and the smartspec
+and torch versions. A file that cannot be read is measured over; a profile of token trees is not kept (its records
+carry trees). The acceptance calibration is kept beside it (the draft's outcomes and the answers, along which
+lookups are replayed): a restarted replica starts from the acceptance its predecessor measured, without measuring
+again. It still runs one short request through both models (profile.warm_up_forwards): their first forwards in a
+process cost several times the next ones."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from smartspec.models.registry import cache_root
+from smartspec.runtime import kernels
 from smartspec.types.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def profile_path(config, batches: tuple[int, ...], context: int, calibration: tu
     spec = config.speculative_config
     what = {"model": config.model, "quantization": config.quantization, "dtype": config.dtype,
             "device": config.device, "threads": config.num_threads or torch.get_num_threads(),
-            "block_size": config.block_size, "kernels": config.use_kernels, "cuda_graphs": config.cuda_graphs,
+            "block_size": config.block_size, "kernels": config.use_kernels and kernels.source_digest(), "cuda_graphs": config.cuda_graphs,
             "prefix_caching": config.enable_prefix_caching, "speculation": spec.as_dict() if spec else None,
             "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
             "smartspec": _version(), "torch": torch.__version__, "calibration": calibration,

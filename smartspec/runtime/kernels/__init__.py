@@ -1,6 +1,7 @@
 """Batch-invariant CPU kernels, compiled on first use for the machine they run on (cached by torch)."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 SOURCES = ("batch_invariant.cpp", "quant_linear.cpp", "q8_linear.cpp", "attention.cpp", "decoder_layer.cpp")
+HEADERS = ("panel_gemm.h", "quant_linear.h", "vec_math.h")
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -58,6 +60,14 @@ def _clear_stale_lock(lock: Path) -> None:
     if age > STALE_LOCK_S:
         logger.warning("removing a kernel build lock %.0f s old (%s): its build was interrupted", age, lock)
         lock.unlink(missing_ok=True)
+
+
+def source_digest() -> str:
+    """A digest of the kernels' sources: what a kept step-cost profile measured (engine/profile_cache.py)."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def unavailable_reason() -> str | None:
