@@ -19,6 +19,7 @@
 //           of vector (s * 2 + h) * HIGH / 8
 //   sc, mn  [SB/G, 16] int8       d, off  [16] fp16      zeros up to a multiple of 64 bytes (cache lines)
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -291,21 +292,24 @@ void q8_tile(const Q8Weights& w, int64_t p0, const Q8Rows& x, int64_t r0, float*
   }
 }
 
-// Up to 8 rows share a pass over the weights (a verify step of k = 7 streams them once). Panels a tile: on Intel
-// Xeon, fewer as rows grow keep the integer sums in registers. On AMD Zen 4, where a few rows already keep the VNNI
-// ports busy, a tile's panels are the memory streams in flight while they are, and more of them pay for the
-// spilled sums: 3-5 rows 0.76-0.89x the time, 6-8 rows 0.85-0.88x (the 1.5B's linears, scripts/bench_step.py).
+// Up to 8 rows share a pass over the weights (a verify step of k = 7 streams them once), and a tile of rows reads
+// several panels. Where a call has more rows (a prefill chunk), each chunk of panels is passed over again and again
+// from cache, the arithmetic bounds, and fewer panels as rows grow keep the integer sums in registers. A call of up to
+// 8 rows streams the weights from memory once: on AMD Zen 4 a few rows already keep the VNNI ports busy, and a tile's
+// panels are the memory streams in flight while they do, so more panels pay for the spilled sums there (the 1.5B's
+// linears: 3-5 rows 0.76-0.89x the time, 6-8 rows 0.85-0.88x; docs/benchmarks.md, "Step cost").
 constexpr int kQ8MaxRows = 8;
+template <int MR> constexpr int q8_panels_cached() { return MR <= 2 ? 4 : MR <= 4 ? 2 : 1; }
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)  // -march=native on Zen 4: znver3 (GCC 12)
-template <int MR> constexpr int q8_panels() { return MR <= 5 ? 4 : 2; }
+template <int MR> constexpr int q8_panels_streamed() { return MR <= 5 ? 4 : 2; }
 #else
-template <int MR> constexpr int q8_panels() { return MR <= 2 ? 4 : MR <= 4 ? 2 : 1; }
+template <int MR> constexpr int q8_panels_streamed() { return q8_panels_cached<MR>(); }
 #endif
 
-// All rows of x against panels [c0, c1): row tiles outside, so the panels' codes are reused from cache.
-template <typename F, int MR>
+// All rows of x against panels [c0, c1) in tiles of NP panels: row tiles outside, so the panels' codes are reused
+// from cache.
+template <typename F, int MR, int NP>
 void q8_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_t r0, float* y, int64_t ldy) {
-  constexpr int NP = q8_panels<MR>();
   int64_t p = c0;
   for (; p + NP <= c1; p += NP) q8_tile<F, MR, NP>(w, p, x, r0, y, ldy);
   for (; p < c1; ++p) q8_tile<F, MR, 1>(w, p, x, r0, y, ldy);
@@ -313,12 +317,20 @@ void q8_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_
 
 using Q8RowsFn = void (*)(const Q8Weights&, int64_t, int64_t, const Q8Rows&, int64_t, float*, int64_t);
 
+// q8_rows of 1..8 rows, tiled by PANELS (q8_panels_streamed or q8_panels_cached).
+template <typename F, template <int> class PANELS, int... MR>
+constexpr std::array<Q8RowsFn, sizeof...(MR) + 1> q8_rows_by_count(std::integer_sequence<int, MR...>) {
+  return {nullptr, q8_rows<F, MR + 1, PANELS<MR + 1>::value>...};
+}
+template <int MR> struct Streamed { static constexpr int value = q8_panels_streamed<MR>(); };
+template <int MR> struct Cached { static constexpr int value = q8_panels_cached<MR>(); };
+
 template <typename F>
 void q8_panels_all_rows(const Q8Weights& w, int64_t c0, int64_t c1, const Q8Rows& x, int64_t m, float* y,
                         int64_t ldy) {
-  static const Q8RowsFn by_rows[kQ8MaxRows + 1] = {nullptr,       q8_rows<F, 1>, q8_rows<F, 2>,
-                                                  q8_rows<F, 3>, q8_rows<F, 4>, q8_rows<F, 5>,
-                                                  q8_rows<F, 6>, q8_rows<F, 7>, q8_rows<F, 8>};
+  static constexpr auto streamed = q8_rows_by_count<F, Streamed>(std::make_integer_sequence<int, kQ8MaxRows>{});
+  static constexpr auto cached = q8_rows_by_count<F, Cached>(std::make_integer_sequence<int, kQ8MaxRows>{});
+  const auto& by_rows = m <= kQ8MaxRows ? streamed : cached;
   for (int64_t r = 0; r < m; r += kQ8MaxRows) by_rows[std::min<int64_t>(kQ8MaxRows, m - r)](w, c0, c1, x, r, y, ldy);
 }
 #endif
