@@ -62,8 +62,9 @@ def profile_path(config, batches: tuple[int, ...], context: int, calibration: tu
     spec = config.speculative_config
     what = {"model": config.model, "quantization": config.quantization, "dtype": config.dtype,
             "device": config.device, "threads": config.num_threads or torch.get_num_threads(),
-            "block_size": config.block_size, "kernels": config.use_kernels and kernels.source_digest(), "cuda_graphs": config.cuda_graphs,
-            "prefix_caching": config.enable_prefix_caching, "speculation": spec.as_dict() if spec else None,
+            "block_size": config.block_size, "kernels": config.use_kernels and kernels.source_digest(),
+            "cuda_graphs": config.cuda_graphs, "prefix_caching": config.enable_prefix_caching,
+            "speculation": spec.as_dict() if spec else None,
             "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
             "smartspec": _version(), "torch": torch.__version__, "calibration": calibration,
             "profile_steps": PROFILE_STEPS}
