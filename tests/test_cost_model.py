@@ -9,7 +9,7 @@ from costs import runs_verify, seen_verify, true_verify
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy
-from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.cost_model import StepCostModel, verify_features
 from smartspec.types.plan import chunk_context
 from smartspec.types.step_record import StepRecord
 
@@ -263,3 +263,23 @@ def test_the_profile_times_each_drafting_shape_after_a_catch_up_and_after_none(t
             assert second.draft_catchup_tokens <= (k + 1) * batch
     assert not llm.engine.requests and not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_a_long_prompt_at_the_profile_s_speed_keeps_the_profile_s_level():
+    """The prior (the warm-up profile's fit) is scaled to the speed the recent steps ran at. The profile runs
+    decodes only; a long prompt's chunks are priced from its slopes far beyond the shapes it ran, and each is worth
+    twenty decode steps in seconds. Served at the profile's very speed, they must not tell the model that the
+    machine now runs several times faster (a least-squares scale read 0.22 on the 1.5B, and the draft's prior
+    fell with it)."""
+    model = StepCostModel()
+    steps = long_prompt_steps(chunk_context)
+    decodes = [s for s in steps if s[0] == 1]
+    for n, c, seconds in decodes:  # the profile: decodes at short contexts
+        model.observe(n, c, 0, 0, 0.0, seconds)
+    model.hold_prior()
+    for n, c, seconds in steps[len(decodes):] + decodes[:8]:  # served at the same speed: the chunks, then decodes
+        model.observe(n, c, 0, 0, 0.0, seconds)
+    data = np.array(model.verify_samples, dtype=np.float64)
+    predicted = np.array([model.v_prior @ np.ravel(verify_features(n, c)) for n, c, _, _ in model.verify_samples])
+    assert abs(1 - (predicted @ data[:, 2]) / (predicted @ predicted)) > 0.2  # a least-squares scale is far off
+    assert model.prior_level(data) == pytest.approx(1.0, abs=0.02)

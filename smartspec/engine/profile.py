@@ -58,8 +58,10 @@ def profile_batches(shapes: PaddedShapes | None, max_num_seqs: int) -> tuple[int
 def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[StepRecord]:
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. The profile's steps are not observed,
-    counted or traced. A runner that captures CUDA graphs spends a shape's first step capturing it, so there each
-    shape is run twice and only the second run measured."""
+    counted or traced. Both models first run one warm-up request (warm_up_forwards): unwarmed, the first shape's
+    first drafting step is the draft model's first forward in the process. A runner that captures CUDA graphs spends
+    a shape's first step capturing it, so there each shape is run twice and only the second run measured."""
+    warm_up_forwards(engine, context)
     spec = engine.speculation
     padded = _PaddedProposer(spec.proposer)
     records = []
@@ -106,11 +108,12 @@ def _end(engine, fixed: Speculation, request_ids: list[str]) -> None:
 
 
 def warm_up_forwards(engine, context: int = 64) -> int:
-    """Run one short request through the target and the draft model, observed by no one; its steps. An engine that
-    takes a kept profile runs no forward at start, and a model's first forwards in a process cost several times the
-    next ones (the default pair's first drafting step: 0.41 s against 0.13-0.14 s after; the target's first prefill
-    0.46 s against 0.20 s). Paid by the first request instead, that first draft step tells the cost fit that drafting
-    costs three times what it does, and the policy stops drafting for the first requests."""
+    """Run one short request through the target and the draft model, observed by no one; its steps. A model's first
+    forwards in a process cost several times the next ones (the default pair's first drafting step: 0.37-0.42 s
+    against 0.13-0.14 s after; the target's first prefill 0.46 s against 0.20 s). Paid by the profile's first
+    measured step, that step tells the cost fit that a draft forward costs 24 ms where it costs 17, and the policy
+    leaves the draft model unused for the first requests; paid by the first request (a start from a kept profile
+    runs no other forward), the fit learns the same from it."""
     spec = engine.speculation
     k = spec.k_max if spec.proposer is not None else 0
     fixed = Speculation(_PaddedProposer(spec.proposer), FixedPolicy(k), k) if k else Speculation.off()

@@ -52,8 +52,9 @@ def _version() -> str:
 
 
 # what engine/profile.py's profile_steps measures; a kept profile of another is measured again (2: two full-k
-# drafting steps a shape, the first after the prompt's catch-up and the second after none)
-PROFILE_STEPS = 2
+# drafting steps a shape, the first after the prompt's catch-up and the second after none; 3: after a warm-up
+# request through both models, so no shape's step is a model's first forward)
+PROFILE_STEPS = 3
 
 
 def profile_path(config, batches: tuple[int, ...], context: int, calibration: tuple = ()) -> Path:

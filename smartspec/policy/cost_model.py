@@ -212,13 +212,17 @@ class StepCostModel:
 
     def prior_level(self, data: np.ndarray) -> float:
         """How fast the steps in data (verify_samples as an array) ran against the profile's fit of the same
-        shapes: the weighted least-squares scale of its predictions onto the measured times (1.0 without a
-        profile)."""
+        shapes: the weighted median of measured over predicted seconds (1.0 without a profile). A median, not a
+        least-squares scale: the profile ran decodes only, and a long prompt's prefill chunks, each worth twenty
+        decode steps in seconds, are predicted from its slopes far beyond the shapes it ran; one long prompt
+        served at the profile's speed set a least-squares level of 0.22, and every prior with it."""
         if self.v_prior is None or not len(data):
             return 1.0
-        w, predicted = self._weights(data[:, 3]), verify_features(data[:, 0], data[:, 1]) @ self.v_prior
-        scale = float(w @ (predicted * predicted))
-        return float(w @ (predicted * data[:, 2])) / scale if scale > 0 else 1.0
+        predicted = verify_features(data[:, 0], data[:, 1]) @ self.v_prior
+        usable = predicted > 0
+        if not usable.any():
+            return 1.0
+        return weighted_median(data[usable, 2] / predicted[usable], self._weights(data[usable, 3]))
 
     def _fit_verify(self, data: np.ndarray, level: float) -> None:
         if len(data) < self.min_samples:
