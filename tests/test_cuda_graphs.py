@@ -12,6 +12,7 @@ from engines import PARAMS, PROMPTS, MixedPolicy, run_staggered
 from host_reads import HostReads
 
 from smartspec import LLM
+from smartspec.engine import profile
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.cuda_graphs import GRAPH_SHAPES, Bucket, GraphBackend, bucket_for
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner, prepare_step
@@ -165,15 +166,28 @@ class CountingRunner(ModelRunner):
         return super().forward(items)
 
 
-def test_the_warm_up_profile_measures_a_capturing_runner_on_its_second_pass(tiny_qwen):
+def test_the_warm_up_profile_measures_a_capturing_runner_on_its_second_pass(tiny_qwen, monkeypatch):
     """A shape's first step on a capturing runner includes its capture: the profile runs every shape twice there,
-    and hands the cost model the second pass only (as many records as one pass, twice the forwards)."""
+    and hands the cost model the second pass only (as many records as one pass, twice the forwards). The warm-up
+    request before the shapes is not counted: its steps depend on what its prompt's drafts happen to accept."""
+    warm_up = profile.warm_up_forwards
+
     def profiled(captures: bool):
         llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, warmup_profile=False,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 2, "policy": "smartspec"})
         eng = llm.engine
         eng.runner = CountingRunner(eng.model, eng.blocks, True, "cpu", captures=captures)
-        return eng.profile_steps(batches=(1, 2)), eng.runner.forwards
+        warm_up_forwards = []
+
+        def counted_warm_up(engine, context=64):
+            before = engine.runner.forwards
+            steps = warm_up(engine, context)
+            warm_up_forwards.append(engine.runner.forwards - before)
+            return steps
+        monkeypatch.setattr(profile, "warm_up_forwards", counted_warm_up)
+        records = eng.profile_steps(batches=(1, 2))
+        assert len(warm_up_forwards) == 1
+        return records, eng.runner.forwards - warm_up_forwards[0]
 
     once, forwards_once = profiled(False)
     twice, forwards_twice = profiled(True)
