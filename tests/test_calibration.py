@@ -149,6 +149,20 @@ def test_replayed_lookups_that_were_not_accepted_make_the_first_requests_prefer_
     assert first_plan(calibrated).ks[0] <= 1
 
 
+def recorded_steps(monkeypatch) -> list[StepRecord]:
+    """The records of every step an engine runs from here on, the unobserved ones (warm-up, profile) included."""
+    steps = []
+    real_step = llm_engine.LLMEngine.run_step
+
+    def run_step(self, speculation, step_number=0):
+        result = real_step(self, speculation, step_number)
+        if result.record is not None:
+            steps.append(result.record)
+        return result
+    monkeypatch.setattr(llm_engine.LLMEngine, "run_step", run_step)
+    return steps
+
+
 def test_a_start_from_a_kept_profile_warms_both_models_up_and_observes_nothing(tiny_qwen, tmp_path, monkeypatch):
     """A kept profile runs no forward at start; a model's first forwards in a process cost several times the next
     ones, and the first request would teach the cost fit that. One short request drafts through both models at
@@ -159,16 +173,8 @@ def test_a_start_from_a_kept_profile_warms_both_models_up_and_observes_nothing(t
     def start():
         return LLM(tiny_qwen, speculative_config=spec, profile_cache=True, **OPTIONS).engine
     measured = start()
-    steps = []
-    real_step = llm_engine.LLMEngine.run_step
-
-    def run_step(self, speculation, step_number=0):
-        result = real_step(self, speculation, step_number)
-        steps.append(result.record)
-        return result
-    monkeypatch.setattr(llm_engine.LLMEngine, "run_step", run_step)
+    records = recorded_steps(monkeypatch)
     kept = start()
-    records = [r for r in steps if r is not None]
     assert records and all(rid.startswith("__warm-up-") for r in records for rid in r.request_ids)
     assert any(r.draft_s > 0 and max(r.proposed, default=0) == 3 for r in records)  # the draft ran a full-k step
     assert not kept.has_unfinished() and kept.speculation.proposer.lookup.finished.num_tokens == 0
@@ -182,15 +188,7 @@ def test_a_measured_profile_times_no_model_s_first_forward(tiny_qwen, tmp_path, 
     ms where it costs 17. The warm-up request runs through both models before the profile's first step."""
     monkeypatch.setattr(profile_cache, "cache_root", lambda: tmp_path)
     spec = {"method": ["draft_model", "suffix"], "model": tiny_qwen, "num_speculative_tokens": 3, "policy": "smartspec"}
-    steps = []
-    real_step = llm_engine.LLMEngine.run_step
-
-    def run_step(self, speculation, step_number=0):
-        result = real_step(self, speculation, step_number)
-        if result.record is not None:
-            steps.append(result.record)
-        return result
-    monkeypatch.setattr(llm_engine.LLMEngine, "run_step", run_step)
+    steps = recorded_steps(monkeypatch)
     engine = LLM(tiny_qwen, speculative_config=spec, profile_cache=True, **OPTIONS).engine
     first_profiled = next(i for i, r in enumerate(steps) if any(rid.startswith("__profile-") for rid in r.request_ids))
     warm_up = steps[:first_profiled]
