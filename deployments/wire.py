@@ -33,6 +33,9 @@ class GenerateCall:
     prefix_text: str = ""
     echo: bool = False  # a completion that starts with its prompt
     until_context_end: bool = False  # no max_tokens was given: the replica sets it to its context's end
+    # the caller passes each token on as it comes (a streamed answer); False, an answer sent whole: after the
+    # first, the replica sends its tokens in batches (LLMServer.generate), each of which costs the front a message
+    streamed: bool = True
     request_id: str = field(default_factory=new_request_id)
     retry_of: str | None = None  # the request id of the attempt this one retries (the router avoids its replica)
 
@@ -104,6 +107,14 @@ class Delta:
     prediction: PredictionUsage | None = None  # finished: a predicted output's accepted and rejected tokens
     logprobs: list[TokenEntry] | None = None  # of token_ids, when asked
     prompt_logprobs: list[TokenEntry | None] | None = None  # the first delta's, when asked (the first is None)
+
+    def then(self, later: Delta) -> Delta:
+        """This delta and the next of the same generation, as one (what the later one reports at its end)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+                       first=self.first or later.first, logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs if self.first else later.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,32 @@ def test_an_echoed_completion_with_logprobs_streams_the_offsets_the_whole_answer
     assert sum((s["tokens"] for s in streamed), []) == whole["logprobs"]["tokens"] == ["a", "b", "c", "de"]
     assert sum((s["text_offset"] for s in streamed), []) == whole["logprobs"]["text_offset"] == [0, 1, 2, 3]
     assert whole["logprobs"]["token_logprobs"] == [None, -0.5, -1.0, -2.0]
+
+
+def test_deltas_held_back_and_sent_as_one_fold_into_the_same_answer():
+    """A replica holds an unstreamed answer's deltas and sends them as one (Delta.then): the whole answer, its
+    logprobs, offsets and reports are those of the deltas sent one by one."""
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1})
+    prompt = [None, TokenEntry("b", -0.5, (("b", -0.5),))]
+    spec = {"proposed": 3, "accepted": 2}
+    events = [Delta("c", [3], 1, first=True, logprobs=[TokenEntry("c", -1.0, (("c", -1.0),))],
+                    prompt_logprobs=prompt),
+              Delta("de", [4, 5], 3, logprobs=[TokenEntry("d", -2.0), TokenEntry("e", -0.1)]),
+              Delta("", [], 3),
+              Delta("f", [6], 4, finished=True, finish_reason="length", speculation=spec,
+                    prediction=PredictionUsage(1, 2), logprobs=[TokenEntry("f", -3.0)])]
+    one_by_one = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+    for e in events:
+        one_by_one.feed(0, e)
+    held = events[1].then(events[2]).then(events[3])
+    assert held.token_ids == [4, 5, 6] and held.text == "def" and not held.first and held.finished
+    assert held.speculation == spec and held.prediction == PredictionUsage(1, 2) and held.prompt_logprobs is None
+    merged = events[0].then(held)
+    assert merged.first and merged.prompt_logprobs == prompt and merged.completion_tokens == 4
+    for sent in ([events[0], held], [merged]):
+        fold = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+        for e in sent:
+            fold.feed(0, e)
+        assert fold.response()["choices"] == one_by_one.response()["choices"]
+        assert fold.response()["choices"][0]["text"] == "abcdef"
+    assert Delta("x", [1], 1).then(Delta("y", [2], 2)).logprobs is None  # none asked: none made up

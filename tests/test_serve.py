@@ -116,6 +116,29 @@ def test_n_choices_unary_and_streamed(app, reference):
     assert texts == [want, want]
 
 
+def test_an_unstreamed_answer_leaves_its_replica_in_a_few_messages(app):
+    """A streamed call gets a delta a step; an answer sent whole gets its first tokens at once, then a batch at most
+    every HELD_DELTAS_S: the same tokens, a message per step fewer for the front and Ray to carry."""
+    import math
+
+    from deployments.replica.server import HELD_DELTAS_S
+    from deployments.wire import Delta, GenerateCall
+
+    handle = serve.get_deployment_handle("LLMServer", "main").options(stream=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sent = {}
+    for streamed in (True, False):
+        start = time.monotonic()
+        events = list(handle.generate.remote(GenerateCall(params, prompt=PROMPTS[1], streamed=streamed)))
+        sent[streamed] = [e for e in events if isinstance(e, Delta)], time.monotonic() - start
+    (each_step, _), (held, took) = sent[True], sent[False]
+    assert sum((d.token_ids for d in held), []) == sum((d.token_ids for d in each_step), [])
+    assert "".join(d.text for d in held) == "".join(d.text for d in each_step)
+    assert len(sum((d.token_ids for d in held), [])) == 40 and held[-1].finished and held[0].first
+    assert len(each_step) >= 10  # four tokens a step at most (k = 3)
+    assert len(held) <= 2 + math.ceil(took / HELD_DELTAS_S)
+
+
 def test_sse_wire_format_ends_with_done(app):
     with httpx.stream("POST", f"{app}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
                                                               "stream": True, "temperature": 0}, timeout=60) as r:

@@ -238,7 +238,8 @@ class OpenAIIngress:
         else:
             prompts = [dict(prompt=p, echo=body.echo, prefix_text=prefix_text(None, p)) for p in body.prompts()]
         seeded = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(body.n)]
-        return [GenerateCall(p, until_context_end=until_end, **prompt) for prompt in prompts for p in seeded]
+        return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), **prompt)
+                for prompt in prompts for p in seeded]
 
     async def _start(self, body, chat: bool):
         """Submit n generations; wait until each is accepted (or refused) so errors get their status code."""

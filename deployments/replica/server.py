@@ -30,6 +30,7 @@ from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
+HELD_DELTAS_S = 1.0  # an answer sent whole: how long the replica may hold its tokens back
 
 
 def _process_age_s() -> float | None:
@@ -155,12 +156,19 @@ class LLMServer:
         started = time.monotonic()
         try:
             yield accepted
-            first = True
+            held, sent, first = None, started, True
             async for out in stream:
                 if out.finished:
                     took = time.monotonic() - started
                     self.request_s = took if self.request_s is None else 0.9 * self.request_s + 0.1 * took
-                yield self._delta(out, first)
+                delta = self._delta(out, first)
+                held = delta if held is None else held.then(delta)
+                # an answer sent whole gets its first tokens at once (failover counts them as sent), then a batch
+                # at most every HELD_DELTAS_S: a message a token cost the ingress ~2 ms of CPU a token (and Ray's
+                # threads here more), taken from the decode step on a 2-core box
+                if call.streamed or first or out.finished or time.monotonic() - sent >= HELD_DELTAS_S:
+                    yield held
+                    held, sent = None, time.monotonic()
                 first = False
         finally:
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
