@@ -118,7 +118,7 @@ def test_n_choices_unary_and_streamed(app, reference):
 
 def test_an_unstreamed_answer_leaves_its_replica_in_a_few_messages(app):
     """A streamed call gets a delta a step; an answer sent whole gets its first tokens at once, then a batch at most
-    every HELD_DELTAS_S: the same tokens, a message per step fewer for the front and Ray to carry."""
+    every HELD_DELTAS_S: the same tokens in fewer messages for the front and Ray to carry."""
     import math
 
     from deployments.replica.server import HELD_DELTAS_S
