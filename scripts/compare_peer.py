@@ -19,8 +19,8 @@ llama-server is taken within a cycle and pooled across cycles (mean and standard
 once ("[c1-r2-m0-alone-3] ..."), so no prefix cache serves a prompt it has seen. At the end of each of our starts
 the speculating mode is asked round 1's plain questions again: its greedy answers must equal plain decode's. The
 box's read bandwidth is probed before each server. Writes <out>/runs.jsonl (one row per request),
-<out>/comparison.md (the table), <out>/compare_peer.png and the servers' logs; prints the table with the CPU's
-name."""
+<out>/comparison.md (the table, and each of our servers' first round over its steady round), <out>/compare_peer.png
+and the servers' logs; prints the table with the CPU's name."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from functools import partial
 from types import SimpleNamespace
 
 import httpx
@@ -143,19 +144,21 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
 
 
+def rate(rows: list[dict], mode: str, load: str, cycle: int | None = None, prompt: int | None = None) -> float | None:
+    """A mode's tok/s under `load`, the mean over its rounds (of one cycle, of one prompt, where given)."""
+    runs = {}
+    for r in rows:
+        if r["mode"] == mode and r["load"] == load and cycle in (None, r["cycle"]) and prompt in (None, r["prompt"]):
+            runs.setdefault((r["cycle"], r["round"]), []).append(r)
+    return statistics.mean(tok_s(run, load) for run in runs.values()) if runs else None
+
+
 def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]:
     """The comparison table (Markdown lines) and its figures: per mode, per-prompt one-stream tok/s, one stream and
     4 in flight tok/s, each pooled over cycles and rounds, and the ratio to `reference` taken within each cycle."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     cycles = sorted({r["cycle"] for r in rows})
-
-    def rate(mode, load, cycle=None, prompt=None):
-        runs = {}
-        for r in rows:
-            if r["mode"] == mode and r["load"] == load and cycle in (None, r["cycle"]) \
-                    and prompt in (None, r["prompt"]):
-                runs.setdefault((r["cycle"], r["round"]), []).append(r)
-        return statistics.mean(tok_s(run, load) for run in runs.values()) if runs else None
+    rate_of = partial(rate, rows)
 
     figures, lines = {}, []
     head = "| server, mode | " + " | ".join(f"{i + 1} ({p})" for i, p in enumerate(COMPARE_PROMPTS)) + \
@@ -164,15 +167,15 @@ def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]
     for mode in modes:
         cells, figures[mode] = [], {}
         for p in range(len(COMPARE_PROMPTS)):
-            v = rate(mode, "one stream", prompt=p)
+            v = rate_of(mode, "one stream", prompt=p)
             cells.append(f"{v:.1f}" if v else "")
         for load in ("one stream", "4 in flight"):
-            per_cycle = {c: v for c in cycles if (v := rate(mode, load, c))}
+            per_cycle = {c: v for c in cycles if (v := rate_of(mode, load, c))}
             if not per_cycle:
                 cells += ["", ""]
                 continue
             value, se = mean_se(list(per_cycle.values()))
-            ratios = [v / base for c, v in per_cycle.items() if reference and (base := rate(reference, load, c))]
+            ratios = [v / base for c, v in per_cycle.items() if reference and (base := rate_of(reference, load, c))]
             figures[mode][load] = {"tok_s": value, "se": se}
             cells.append(f"{value:.1f}" + (f" ± {se:.1f}" if se == se else ""))
             if ratios and mode != reference:
@@ -183,6 +186,29 @@ def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]
                 cells.append("")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines, figures
+
+
+def first_round_ratios(rows: list[dict], plan: list[dict]) -> list[str]:
+    """Per our server: its first round after a start over its steady rounds, one stream, taken within each cycle and
+    pooled; and per prompt. Steady rounds ask the first round's questions again, so where the server keeps recent
+    answers (the suffix method's answer memory), a steady round can replay them and a first round cannot."""
+    notes = []
+    for server in (s for s in plan if s["kind"] == "ours"):
+        spec = server["modes"][0][0]
+        first = f"{spec}, {FIRST}"
+        def ratios(prompt=None):
+            return [f / s for c in sorted({r["cycle"] for r in rows})
+                    if (f := rate(rows, first, "one stream", c, prompt))
+                    and (s := rate(rows, spec, "one stream", c, prompt))]
+
+        if not (whole := ratios()):
+            continue
+        ratio, se = mean_se(whole)
+        per_prompt = [f"{name} {statistics.mean(r):.2f}x" if (r := ratios(p)) else f"{name} -"
+                      for p, name in enumerate(COMPARE_PROMPTS)]
+        notes.append(f"{spec}: first round / steady, one stream: {ratio:.2f}x" + (f" ± {se:.2f}" if se == se else "")
+                     + f" (cycles: {', '.join(f'{x:.2f}' for x in whole)}; per prompt: {', '.join(per_prompt)})")
+    return notes
 
 
 def greedy_equal(rows: list[dict], plan: list[dict]) -> list[str]:
@@ -225,7 +251,7 @@ def report(out: Path, plan: list[dict]) -> None:
     cpu = cpu_description()
     text = [f"CPU: {cpu}; cycles {len({r['cycle'] for r in rows})}; "
             f"tok/s = completion tokens / latency, pooled mean ± standard error over cycles", "", *lines, "",
-            *greedy_equal(rows, plan)]
+            *first_round_ratios(rows, plan), *greedy_equal(rows, plan)]
     if any(r.get("no_repack") for r in rows):
         text.insert(1, "llama-server ran with --no-repack (its weight repacking crashed at start on this CPU)")
     (out / "comparison.md").write_text("\n".join(text) + "\n")

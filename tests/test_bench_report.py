@@ -101,3 +101,18 @@ def test_compare_peer_counts_a_speculated_answer_that_differs_from_plain_decode(
     checked = _compare_rows("ours", 1, 0.1, texts=("a", "b", "x", "d"), load=compare_peer.CHECK)
     rows = _compare_rows("ours, max_k 0", 1, 0.1) + _compare_rows("ours", 1, 0.1) + checked
     assert compare_peer.greedy_equal(rows, plan) == ["ours: greedy answers equal to max_k 0's in 3 of 4 requests"]
+
+
+def test_compare_peer_takes_the_first_round_over_the_steady_within_each_cycle():
+    """Per prompt, cycle 1's first round takes 1.25x its steady round's time, cycle 2's (on a box twice as fast)
+    1.0x, and the short answer's twice that: each cycle's ratio within the cycle, then pooled."""
+    compare_peer = _compare_peer()
+    plan = [{"label": "ours", "kind": "ours", "modes": [("ours", None), ("ours, max_k 0", 0)]}]
+    first = "ours, " + compare_peer.FIRST
+    rows = (_compare_rows("ours", 1, 0.1)[:4] + _compare_rows(first, 1, 0.1 / 0.8)[:4]
+            + _compare_rows("ours", 2, 0.05)[:4] + _compare_rows(first, 2, 0.05)[:4])
+    rows = [{**r, "round": 0} if r["mode"] == first else r for r in rows]
+    rows = [{**r, "latency_s": 2 * r["latency_s"]} if r["mode"] == first and r["prompt"] == 1 else r for r in rows]
+    [line] = compare_peer.first_round_ratios(rows, plan)
+    assert line.startswith("ours: first round / steady, one stream: 0.72x ± 0.08 (cycles: 0.64, 0.80; ")
+    assert line.endswith("per prompt: edit 0.90x, short answer 0.45x, code 0.90x, long prompt 0.90x)")
