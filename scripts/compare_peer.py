@@ -30,8 +30,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -196,6 +196,7 @@ def first_round_ratios(rows: list[dict], plan: list[dict]) -> list[str]:
     for server in (s for s in plan if s["kind"] == "ours"):
         spec = server["modes"][0][0]
         first = f"{spec}, {FIRST}"
+
         def ratios(prompt=None):
             return [f / s for c in sorted({r["cycle"] for r in rows})
                     if (f := rate(rows, first, "one stream", c, prompt))
