@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -158,7 +157,6 @@ def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]
     4 in flight tok/s, each pooled over cycles and rounds, and the ratio to `reference` taken within each cycle."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     cycles = sorted({r["cycle"] for r in rows})
-    rate_of = partial(rate, rows)
 
     figures, lines = {}, []
     head = "| server, mode | " + " | ".join(f"{i + 1} ({p})" for i, p in enumerate(COMPARE_PROMPTS)) + \
@@ -167,15 +165,15 @@ def summarize(rows: list[dict], reference: str | None) -> tuple[list[str], dict]
     for mode in modes:
         cells, figures[mode] = [], {}
         for p in range(len(COMPARE_PROMPTS)):
-            v = rate_of(mode, "one stream", prompt=p)
+            v = rate(rows, mode, "one stream", prompt=p)
             cells.append(f"{v:.1f}" if v else "")
         for load in ("one stream", "4 in flight"):
-            per_cycle = {c: v for c in cycles if (v := rate_of(mode, load, c))}
+            per_cycle = {c: v for c in cycles if (v := rate(rows, mode, load, c))}
             if not per_cycle:
                 cells += ["", ""]
                 continue
             value, se = mean_se(list(per_cycle.values()))
-            ratios = [v / base for c, v in per_cycle.items() if reference and (base := rate_of(reference, load, c))]
+            ratios = [v / base for c, v in per_cycle.items() if reference and (base := rate(rows, reference, load, c))]
             figures[mode][load] = {"tok_s": value, "se": se}
             cells.append(f"{value:.1f}" + (f" ± {se:.1f}" if se == se else ""))
             if ratios and mode != reference:
