@@ -17,11 +17,12 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    ttft_s: float  # arrival to first token
+    ttft_s: float | None  # arrival to first token (None: it ended with an error before one)
     latency_s: float  # arrival to finish
     logprobs: list[TokenLogprob] | None = None  # per output token, when SamplingParams.logprobs asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), when asked
     speculation: dict | None = None  # this request's draft counters (SpecDecodeMetrics.as_dict())
+    error: str | None = None  # finish_reason "error": what failed in the server, naming the stage and feature
 
 
 class LLM:
@@ -55,9 +56,10 @@ class LLM:
         for rid, prompt in zip(ids, prompts):
             out = done[rid]
             m = out.metrics
+            first = m["first_token_time"]
             results.append(CompletionOutput(
                 prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
-                m["first_token_time"] - m["arrival_time"], m["finish_time"] - m["arrival_time"],
+                None if first is None else first - m["arrival_time"], m["finish_time"] - m["arrival_time"],
                 logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs,
-                m["spec_decode"]))
+                m["spec_decode"], out.error))
         return results

@@ -4,10 +4,11 @@ import torch
 from host_reads import HostReads
 
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import target_probs
+from smartspec.runtime.sampler import seeded_tokens, target_probs
 from smartspec.spec_decode.accept import accept_drafts
 from smartspec.spec_decode.proposer import Draft
-from smartspec.spec_decode.rejection_sampler import accept_greedy, accept_sampled, accept_tree_greedy
+from smartspec.spec_decode.rejection_sampler import (accept_greedy, accept_sampled, accept_tree_greedy, greedy_path,
+                                                     greedy_run)
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.tree import TokenTree
@@ -16,24 +17,28 @@ V = 11
 
 
 def a_step(seed: int):
-    """Five requests: a greedy chain, a sampled chain (draft probabilities), a greedy tree, a greedy and a sampled
-    request without drafts; their items, logits and drafts."""
+    """Seven requests: a greedy chain, a sampled chain (draft probabilities), a greedy tree, a greedy and a sampled
+    request without drafts, a seeded chain and a seeded tree; their items, logits and drafts. The unseeded sampled
+    requests draw from generators of their own, seeded here so the test can repeat their draws."""
     g = torch.Generator().manual_seed(seed)
 
-    def request(rid, params):
+    def request(rid, params, generator_seed=None):
         r = Request(rid, [1, 2, 3], params)
-        if params.seed is not None:
-            r.generator = torch.Generator().manual_seed(params.seed)
+        if generator_seed is not None:
+            r.generator = torch.Generator().manual_seed(generator_seed)
         return r
 
-    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, top_k=6, seed=seed)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.9, top_k=6)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
     tree = TokenTree([4, 5, 6], [-1, -1, 0], [0.5] * 3)
     q = torch.softmax(torch.randn(3, V, generator=g), -1)
     drafts = {"chain": Draft([4, 7, 1], None), "sampled": Draft([2, 9, 3], q),
-              "tree": Draft(tree.tokens, None, tree)}
-    reqs = [request("chain", greedy), request("sampled", sampled), request("tree", greedy),
-            request("plain", greedy), request("plain_sampled", SamplingParams(temperature=1.1, seed=seed + 1))]
-    rows = [4, 4, 4, 1, 1]
+              "tree": Draft(tree.tokens, None, tree), "seeded": Draft([3, 8, 0], q),
+              "seeded_tree": Draft(tree.tokens, None, tree)}
+    reqs = [request("chain", greedy), request("sampled", sampled, seed), request("tree", greedy),
+            request("plain", greedy), request("plain_sampled", SamplingParams(temperature=1.1), seed + 1),
+            request("seeded", seeded), request("seeded_tree", seeded)]
+    rows = [4, 4, 4, 1, 1, 4, 4]
     items = [ForwardItem(r, [0] * n, 3, n) for r, n in zip(reqs, rows)]
     logits = torch.randn(sum(rows), V, generator=g) * 2
     logits[0, 4] += 20  # the greedy chain's first two drafts are the target's argmax
@@ -51,16 +56,16 @@ def test_a_step_reads_the_host_once(monkeypatch):
         return original(self)
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
     with HostReads() as syncs:
-        out = accept_drafts(items, logits, drafts)
+        out = accept_drafts(items, logits, drafts).tokens
     assert len(reads) == 1  # the step's one read
     assert [op for op in syncs.seen if op != "lift_fresh"] == []  # uploads (draft tokens, row lists) are not reads
-    assert set(out) == {"chain", "sampled", "tree", "plain", "plain_sampled"}
+    assert set(out) == {"chain", "sampled", "tree", "plain", "plain_sampled", "seeded", "seeded_tree"}
 
 
 def test_batched_verdicts_equal_each_rule_alone():
     for seed in range(20):
         items, logits, drafts = a_step(seed)
-        out = accept_drafts(items, logits, drafts)
+        out = accept_drafts(items, logits, drafts).tokens
         _, _, fresh = a_step(seed)  # the same generators, unused
         again, _, _ = a_step(seed)
         rows = {"chain": logits[0:4], "sampled": logits[4:8], "tree": logits[8:12]}
@@ -74,3 +79,36 @@ def test_batched_verdicts_equal_each_rule_alone():
         plain = again[4].request
         assert out["plain_sampled"] == [int(torch.multinomial(target_probs(logits[13], plain.params), 1,
                                                                 generator=plain.generator))]
+        # seeded requests: greedy verification against the Gumbel-max tokens of noise keyed by (seed, position)
+        seeded = again[5].request
+        chosen = seeded_tokens(target_probs(logits[14:18], seeded.params), seed, [3, 4, 5, 6])
+        assert out["seeded"] == greedy_run(chosen.tolist(), drafts["seeded"].tokens)
+        tree = drafts["seeded_tree"].tree
+        chosen = seeded_tokens(target_probs(logits[18:22], seeded.params), seed, [3] + [3 + d for d in tree.depths()])
+        assert out["seeded_tree"] == greedy_path(chosen.tolist(), tree)
+
+
+def test_a_row_with_no_finite_logit_is_never_sampled_and_ends_its_request_alone():
+    """A sampled request whose row is all -inf or NaN (the model's own logits here) is not handed to the
+    sampler (which would raise, and stop every request of the step): it gets a fault naming why; the others in the
+    step get the tokens they get without it."""
+    for bad in (float("-inf"), float("nan")):
+        items, logits, drafts = a_step(3)
+        expected = accept_drafts(*a_step(3)).tokens
+        logits[13] = bad  # the plain sampled request's one row
+        logits[4:8] = bad  # the sampled chain's rows
+        got = accept_drafts(items, logits, drafts)
+        assert set(got.faults) == {"sampled", "plain_sampled"}
+        assert all("logits at output token 0 are not finite" in f.message for f in got.faults.values())
+        assert got.tokens == {k: v for k, v in expected.items() if k not in got.faults}
+
+
+def test_a_dead_row_after_a_rejected_draft_is_never_reached():
+    """A dead row the output does not reach (after a rejected draft token) ends nothing: plain decoding would
+    never have computed it."""
+    items, logits, drafts = a_step(4)
+    expected = accept_drafts(*a_step(4)).tokens
+    assert len(expected["chain"]) == 3  # drafts 4 and 7 accepted, 1 rejected: row 3 is never reached
+    logits[3] = float("-inf")
+    got = accept_drafts(items, logits, drafts)
+    assert got.faults == {} and got.tokens == expected

@@ -3,7 +3,6 @@ dropped, the outcome is counted, tokens are appended (and detokenized, where the
 stop, and a finished request gives back everything it held. The engine and the simulator both commit through here."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from smartspec.engine.detokenizer import append_text, find_stop
@@ -11,16 +10,15 @@ from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.spec_decode.hints import PREDICTION
-from smartspec.structured.matcher import GrammarRefusedToken, RequestGrammar
+from smartspec.structured.matcher import RequestGrammar
+from smartspec.types.faults import stage
 from smartspec.types.request import Request, RequestStatus
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Committed:
     added: list[int]  # the tokens appended (the step's new tokens up to a stop)
-    finish_reason: str | None  # "stop", "length", "error" (its grammar failed), or None while it runs on
+    finish_reason: str | None  # "stop", "length", or None while it runs on
 
 
 def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
@@ -29,10 +27,12 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
     """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
     source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the simulator's token ids stand
     for lengths only). grammar: a structured request's, advanced over the tokens taken; once it is complete the
-    request stops."""
+    request stops. What fails in here escapes labelled by its stage (types/faults.py: commit, detokenizing,
+    grammar); the step ends that request alone."""
     # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
     # not make, go back
-    blocks.truncate(req, req.num_tokens + len(new) - 1)
+    with stage("commit"):
+        blocks.truncate(req, req.num_tokens + len(new) - 1)
     req.spec.record(proposed, len(new) - 1, source)
     if source == PREDICTION:
         req.spec.record_prediction(proposed, len(new) - 1)
@@ -43,7 +43,8 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
     for tok in new:
         req.token_ids.append(tok)
         added.append(tok)
-        delta = append_text(tokenizer, req) if tokenizer is not None else ""
+        with stage("detokenizing"):
+            delta = append_text(tokenizer, req) if tokenizer is not None else ""
         if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in stop_token_ids):
             reason = "stop"
         elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:
@@ -52,12 +53,8 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
             reason = "length"
         if grammar is not None and reason != "stop":
-            try:
+            with stage("grammar"):  # a token its masks allowed and it refuses: this request ends, the batch goes on
                 grammar.commit([tok])
-            except GrammarRefusedToken as exc:  # this request ends; the batch goes on
-                logger.error("request %s ended: %s", req.request_id, exc)
-                reason = "error"
-                break
             reason = "stop" if grammar.finished else reason
         if reason:
             break
@@ -67,12 +64,13 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
 
 
 def finish_request(req: Request, reason: str, scheduler: Scheduler, spec: Speculation, now: float) -> None:
-    """End a request: its target and draft KV blocks go back, the proposer and the policy forget it."""
+    """End a request: its target and draft KV blocks go back, the proposer and the policy forget it. Its own state
+    and its target blocks first: a proposer that fails to forget it (a dead draft actor) cannot keep it running."""
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = reason
+    req.finish_time = now
     scheduler.remove(req)
     if spec.proposer is not None:
         spec.proposer.finish(req)
         spec.proposer.release(req.request_id)
     spec.policy.release(req.request_id)
-    req.status = RequestStatus.FINISHED
-    req.finish_reason = reason
-    req.finish_time = now

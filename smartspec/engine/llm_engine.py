@@ -19,7 +19,7 @@ from smartspec.engine.commit import commit_tokens, finish_request
 from smartspec.engine.drafter import Drafted, cut_to_grammars, propose
 from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logprobs, take_text
 from smartspec.engine.planner import Speculation, plan_step
-from smartspec.engine.profile_cache import KeptProfile, load_profile, profile_path, save_profile
+from smartspec.engine.profile_cache import KeptProfile, KeptProfileCheck, load_profile, profile_path, save_profile
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
 from smartspec.engine.start_phases import StartPhases
 from smartspec.engine.step_stats import StepStats
@@ -30,12 +30,14 @@ from smartspec.policy import Policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.page_arena import release_freed_memory
-from smartspec.spec_decode.accept import accept_drafts
+from smartspec.spec_decode.accept import Verdicts, accept_drafts
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
 from smartspec.spec_decode.hints import RequestHints
-from smartspec.spec_decode.proposer import Proposer
+from smartspec.spec_decode.proposer import Draft, Proposer
 from smartspec.structured.compile import compiled
+from smartspec.structured.feasible import refuse_impossible
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
+from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
 from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan, fed_context
@@ -99,6 +101,8 @@ class LLMEngine:
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
         self.stats = StepStats()
+        self.kept_check: KeptProfileCheck | None = None  # a kept profile, held against the first steps
+        self.profile_due = False  # the kept profile was stale: measure it when idle (measure_profile_if_due)
         if config.warmup_profile and self.speculation.policy.wants_profile:
             with phases.phase("warm-up profile"):
                 self.warm_up_profile()
@@ -144,23 +148,35 @@ class LLMEngine:
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
 
-    def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64) -> KeptProfile:
+    def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64,
+                        kept_ok: bool = True) -> KeptProfile:
         """The start's profile and acceptance calibration: those kept on disk for this configuration and machine,
-        where config.profile_cache asks and there are (the policy observes them; one short request then warms the
-        models up); else measured (and kept, where asked). batches None: the runner's (profile.profile_batches)."""
+        where config.profile_cache asks, kept_ok allows and there are (the policy observes them; one short request
+        then warms the models up, and the first steps check them: `kept_check`); else measured (and kept, where
+        asked). batches None: the runner's (profile.profile_batches)."""
         from smartspec.engine.profile import CALIBRATION_KEY, calibrate_acceptance, take_calibration, warm_up_forwards
         batches = batches or self.profile_batches()
         path = profile_path(self.config, batches, context, CALIBRATION_KEY) \
             if self.config.profile_cache else None
-        if path is not None and (kept := load_profile(path)) is not None:
+        if path is not None and kept_ok and (kept := load_profile(path)) is not None:
             self.speculation.policy.observe_profile(kept.records)
             take_calibration(self.speculation, kept.calibration)
             warm_up_forwards(self, context)
+            self.kept_check = KeptProfileCheck(path)
             return kept
         measured = KeptProfile(self.profile_steps(batches, context), calibrate_acceptance(self))
         if path is not None:
             save_profile(path, measured)
         return measured
+
+    def measure_profile_if_due(self) -> bool:
+        """Measure the warm-up profile again where the first steps found the kept one stale (KeptProfileCheck),
+        once the engine is idle (its requests would share the profile's steps otherwise). Whether it ran."""
+        if not self.profile_due or self.has_unfinished():
+            return False
+        self.profile_due = False
+        self.warm_up_profile(kept_ok=False)
+        return True
 
     def profile_steps(self, batches: tuple[int, ...] | None = None, context: int = 64) -> list[StepRecord]:
         """Measure a few step shapes and hand them to the policy's cost model (see engine/profile.py); batches None:
@@ -194,8 +210,9 @@ class LLMEngine:
         return ids
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids, once the request is known to fit this model (its context and vocabulary), and its
-        params with a structured output's grammar compiled for this tokenizer (so no later stage compiles it)."""
+        """The prompt's token ids, once the request is known to fit this model (its context and vocabulary) and its
+        controls to admit an output (structured/feasible.py), and its params with a structured output's grammar
+        compiled for this tokenizer (so no later stage compiles it)."""
         ids = self.tokenize(prompt)
         if (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
             raise ParamError("logit_bias", f"logit_bias names token id {bad[0]}, outside the vocabulary "
@@ -203,10 +220,14 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                              f"(max_model_len), leaving no room to generate")
+        grammar = None
         if params.structured is not None:
             params = replace(params, structured=compiled(params.structured,
                                                          self.grammar_compiler.tool_tags_are_tokens))
             self.grammar_compiler.check(params.structured)
+            grammar = self.grammar_compiler.matcher(params.structured)
+        refuse_impossible(params, grammar, params.structured.compiled[1] if grammar is not None else None,
+                          self.vocab_size, self.stop_token_ids)
         return ids, params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -281,14 +302,21 @@ class LLMEngine:
             self.num_steps += 1
             self.last_step = record
             self.stats.add(record, result.generated)
-            self.speculation.policy.observe(record)
-            if self.trace is not None:
-                self.trace.add(record)
+            try:  # what the policy learns from a step: a failure costs its learning, never the requests
+                self.speculation.policy.observe(record)
+                if self.trace is not None:
+                    self.trace.add(record)
+            except Exception:
+                logger.exception("policy %r failed to observe step %d", self.speculation.policy.name, self.num_steps)
+            if self.kept_check is not None and (stale := self.kept_check.observe(record)) is not None:
+                self.kept_check, self.profile_due = None, stale
         return result.outputs
 
     def run_step(self, spec: Speculation, step_number: int = 0) -> StepResult:
         """schedule -> plan -> propose -> verify -> accept -> commit, with the speculation given (the warm-up
-        profile runs fixed plans through here); the record is returned, not observed."""
+        profile runs fixed plans through here); the record is returned, not observed. A fault in one request's
+        part ends that request alone (types/faults.py); a forward that fails is tried once more without drafts,
+        and a second failure ends this step's requests, not the engine."""
         t_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
@@ -302,18 +330,61 @@ class LLMEngine:
                                shapes=self.runner.padded_shapes)
         t_draft = time.perf_counter()
         drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)
-        items = [self._forward_item(s, drafted) for s in batch]
         t_verify = time.perf_counter()
-        logits = self.runner.forward(items)
+        verified = self._verify(batch, drafted)
+        if verified is None:
+            return StepResult(self._end_all(batch, spec), None, 0)
+        items, drafted, logits = verified
         t_accept = time.perf_counter()
-        logits, sampled = take_prompt_logprobs(items, logits)
-        new_tokens = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
-        outputs, trees = self._commit(spec, items, sampled, logits, drafted, new_tokens)
+        prompt_faults: dict[str, RequestFault] = {}
+        logits, sampled = take_prompt_logprobs(items, logits, prompt_faults)
+        verdicts = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
+        verdicts.faults.update(prompt_faults)
+        outputs, trees = self._commit(spec, items, sampled, logits, drafted, verdicts)
         t_end = time.perf_counter()
+        new_tokens = verdicts.tokens
         record = self._record(step_number, items, decoding, lengths, sum(s.num_tokens for s in prefill), plan,
                               drafted, new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
                               self.runner.padded_shapes)
         return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()))
+
+    def _verify(self, batch: list[ScheduledRequest], drafted: Drafted) \
+            -> tuple[list[ForwardItem], Drafted, torch.Tensor] | None:
+        """The target's forward over the batch with its drafts: (items, drafts, logits). A forward that raises is
+        run once more without drafts (speculation's extra rows are the likeliest cause: a shape no bucket holds);
+        None when that fails too."""
+        items = [self._forward_item(s, drafted) for s in batch]
+        try:
+            return items, drafted, self.runner.forward(items)
+        except Exception:
+            logger.exception("the forward of a %d-request step failed; trying it once without speculation",
+                             len(batch))
+        plain = Drafted(predicted_s=drafted.predicted_s)
+        items = [self._forward_item(s, plain) for s in batch]
+        try:
+            return items, plain, self.runner.forward(items)
+        except Exception:
+            logger.exception("the forward failed again without speculation: this step's %d requests end",
+                             len(batch))
+            return None
+
+    def _end_all(self, batch: list[ScheduledRequest], spec: Speculation) -> list[RequestOutput]:
+        """End every request of a step whose forward failed twice (the next step's requests are not touched)."""
+        fault = RequestFault("forward", "the model's forward failed twice for the step this request was in")
+        return [self._end_with_fault(s.request, fault, spec) for s in batch]
+
+    def _end_with_fault(self, req: Request, fault: RequestFault, spec: Speculation) -> RequestOutput:
+        """End one request whose part of a step failed: finish reason "error", the fault as its error, its KV back."""
+        rid = req.request_id
+        self.requests.pop(rid, None)
+        self.grammars.pop(rid, None)
+        self.hints.release(rid)
+        req.error = str(fault)
+        try:
+            finish_request(req, "error", self.scheduler, spec, time.monotonic())
+        except Exception:  # its blocks went back first; what failed is the proposer or the policy forgetting it
+            logger.exception("request %s: releasing it after its fault failed", rid)
+        return output_of(req, [], "")
 
     @staticmethod
     def _forward_item(s: ScheduledRequest, drafted: Drafted) -> ForwardItem:
@@ -329,10 +400,9 @@ class LLMEngine:
         return ForwardItem(req, req.token_ids[c:c + s.num_tokens] + list(tokens), c, num_logits)
 
     def _commit(self, spec: Speculation, items: list[ForwardItem], sampled: list[ForwardItem], logits: torch.Tensor,
-                drafted: Drafted, new_tokens: dict[str, list[int]]) \
-            -> tuple[list[RequestOutput], dict[str, VerifiedTree]]:
-        """Every fed token is computed; each request due a token takes its new tokens. Returns the outputs and the
-        verified trees with their accepted paths (for the policy)."""
+                drafted: Drafted, verdicts: Verdicts) -> tuple[list[RequestOutput], dict[str, VerifiedTree]]:
+        """Every fed token is computed; each request due a token takes its new tokens, and each request with a
+        fault ends. Returns the outputs and the verified trees with their accepted paths (for the policy)."""
         first_row, row = {}, 0
         for it in sampled:
             first_row[it.request.request_id], row = row, row + it.num_logits
@@ -342,35 +412,50 @@ class LLMEngine:
         now = time.monotonic()
         for it in items:
             req = it.request
-            if req.request_id not in new_tokens:
-                continue
-            new = new_tokens[req.request_id]
-            draft = drafted.drafts.get(req.request_id)
-            path = None
-            if draft is not None and draft.tree is not None:
-                path = draft.tree.follow(new[:-1])
-                trees[req.request_id] = VerifiedTree(draft.tree, path)
-                self._keep_path(it, path)
-            logprobs = None
-            if req.params.logprobs is not None:
-                rows = rows_of_new_tokens(len(new), path)
-                logprobs = [token_logprob(logits[first_row[req.request_id] + r], tok, req.params.logprobs)
-                            for r, tok in zip(rows, new)]
-            done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
-                                 self.stop_token_ids, self.max_model_len, now, self.tokenizer,
-                                 self.grammars.get(req.request_id),
-                                 draft.source if draft is not None else None)
-            if done.finish_reason is not None:
-                self.requests.pop(req.request_id, None)
-                self.grammars.pop(req.request_id, None)
-                self.hints.release(req.request_id)
-                finish_request(req, done.finish_reason, self.scheduler, spec, time.monotonic())
-            elif spec.proposer is not None:
-                spec.proposer.sync(req)
-            if logprobs is not None:
-                req.logprobs.extend(logprobs[:len(done.added)])
-            outputs.append(output_of(req, done.added, take_text(req)))
+            rid = req.request_id
+            fault = verdicts.faults.get(rid)
+            if fault is None and rid in verdicts.tokens:
+                try:
+                    outputs.append(self._commit_one(spec, it, logits, first_row[rid], drafted.drafts.get(rid),
+                                                    verdicts.tokens[rid], trees, now))
+                    continue
+                except Exception as exc:
+                    fault = fault_of(exc, rid, "commit")
+            if fault is not None:
+                outputs.append(self._end_with_fault(req, fault, spec))
         return outputs, trees
+
+    def _commit_one(self, spec: Speculation, it: ForwardItem, logits: torch.Tensor, first_row: int,
+                    draft: Draft | None, new: list[int], trees: dict[str, VerifiedTree], now: float) -> RequestOutput:
+        """One request takes its new tokens (up to a stop); its output. Raises what fails, labelled by stage."""
+        req = it.request
+        path = None
+        if draft is not None and draft.tree is not None:
+            path = draft.tree.follow(new[:-1])
+            trees[req.request_id] = VerifiedTree(draft.tree, path)
+            with stage("commit"):
+                self._keep_path(it, path)
+        logprobs = None
+        if req.params.logprobs is not None:
+            rows = rows_of_new_tokens(len(new), path)
+            with stage("logprobs"):
+                logprobs = [token_logprob(logits[first_row + r], tok, req.params.logprobs)
+                            for r, tok in zip(rows, new)]
+        done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
+                             self.stop_token_ids, self.max_model_len, now, self.tokenizer,
+                             self.grammars.get(req.request_id), draft.source if draft is not None else None)
+        if done.finish_reason is not None:
+            self.requests.pop(req.request_id, None)
+            self.grammars.pop(req.request_id, None)
+            self.hints.release(req.request_id)
+            finish_request(req, done.finish_reason, self.scheduler, spec, time.monotonic())
+        elif spec.proposer is not None:
+            with stage("commit"):
+                spec.proposer.sync(req)
+        if logprobs is not None:
+            req.logprobs.extend(logprobs[:len(done.added)])
+        with stage("output"):
+            return output_of(req, done.added, take_text(req))
 
     def _keep_path(self, item: ForwardItem, path: list[int]) -> None:
         """A token tree's accepted nodes move next to the context, so the cache is the committed sequence."""

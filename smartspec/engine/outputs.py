@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from smartspec.runtime.model_runner import ForwardItem
+from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import TokenLogprob, token_logprob
 from smartspec.types.request import Request
 
@@ -18,16 +19,19 @@ class RequestOutput:
     token_ids: list[int]  # all output tokens so far
     text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"
+    finish_reason: str | None  # "stop", "length", "abort", "error" (the server failed at its part of a step)
     num_prompt_tokens: int
     metrics: dict = field(default_factory=dict)
     new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the prompt is computed, when asked
+    error: str | None = None  # finish reason "error": what failed, naming the stage and feature
 
 
-def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor) -> tuple[torch.Tensor, list[ForwardItem]]:
+def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor, faults: dict[str, RequestFault]) \
+        -> tuple[torch.Tensor, list[ForwardItem]]:
     """Record the prompt logprobs of chunks that computed every position's row; hand on the rows (and items)
-    that sampling needs: a chunk's last row, when it completes its prompt, predicts the first new token."""
+    that sampling needs: a chunk's last row, when it completes its prompt, predicts the first new token. A request
+    whose logprobs fail is entered in faults."""
     if all(it.request.prompt_logprobs is None for it in items):
         return logits, items
     keep, sampled, row = [], [], 0
@@ -36,11 +40,11 @@ def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor) -> tupl
         if req.prompt_logprobs is not None and it.num_logits == len(it.tokens) and len(it.tokens) \
                 and it.start < req.num_prompt_tokens:
             completes = it.start + len(it.tokens) == req.num_tokens
-            for j in range(it.num_logits - completes):
-                pos = it.start + j + 1
-                if pos < req.num_prompt_tokens and req.prompt_logprobs[pos] is None:
-                    req.prompt_logprobs[pos] = token_logprob(logits[row + j], req.token_ids[pos],
-                                                             req.params.prompt_logprobs)
+            try:
+                with stage("logprobs"):
+                    _record_prompt_logprobs(req, it, logits[row:row + it.num_logits - completes])
+            except Exception as exc:
+                faults[req.request_id] = fault_of(exc, req.request_id, "logprobs")
             it_sampled = replace(it, num_logits=int(completes))
         else:
             it_sampled = it
@@ -48,6 +52,14 @@ def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor) -> tupl
         sampled.append(it_sampled)
         row += it.num_logits
     return logits[keep], sampled
+
+
+def _record_prompt_logprobs(req: Request, item: ForwardItem, rows: torch.Tensor) -> None:
+    """rows: the chunk's rows that predict prompt tokens (row j: the token after the chunk's j-th)."""
+    for j in range(rows.shape[0]):
+        pos = item.start + j + 1
+        if pos < req.num_prompt_tokens and req.prompt_logprobs[pos] is None:
+            req.prompt_logprobs[pos] = token_logprob(rows[j], req.token_ids[pos], req.params.prompt_logprobs)
 
 
 def take_text(req: Request) -> str:
@@ -66,4 +78,5 @@ def output_of(req: Request, added: list[int], new_text: str) -> RequestOutput:
                "spec_decode": req.spec.as_dict()}
     new_logprobs = req.logprobs[len(req.logprobs) - len(added):] if req.params.logprobs is not None else None
     return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
-                         req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs)
+                         req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs,
+                         req.error)

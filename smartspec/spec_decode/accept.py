@@ -1,72 +1,183 @@
 """Accept: per request due a token, the tokens a verify step yields (accepted drafts + one from the target), by the
 lossless rules of rejection_sampler.py; requests without drafts sample their one token in one batched call, and the
-step's tokens come to the host in one read."""
+step's tokens come to the host in one read.
+
+Seeded sampled requests take, at each position, the Gumbel-max token of noise keyed by (seed, position)
+(runtime/sampler.seeded_tokens) and verify drafts against it as greedy requests verify against the argmax: their
+output is seeded decoding's without speculation, whatever the proposers offered.
+
+Each request's part runs on its own: what fails in it (its logits controls, its grammar, its sampling, its
+acceptance) becomes that request's fault (types/faults.py), and a row with no finite logit is never sampled: the
+request whose output reaches it ends with a fault that names its controls."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import draw_tokens, target_probs
+from smartspec.runtime.sampler import draw_tokens, seeded_tokens, target_probs
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
 from smartspec.structured.matcher import RequestGrammar, apply_masks
+from smartspec.types.faults import RequestFault, fault_of, stage
+from smartspec.types.logprobs import rows_of_new_tokens
+from smartspec.types.request import Request
+
+
+class Verdicts(NamedTuple):
+    """What the accept stage hands the commit stage."""
+    tokens: dict[str, list[int]]  # request -> its new tokens (accepted drafts + the target's one)
+    faults: dict[str, RequestFault]  # request -> why it ends in this step instead (its part of the step failed)
+
+
+class _Rows(NamedTuple):
+    """A request's logits rows in the step, and what reads them after the step's one host read."""
+    request: Request
+    draft: Draft | None
+    start: int
+    count: int
+    verdict_at: int | None = None  # a sampled chain: where its [accepted, token] pair sits in the read
 
 
 def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-                  eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None) \
-        -> dict[str, list[int]]:
+                  eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None) -> Verdicts:
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
     token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens.
 
-    Every row's argmax, each sampled chain's verdict and the plain rows' draws stay on the logits' device and come
-    to the host in one read for the step; only a sampled token tree reads once per level of its own (which children
-    it tries at a level depends on the level above)."""
-    logits = controlled(items, logits, drafts, eos_token_ids, grammars or {})
-    best = logits.argmax(dim=-1)
-    on_device, at = [best], logits.shape[0]  # what the one read brings back, and where the next part starts
-    out, verdicts, plain_rows, plain = {}, [], [], []
-    row = 0
+    Every row's chosen token (argmax, or a seeded request's), each sampled chain's verdict and the plain rows'
+    draws stay on the logits' device and come to the host in one read for the step, with each row's liveness; only
+    a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
+    above)."""
+    faults: dict[str, RequestFault] = {}
+    raw, logits = logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults)
+    live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
+    chosen = logits.argmax(dim=-1)
+    seeded, on_device, at = [], [], 2 * logits.shape[0]  # what the read brings after chosen and live
+    out, later, plain, row = {}, [], [], 0
     for it in items:
-        req, n = it.request, it.num_logits
-        draft = drafts.get(req.request_id)
-        if not n:
-            continue
-        if draft is None:
-            plain_rows.append(row)
-            plain.append(req)
-        elif draft.tree is not None and not req.params.greedy:
-            out[req.request_id] = accept_tree_sampled(target_probs(logits[row:row + n], req.params), draft.tree,
-                                                      req.generator)
-        elif req.params.greedy:
-            verdicts.append((req.request_id, draft, row, n, None))
-        else:
-            on_device.append(sampled_verdict(target_probs(logits[row:row + n], req.params), draft.tokens,
-                                             draft.probs, req.generator))
-            verdicts.append((req.request_id, draft, row, n, at))
-            at += 2
+        req, n, start = it.request, it.num_logits, row
         row += n
+        rid = req.request_id
+        if not n or rid in faults:
+            continue
+        draft = drafts.get(rid)
+        part = _Rows(req, draft, start, n)
+        try:
+            if not req.params.greedy and req.params.seed is not None:
+                with stage("sampling"):
+                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                    seeded.append((start, seeded_tokens(probs, req.params.seed, _positions(req, draft, n))))
+                later.append(part)
+            elif req.params.greedy:
+                later.append(part)
+            elif draft is None:
+                plain.append(part)
+            elif draft.tree is not None:
+                with stage("sampling"):
+                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                with stage("acceptance"):
+                    out[rid] = accept_tree_sampled(probs, draft.tree, req.generator)
+                later.append(part)
+            else:
+                with stage("sampling"):
+                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                with stage("acceptance"):
+                    on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
+                later.append(part._replace(verdict_at=at))
+                at += 2
+        except Exception as exc:
+            faults[rid] = fault_of(exc, rid, "sampling")
+    if seeded:
+        rows = torch.cat([torch.arange(s, s + len(t), device=chosen.device) for s, t in seeded])
+        chosen = chosen.index_put((rows,), torch.cat([t for _, t in seeded]))
     if plain:
-        on_device.append(draw_tokens(logits[plain_rows], best[plain_rows], [r.params for r in plain],
-                                     [r.generator for r in plain]))
-    host = torch.cat(on_device).tolist()
-    for request_id, draft, row, n, verdict in verdicts:
-        if verdict is not None:  # a sampled chain: its accepted drafts, then the token drawn after them
-            out[request_id] = list(draft.tokens[:host[verdict]]) + [host[verdict + 1]]
-        elif draft.tree is not None:
-            out[request_id] = greedy_path(host[row:row + n], draft.tree)
-        else:
-            out[request_id] = greedy_run(host[row:row + n], draft.tokens)
-    out.update((r.request_id, [t]) for r, t in zip(plain, host[at:]))
-    return out
+        plain_rows = [p.start for p in plain]
+        draws, failed = draw_tokens(_sampleable(logits[plain_rows], live[plain_rows]), chosen[plain_rows],
+                                    [p.request.params for p in plain], [p.request.generator for p in plain])
+        on_device.append(draws)
+        for i, exc in failed.items():
+            faults[plain[i].request.request_id] = fault_of(exc, plain[i].request.request_id, "sampling")
+    r = logits.shape[0]
+    host = torch.cat([chosen, live.long(), *on_device]).tolist()
+    tokens = {p.request.request_id: [t] for p, t in zip(plain, host[at:])}
+    for part in later:
+        rid = part.request.request_id
+        try:
+            with stage("acceptance"):
+                tokens[rid] = out[rid] if rid in out else _verdict(part, host)
+        except Exception as exc:
+            faults[rid] = fault_of(exc, rid, "acceptance")
+    for part in [*later, *plain]:
+        rid = part.request.request_id
+        if rid in tokens and rid not in faults and (dead := _first_dead_row(part, tokens[rid], host[r:2 * r])):
+            faults[rid] = no_token_fault(part.request, dead - part.start, bool(torch.isfinite(raw[dead].amax())),
+                                         rid in (grammars or {}))
+    for rid in faults:
+        tokens.pop(rid, None)
+    return Verdicts(tokens, faults)
+
+
+def _verdict(part: _Rows, host: list[int]) -> list[int]:
+    """A request's new tokens from the step's host read: a sampled chain's verdict, else greedy verification of
+    its draft (or none) against its chosen rows."""
+    draft, start, n = part.draft, part.start, part.count
+    if part.verdict_at is not None:  # a sampled chain: its accepted drafts, then the token drawn after them
+        return list(draft.tokens[:host[part.verdict_at]]) + [host[part.verdict_at + 1]]
+    if draft is not None and draft.tree is not None:
+        return greedy_path(host[start:start + n], draft.tree)
+    return greedy_run(host[start:start + n], draft.tokens if draft is not None else [])
+
+
+def _positions(req: Request, draft: Draft | None, n: int) -> list[int]:
+    """The token positions a request's rows predict: row j of a chain the j-th token after the committed ones; in
+    a tree, the root's row the next token and a node's row the token one deeper than the node."""
+    if draft is not None and draft.tree is not None:
+        return [req.num_tokens] + [req.num_tokens + d for d in draft.tree.depths()]
+    return [req.num_tokens + j for j in range(n)]
+
+
+def _sampleable(rows: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Rows a sampler can take: a dead row (see accept_drafts) as zeros. What is drawn from it is never used: the
+    request whose output reaches that row ends there."""
+    return torch.where(live[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def _first_dead_row(part: _Rows, new: list[int], live: list[int]) -> int | None:
+    """The first row the request's new tokens came from that had no finite logit (None: all were live)."""
+    path = part.draft.tree.follow(new[:-1]) if part.draft is not None and part.draft.tree is not None else None
+    return next((part.start + j for j in rows_of_new_tokens(len(new), path) if not live[part.start + j]), None)
+
+
+def no_token_fault(req: Request, offset: int, model_finite: bool, structured: bool) -> RequestFault:
+    """The fault of a request whose output reached a row no token can be drawn from (offset: tokens after the
+    committed ones), naming what left it empty: the model's own logits, or the request's controls."""
+    at = req.num_output_tokens + offset
+    if not model_finite:
+        return RequestFault("sampling", f"the model's logits at output token {at} are not finite (NaN or inf)")
+    p = req.params
+    named = []
+    if structured:
+        named.append(p.structured.compiled[1] if p.structured.compiled else "structured_outputs")
+    if p.min_tokens > at:
+        named.append(f"min_tokens={p.min_tokens}")
+    if p.logit_bias:
+        named.append("logit_bias")
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
+        named.append("penalties")
+    what = ", ".join(named) or "the controls"
+    return RequestFault("logits controls", f"no token can come at output token {at}: {what} leave every token's "
+                                           f"logit at -inf")
 
 
 def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-               eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar]) -> torch.Tensor:
+               eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar],
+               faults: dict[str, RequestFault]) -> torch.Tensor:
     """The logits with the rows of requests whose sampling controls or grammar read their history reshaped, and
-    masked: row j of a chain after the first j draft tokens, a tree's node rows after the path to the node."""
+    masked: row j of a chain after the first j draft tokens, a tree's node rows after the path to the node. A
+    request whose controls or grammar fail is entered in faults (its rows are then never read)."""
     out, row = logits, 0
     for it in items:
         req, n = it.request, it.num_logits
@@ -81,10 +192,15 @@ def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str,
                 prefixes = [draft.tokens[:j] for j in range(n)]
             if out is logits:
                 out = logits.float().clone()
-            if req.params.reshapes_logits:
-                out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
-                                                  req.output_token_ids, prefixes, eos_token_ids)
-            if grammar is not None:  # in place, on the view of this request's rows
-                apply_masks(out[row:row + n], *grammar.masks(prefixes))
+            try:
+                if req.params.reshapes_logits:
+                    with stage("logits controls"):
+                        out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
+                                                          req.output_token_ids, prefixes, eos_token_ids)
+                if grammar is not None:  # in place, on the view of this request's rows
+                    with stage("grammar"):
+                        apply_masks(out[row:row + n], *grammar.masks(prefixes))
+            except Exception as exc:
+                faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
         row += n
     return out

@@ -14,7 +14,7 @@ from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
-from smartspec.runtime.sampler import target_probs
+from smartspec.runtime.sampler import seeded_tokens, target_probs
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.request import Request
 
@@ -126,7 +126,10 @@ class DraftModelProposer(Proposer):
                     drawn.append(row_logits.argmax().view(1))
                 else:
                     q = self._fit_vocab(target_probs(row_logits, req.params))
-                    drawn.append(torch.multinomial(q, 1, generator=req.generator))
+                    if req.params.seed is not None:  # the noise the target's token will be drawn with there
+                        drawn.append(seeded_tokens(q[None], req.params.seed, [ds.num_tokens]))
+                    else:
+                        drawn.append(torch.multinomial(q, 1, generator=req.generator))
                     probs[i].append(q)
             for (i, ds, _), tok in zip(live, torch.cat(drawn).tolist()):
                 tokens[i].append(tok)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import target_probs
+from smartspec.runtime.sampler import seeded_noise, target_probs
 from smartspec.spec_decode.draft_model import DraftModelProposer
 from smartspec.spec_decode.proposer import Proposal
 from smartspec.types.request import Request
@@ -83,8 +83,12 @@ class DraftTreeProposer(DraftModelProposer):
                 keys.append(q)
             else:
                 q = self._fit_vocab(target_probs(logits[row], req.params))
-                uniform = torch.rand(q.shape, generator=req.generator, device=q.device).clamp_(min=1e-20)
-                keys.append(q.log() - (-uniform.log()).log())
+                if req.params.seed is not None:  # the noise the target's token is drawn with at the children's
+                    depth = 1 if node < 0 else g.depths[node] + 1  # position: its first child is the likeliest
+                    exp = seeded_noise(req.params.seed, [req.num_tokens + depth - 1], q.shape[-1], q.device)[0]
+                else:
+                    exp = -torch.rand(q.shape, generator=req.generator, device=q.device).clamp_(min=1e-20).log()
+                keys.append(q.log() - exp.log())
                 g.child_probs[node] = q
             qs.append(q)
         q = torch.stack(qs)

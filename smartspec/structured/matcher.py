@@ -117,6 +117,13 @@ class RequestGrammar:
                 self.matcher.rollback(taken)
         return bitmask, valid
 
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next, from the committed state: a bool tensor [V]."""
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        bits = (bitmask[0].view(-1, 1) >> torch.arange(32, dtype=bitmask.dtype)) & 1
+        return bits.flatten()[:self.vocab_size].bool()
+
     def commit(self, tokens: list[int]) -> None:
         """The request took these tokens (each one its masked distribution allowed)."""
         if tokens and not self.matcher.consume_tokens(tokens):

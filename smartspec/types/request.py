@@ -33,6 +33,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # finish reason "error": what failed, for its caller (types/faults.py)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
