@@ -200,7 +200,8 @@ class AsyncEngine:
                     q.put_nowait(item)
             with self._lock:
                 idle = not self._pending and not self.engine.has_unfinished()
-            if idle:
+            if idle:  # a kept profile the first steps found stale is measured now, between requests
+                await loop.run_in_executor(self._executor, self.engine.measure_profile_if_due)
                 await self._wakeup.wait()
 
 

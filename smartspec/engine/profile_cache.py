@@ -4,9 +4,11 @@ measured instead of measuring them again. A start is shorter by the profile's ti
 cores), and one on a loaded box keeps the profile its predecessor took, rather than measuring the load; the cost
 fit follows the speed it then meets (policy/cost_model.py, policy/speed_change.py).
 
-The key is what the costs depend on: the models and their quantization, the proposer and k_max, dtype, device,
-threads, block size, the kernels (their sources: a changed kernel runs at another speed), the CPU and the smartspec
-and torch versions. A file that cannot be read is measured over; a profile of token trees is not kept (its records
+The key is what the costs depend on: the models (their files' content, not only their names) and their
+quantization, the proposer and k_max, dtype, the device by name (the CPU's model, or the GPU's), threads, block
+size, the code that sets a step's cost (the sources of the step's packages and of the kernels: changed code runs at
+another speed), and the smartspec and torch versions. A kept profile is checked against the first steps it
+predicts (`KeptProfileCheck`): where they disagree it is dropped, and measured again once the engine is idle. A file that cannot be read is measured over; a profile of token trees is not kept (its records
 carry trees). The acceptance calibration is kept beside it (the draft's outcomes and the answers, along which
 lookups are replayed): a restarted replica starts from the acceptance its predecessor measured, without measuring
 again. It still runs one short request through both models (profile.warm_up_forwards): their first forwards in a
@@ -51,6 +53,57 @@ def _version() -> str:
         return "unknown"
 
 
+def device_name(device: str) -> str:
+    """The device a profile was measured on, by name: the CPU's model, or the accelerator's."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_name()
+
+
+# the packages whose code runs in a step: a change in any of them may change what a step costs
+STEP_CODE = ("runtime", "models", "spec_decode", "engine", "structured")
+
+
+def step_code_digest() -> str:
+    """A digest of the code that sets a step's cost: the sources of STEP_CODE and of the kernels."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for package in STEP_CODE:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    digest.update(kernels.source_digest().encode())
+    return digest.hexdigest()[:16]
+
+
+SAMPLED_BLOCKS, BLOCK_BYTES = 16, 1 << 16
+
+
+def model_digest(model: str | None) -> str | None:
+    """A digest of a model's files' content (their names, sizes and 16 blocks spread over each file: a changed
+    file almost surely changes one, at a read of 1 MiB a file, not the gigabytes a full hash reads); None for a
+    name that is no local path (a hub id)."""
+    if model is None:
+        return None
+    from smartspec.models.registry import resolve
+
+    try:
+        folder = Path(resolve(model, fetch_missing=False))
+    except Exception:
+        return None
+    if not folder.exists():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)}:{size}".encode())
+        with path.open("rb") as f:
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(size * i // SAMPLED_BLOCKS)
+                digest.update(f.read(BLOCK_BYTES))
+    return digest.hexdigest()[:16]
+
+
 # what engine/profile.py's profile_steps measures; a kept profile of another is measured again (2: two full-k
 # drafting steps a shape, the first after the prompt's catch-up and the second after none; 3: after a warm-up
 # request through both models, so no shape's step is a model's first forward)
@@ -66,7 +119,9 @@ def profile_path(config, batches: tuple[int, ...], context: int, calibration: tu
             "block_size": config.block_size, "kernels": config.use_kernels and kernels.source_digest(),
             "cuda_graphs": config.cuda_graphs, "prefix_caching": config.enable_prefix_caching,
             "speculation": spec.as_dict() if spec else None,
-            "batches": list(batches), "context": context, "cpu": cpu_name(), "cores": os.cpu_count(),
+            "batches": list(batches), "context": context, "device_name": device_name(config.device),
+            "cores": os.cpu_count(), "step_code": step_code_digest(), "model_content": model_digest(config.model),
+            "draft_content": model_digest(getattr(spec, "model", None)) if spec else None,
             "smartspec": _version(), "torch": torch.__version__, "calibration": calibration,
             "profile_steps": PROFILE_STEPS}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -114,3 +169,29 @@ def save_profile(path: Path, profile: KeptProfile) -> None:
         os.replace(partial, path)
     except OSError as exc:
         logger.warning("warm-up profile not kept at %s: %r", path, exc)
+
+
+class KeptProfileCheck:
+    """Holds a kept profile against the first steps it prices: `observe` each step's predicted and measured time;
+    once `steps` decoding steps are in, `stale` tells whether their median relative error passed `tolerance` (a
+    profile kept from a faster or slower machine state, another build of the same versions)."""
+
+    def __init__(self, path: Path, steps: int = 8, tolerance: float = 0.5) -> None:
+        self.path, self.steps, self.tolerance = path, steps, tolerance
+        self.errors: list[float] = []
+
+    def observe(self, record: StepRecord) -> bool | None:
+        """None while the check is still taking steps; then whether the kept profile is stale (once)."""
+        if record.predicted_s is None or record.total_s <= 0 or len(self.errors) >= self.steps:
+            return None
+        self.errors.append(abs(record.predicted_s - record.total_s) / record.total_s)
+        if len(self.errors) < self.steps:
+            return None
+        median = sorted(self.errors)[len(self.errors) // 2]
+        if median <= self.tolerance:
+            return False
+        logger.warning("kept warm-up profile %s priced the first %d steps %.0f%% off (median): dropping it, to be "
+                       "measured again once the engine is idle", self.path, self.steps, 100 * median)
+        self.path.unlink(missing_ok=True)
+        return True
+
