@@ -281,18 +281,18 @@ def test_a_stream_that_sent_tokens_ends_with_the_error():
     assert len(calls) == 1
 
 
-def test_an_idempotent_unary_request_is_retried_whole_and_its_first_tokens_are_void():
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=0.8)],
+                         ids=["greedy", "seeded", "unseeded"])
+def test_a_unary_request_is_retried_whole_and_its_first_tokens_are_void(sampling):
+    """Its client has seen nothing: greedy, seeded or unseeded, a fresh answer is as good as the lost one."""
     start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True),
-                            ReplicaStream([ACCEPTED, delta("a"), delta("b", True)]))
-    events = drain(FailoverStream(start, completion("p", temperature=0), streaming=False))
-    assert events == [ACCEPTED, delta("a"), Restart(), delta("a"), delta("b", True)]
+                            ReplicaStream([ACCEPTED, delta("c"), delta("b", True)]))
+    events = drain(FailoverStream(start, completion("p", **sampling), streaming=False))
+    assert events == [ACCEPTED, delta("a"), Restart(), delta("c"), delta("b", True)]
+    assert len(calls) == 2
 
 
-def test_unseeded_sampling_after_tokens_and_a_second_death_are_not_retried():
-    start, calls = replicas(ReplicaStream([ACCEPTED, delta("a")], dies=True), ReplicaStream([ACCEPTED]))
-    with pytest.raises(ActorDiedError):
-        drain(FailoverStream(start, completion("p", temperature=0.8), streaming=False))
-    assert len(calls) == 1
+def test_a_second_death_is_not_retried():
     start, calls = replicas(ReplicaStream([], dies=True), ReplicaStream([], dies=True), ReplicaStream([ACCEPTED]))
     with pytest.raises(ActorDiedError):
         drain(FailoverStream(start, completion("p", temperature=0.8, seed=3), streaming=False))
@@ -327,8 +327,7 @@ def test_a_refused_retry_fails_the_generation_and_request_errors_are_never_retri
     start, _ = replicas(ReplicaStream([ACCEPTED], dies=True), ReplicaStream([Refused(429, "overloaded")]))
     with pytest.raises(GenerationFailed, match="overloaded"):
         drain(FailoverStream(start, completion("p", temperature=0), streaming=True))
-    greedy = completion("p", temperature=0)
-    assert not may_retry(ValueError("bad"), 1, False, True, greedy)
-    assert may_retry(ActorDiedError(), 1, False, True, greedy) and not may_retry(ActorDiedError(), 2, False, True, greedy)
-    assert not may_retry(ActorDiedError(), 1, True, False, completion("p", temperature=0.8))
-    assert may_retry(ActorDiedError(), 1, True, False, completion("p", temperature=0.8, seed=1))
+    assert not may_retry(ValueError("bad"), 1, False, True)
+    assert may_retry(ActorDiedError(), 1, False, True) and not may_retry(ActorDiedError(), 2, False, True)
+    assert may_retry(ActorDiedError(), 1, True, False)  # not streamed: its caller has seen nothing
+    assert not may_retry(ActorDiedError(), 1, True, True)  # a stream that sent tokens

@@ -6,9 +6,9 @@ The rules (`may_retry`), per generation (one choice of a request):
   the goodput router sends it elsewhere. Usage counts the attempt that answered; the failed one is not billed.
 - After its first token, a stream ends with its error event, as it would without failover: the caller has seen
   tokens that a retry could not take back.
-- After its first token, a request that is not streamed is retried whole, once, when it is idempotent: greedy
-  (`SamplingParams.greedy`) or seeded. Its tokens so far are dropped (`Restart`), never sent twice. An unseeded sampled
-  request ends with a 500, as without failover.
+- After its first token, a request that is not streamed is retried whole, once, whatever its sampling: its caller
+  has seen nothing yet, so a fresh answer (a new draw, where it is sampled unseeded) is as good as the lost one. Its
+  tokens so far are dropped (`Restart`), never sent twice.
 A refusal (a replica's 4xx or 503 before acceptance) is an answer, not a failure: it is never retried here.
 
 Nothing waits unbounded: each attempt waits at most `wait_s` for its replica's first event (a replica restarting
@@ -32,10 +32,10 @@ def is_replica_failure(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
-def may_retry(exc: BaseException, attempts: int, tokens_sent: bool, streaming: bool, call: GenerateCall) -> bool:
+def may_retry(exc: BaseException, attempts: int, tokens_sent: bool, streaming: bool) -> bool:
     if attempts >= MAX_ATTEMPTS or not is_replica_failure(exc):
         return False
-    return not tokens_sent or (not streaming and call.idempotent)
+    return not tokens_sent or not streaming
 
 
 class GenerationFailed(RuntimeError):
@@ -76,7 +76,7 @@ class FailoverStream:
             except (StopAsyncIteration, NoReplicaInTime):
                 raise
             except Exception as exc:
-                if not may_retry(exc, self.attempts, self.tokens_sent, self.streaming, self.call):
+                if not may_retry(exc, self.attempts, self.tokens_sent, self.streaming):
                     raise
                 self.failures.append(exc)
                 self._retry()
