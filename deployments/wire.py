@@ -48,11 +48,6 @@ class GenerateCall:
         return replace(self, request_id=new_request_id(), retry_of=self.request_id)
 
     @property
-    def idempotent(self) -> bool:
-        """A retry gives the same answer: greedy decoding, or a seeded sampler."""
-        return self.params.greedy or self.params.seed is not None
-
-    @property
     def output_tokens_bound(self) -> int | None:
         """The most tokens it may generate, where the caller said; None: up to the context's end."""
         return None if self.until_context_end else self.params.max_tokens
@@ -107,6 +102,9 @@ class Delta:
     prediction: PredictionUsage | None = None  # finished: a predicted output's accepted and rejected tokens
     logprobs: list[TokenEntry] | None = None  # of token_ids, when asked
     prompt_logprobs: list[TokenEntry | None] | None = None  # the first delta's, when asked (the first is None)
+    # finish_reason "error": the engine ended the generation because its part of a step failed; what failed, for
+    # the caller (a 500's message, or a stream's error event)
+    error: str | None = None
 
     def then(self, later: Delta) -> Delta:
         """This delta and the next of the same generation, as one (what the later one reports at its end)."""

@@ -1,8 +1,9 @@
 """The answer's fold (deployments/http/fold.py): a request's events give the stream chunks and, at the end, the
 whole answer, and the two say the same thing; a Restart voids a generation's tokens so far. No Ray."""
+import pytest
 from tool_defs import WEATHER
 
-from deployments.http.fold import AnswerFold
+from deployments.http.fold import AnswerFold, GenerationFailedInServer
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.wire import Accepted, Delta, PredictionUsage, Restart, TokenEntry
 
@@ -101,3 +102,16 @@ def test_deltas_held_back_and_sent_as_one_fold_into_the_same_answer():
         assert fold.response()["choices"] == one_by_one.response()["choices"]
         assert fold.response()["choices"][0]["text"] == "abcdef"
     assert Delta("x", [1], 1).then(Delta("y", [2], 2)).logprobs is None  # none asked: none made up
+
+
+def test_a_generation_the_engine_ended_with_an_error_fails_with_its_message():
+    """The engine ended one generation (its part of a step failed): the fold raises its message, which the front
+    answers as a 500 (or a stream's error event); a sibling choice's tokens are folded as before."""
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 2})
+    fold = AnswerFold("id", "m", body, False, [Accepted(1), Accepted(1)])
+    fold.feed(1, deltas(["fine"])[0])
+    fold.feed(0, Delta("ab", [1, 2], 2, first=True))
+    message = "the server failed at this request's grammar: RuntimeError: boom"
+    with pytest.raises(GenerationFailedInServer) as failed:
+        fold.feed(0, Delta("", [], 2, finished=True, finish_reason="error", error=message))
+    assert str(failed.value) == message

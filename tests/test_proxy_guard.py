@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from deployments.http.proxy_guard import IngressReplay, middlewares
+from deployments.http.proxy_guard import MAX_REPLAYS, IngressReplay, key_digest, middlewares
 
 
 class ProxyStandIn:
@@ -37,28 +37,109 @@ class ProxyStandIn:
         await send({"type": "http.response.body", "body": b'{"echo": ' + json.dumps(body.decode()).encode() + b"}"})
 
 
-def post(app, stream: bool = False) -> httpx.Response:
+def post(app, stream: bool = False, path: str = "/v1/completions", headers: dict | None = None,
+         content: bytes | None = None) -> httpx.Response:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            return await client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+            if content is not None:
+                return await client.post(path, content=content, headers=headers)
+            return await client.post(path, json={"prompt": "hi", "stream": stream}, headers=headers)
     return asyncio.run(go())
 
 
 def test_a_request_left_unanswered_is_sent_again_with_its_body():
-    inner = ProxyStandIn(fail=2)
+    inner = ProxyStandIn(fail=1)
     response = post(IngressReplay(inner, retry_s=5, first_pause_s=0.01))
-    assert response.status_code == 200 and inner.calls == 3
+    assert response.status_code == 200 and inner.calls == 2
     assert len(set(inner.bodies)) == 1 and json.loads(inner.bodies[0]) == {"prompt": "hi", "stream": False}
     assert json.loads(response.json()["echo"]) == {"prompt": "hi", "stream": False}
 
 
+class NeverDelivered(ProxyStandIn):
+    """The proxy could not hand the request to any ingress replica: it returns without reading the body."""
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+
+
 def test_past_its_retry_budget_it_is_refused_by_name_with_retry_after():
-    inner = ProxyStandIn(fail=10 ** 6)
+    inner = NeverDelivered(fail=10 ** 6)
     response = post(IngressReplay(inner, retry_s=0.2, first_pause_s=0.05))
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert error["code"] == 503 and "no ingress replica answered" in error["message"]
-    assert 2 <= inner.calls <= 6
+    assert 2 <= inner.calls <= 4
+
+
+def test_it_sends_a_request_at_most_three_times_more():
+    inner = NeverDelivered(fail=10 ** 6)
+    response = post(IngressReplay(inner, retry_s=60, first_pause_s=0.001))
+    assert response.status_code == 503 and inner.calls == 1 + MAX_REPLAYS == 4
+
+
+def test_a_request_that_killed_two_ingress_replicas_is_not_sent_to_a_third():
+    """Each attempt read the whole body and then answered nothing (its replica died holding it): after two, a
+    named 503, however much retry budget is left."""
+    inner = ProxyStandIn(fail=10 ** 6)
+    response = post(IngressReplay(inner, retry_s=60, first_pause_s=0.001))
+    assert response.status_code == 503 and inner.calls == 2
+    assert "failed 2 times while holding it" in response.json()["error"]["message"]
+
+
+def test_other_routes_and_methods_pass_through_untouched():
+    """Another application's route, or a GET: no body kept, no replay, no key or size check of the guard's."""
+    inner = ProxyStandIn(fail=0)
+    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01, max_body_bytes=4, known_keys=lambda: {"x"})
+    response = post(guard, path="/other-app/predict")  # no key, a body over the cap: none of the guard's business
+    assert response.status_code == 200 and inner.bodies == [b'{"prompt":"hi","stream":false}']
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+    asyncio.run(guard({"type": "http", "method": "GET", "path": "/v1/completions", "headers": []}, receive, send))
+    assert sent[0]["status"] == 200 and inner.calls == 2
+
+
+def test_a_missing_or_wrong_key_is_refused_before_the_body_is_read():
+    read = []
+
+    class Reads(ProxyStandIn):
+        async def __call__(self, scope, receive, send):
+            read.append(True)
+            await super().__call__(scope, receive, send)
+    guard = IngressReplay(Reads(fail=0), retry_s=5, first_pause_s=0.01, known_keys=lambda: {key_digest("k1")})
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
+        response = post(guard, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == 401
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert read == []
+    assert post(guard, headers={"authorization": "Bearer k1"}).status_code == 200 and read == [True]
+
+
+def test_a_body_over_the_cap_gets_413_before_it_is_buffered():
+    """By its Content-Length, before a byte is read; without one (chunked), as soon as the bytes read pass it."""
+    inner = ProxyStandIn(fail=0)
+    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01, max_body_bytes=64)
+    response = post(guard, content=b"x" * 65, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "over 64 bytes" in response.json()["error"]["message"]
+    chunks = [{"type": "http.request", "body": b"y" * 40, "more_body": True} for _ in range(1000)]
+    taken = []
+
+    async def receive():
+        taken.append(1)
+        return chunks.pop()
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    asyncio.run(guard({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive,
+                      send))
+    assert sent[0]["status"] == 413 and len(taken) == 2 and inner.calls == 0
+    assert post(guard, content=b"{}" * 10, headers={"content-type": "application/json"}).status_code == 200
 
 
 def test_an_answer_the_proxy_made_itself_passes_unchanged():
@@ -98,28 +179,14 @@ def test_a_client_that_hung_up_is_not_sent_again():
     assert inner.calls == 1 and sent == []
 
 
-def test_the_callback_reads_its_budget_and_names_a_bad_one(monkeypatch):
+def test_the_callback_reads_its_budget_cap_and_key_and_names_a_bad_one(monkeypatch):
     monkeypatch.setenv("SMARTSPEC_PROXY_RETRY_S", "12")
+    monkeypatch.setenv("SMARTSPEC_MAX_BODY_MIB", "0.5")
+    monkeypatch.setenv("SMARTSPEC_API_KEY", "secret")
     (middleware,) = middlewares()
-    assert middleware.cls is IngressReplay and middleware.kwargs == {"retry_s": 12.0}
+    assert middleware.cls is IngressReplay and middleware.kwargs["retry_s"] == 12.0
+    assert middleware.kwargs["max_body_bytes"] == 1 << 19
+    assert middleware.kwargs["known_keys"]() == {key_digest("secret")}  # no Ray here: the environment's alone
     monkeypatch.setenv("SMARTSPEC_PROXY_RETRY_S", "soon")
     with pytest.raises(ValueError, match="SMARTSPEC_PROXY_RETRY_S"):
         middlewares()
-
-
-def test_a_body_too_large_to_keep_reaches_the_app_whole_once(monkeypatch):
-    from deployments.http import proxy_guard
-
-    monkeypatch.setattr(proxy_guard, "MAX_KEPT_BODY", 4)
-    inner = ProxyStandIn(fail=1)
-    parts = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
-             {"type": "http.request", "body": b'"hi"}', "more_body": False}]
-
-    async def receive():
-        return parts.pop(0) if parts else await asyncio.Future()
-
-    async def send(message):
-        raise AssertionError(f"nothing is sent for a request the proxy left unanswered: {message}")
-    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01)
-    asyncio.run(guard({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
-    assert inner.calls == 1 and inner.bodies == [b'{"prompt": "hi"}']  # unguarded: not sent again

@@ -339,6 +339,10 @@ def test_the_load_generator_drives_the_server(app, tmp_path):
     ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ({"model": "tiny", "prompt": "x", "prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
     ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "`best_of` is not supported"),
+    # impossible constraints (structured/feasible.py): refused, never started
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "()"}, "min_tokens": 1}, 400, "min_tokens"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"choice": ["a"]}, "logit_bias": {"64": -100}}, 400,
+     "logit_bias"),
 ])
 def test_bad_input_gets_openai_error(app, body, status, message):
     content = body if isinstance(body, str) else json.dumps(body)

@@ -13,6 +13,11 @@ from deployments.http.tools import parse as parse_tool_calls
 from deployments.wire import Accepted, Delta, Event, PredictionUsage, Restart, TokenEntry
 
 
+class GenerationFailedInServer(RuntimeError):
+    """The engine ended a generation because its part of a step failed (Delta.error): a 500 with that message, or
+    a stream's error event. The engine and the other generations went on."""
+
+
 @dataclass
 class _Choice:
     """One generation's answer so far."""
@@ -65,6 +70,8 @@ class AnswerFold:
             return []
         if not isinstance(event, Delta):
             return []
+        if event.error is not None:
+            raise GenerationFailedInServer(event.error)
         choice = self.choices[index]
         text = self.accepted[index].prompt_text + event.text if self.echo and event.first else event.text
         choice.text += text

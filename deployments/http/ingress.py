@@ -17,9 +17,9 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.control import metrics
 from deployments.control.metrics import IngressMetrics, render_replica_metrics
-from deployments.http import answers
+from deployments.http import answers, proxy_guard
 from deployments.http import protocol as proto
-from deployments.http.fold import AnswerFold
+from deployments.http.fold import AnswerFold, GenerationFailedInServer
 from deployments.http.tools import ToolError, template_messages
 from deployments.http.tools import functions as tool_functions
 from deployments.placement.failover import FailoverStream, NoReplicaInTime
@@ -44,6 +44,22 @@ class HTTPError(Exception):
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
         return JSONResponse(answers.error_body(self.status, self.message, self.param), status_code=self.status,
                             headers=headers)
+
+
+def publish_key(api_key: str | None) -> None:
+    """Tell the proxies' guards (proxy_guard.PublishedKeys) this application's API key, as a digest, so they refuse
+    a request without it before reading its body; no key: the application's entry is cleared."""
+    try:
+        context = serve.get_replica_context()
+    except Exception:  # not inside a Serve replica (a test that builds the class): no proxy to tell
+        return
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    name = proxy_guard.KEY_DIGESTS_KV + context.app_name
+    if api_key:
+        _internal_kv_put(name, proxy_guard.key_digest(api_key).encode(), overwrite=True)
+    else:
+        _internal_kv_del(name)
 
 
 def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -73,6 +89,9 @@ class OpenAIIngress:
         self.api_key = api_key or os.environ.get("SMARTSPEC_API_KEY") or None
         self.metrics_need_key = metrics_need_key
         self.replica_wait_s = replica_wait_s  # the most a generation waits for a replica to take it (failover.py)
+        # the same cap the proxy guard keeps (proxy_guard.py), for a proxy that runs without it
+        self.max_body_bytes = int(float(os.environ.get(proxy_guard.MAX_BODY_ENV, "8")) * 2**20)
+        publish_key(self.api_key)
 
     def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
         """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
@@ -92,11 +111,14 @@ class OpenAIIngress:
     # ---- plain routes --------------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
-        """200 once a model replica answers (loading the models takes minutes), 503 before."""
+        """200 once a model replica answers (loading the models takes minutes) with its engine running; 503 before,
+        and for a replica whose engine has stopped (Serve replaces it once its own health check fails)."""
         try:
-            await asyncio.wait_for(self.server.ping.remote(), 5)
+            running = await asyncio.wait_for(self.server.ping.remote(), 5)
         except Exception as exc:
             return _error_response(503, f"no model replica ready yet ({type(exc).__name__})")
+        if not running:
+            return _error_response(503, "a model replica's engine has stopped after an error; it is being replaced")
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -140,7 +162,11 @@ class OpenAIIngress:
     async def _serve(self, request: Request, schema, chat: bool):
         if (refusal := self._refused(request, "chat" if chat else "completions")) is not None:
             return refusal
-        raw = await request.body()
+        raw = await self._body(request)
+        if raw is None:
+            self.metrics.request_done("chat" if chat else "completions", 413)
+            return _error_response(413, f"request body over {self.max_body_bytes} bytes "
+                                        f"({proxy_guard.MAX_BODY_ENV}); it was not read")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -158,6 +184,18 @@ class OpenAIIngress:
         except HTTPError as exc:
             self.metrics.request_done("chat" if chat else "completions", exc.status)
             return exc.response()
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The body, or None once it passes max_body_bytes (by its Content-Length, or as it is read)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return None
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                return None
+        return bytes(raw)
 
     # ---- the same API for Python callers (serve.get_app_handle) --------------------------------------------
     async def create(self, body: dict, chat: bool = False) -> dict:
@@ -314,6 +352,9 @@ class OpenAIIngress:
         except NoReplicaInTime as exc:  # its replica died and no other took the retry in time
             self._cancel(streams)
             raise HTTPError.no_replica(exc) from None
+        except GenerationFailedInServer as exc:  # the engine ended this generation alone, saying why
+            self._cancel(streams)
+            raise HTTPError(500, str(exc)) from None
         except Exception as exc:  # a replica failed mid-request: an explicit error, never a silent loss
             self._cancel(streams)
             raise HTTPError(500, f"generation failed: {exc!r}") from None
@@ -349,6 +390,9 @@ class OpenAIIngress:
             raise
         except NoReplicaInTime as exc:  # the status is sent already: say it in the stream
             status = 503
+            yield answers.error_body(status, str(exc))
+        except GenerationFailedInServer as exc:
+            status = 500
             yield answers.error_body(status, str(exc))
         except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
             status = 500

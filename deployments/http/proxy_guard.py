@@ -1,4 +1,5 @@
-"""Serve's HTTP proxy, guarded: a request whose ingress replica dies under it is sent again, or ended by name.
+"""Serve's HTTP proxy, guarded: a request is checked before its body is read, and one whose ingress replica dies
+under it is sent again, or ended by name.
 
 Serve's proxy answers a request whose OpenAIIngress replica died (kill -9, its node gone) with a bare
 `500 Internal Server Error`, and cuts a stream that had begun without an end. The ingress holds no state a request
@@ -8,50 +9,98 @@ middleware runs inside each proxy, through Serve's proxy callback:
 
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.http.proxy_guard:middlewares
 
-set where Ray starts (`serve run` or `ray start`; the KubeRay manifests set it on every pod). For each request it
-keeps the body; when the proxy ends a request without a response (what it does for an ingress replica's death), it
-sends it again, with growing pauses, for at most `SMARTSPEC_PROXY_RETRY_S` seconds (60), then answers a named 503
-with `Retry-After`. A stream that had sent its headers ends with an error event and `[DONE]`, as a stream whose
-generation failed does. A client that hung up is never retried. Responses the proxy itself makes (408, 429, 503)
-pass unchanged. Imports only the error shapes: it runs in the proxy, beside no model."""
+set where Ray starts (`serve run` or `ray start`; the KubeRay manifests set it on every pod). It guards this
+application's generation routes alone (POST .../v1/completions and .../v1/chat/completions); every other request
+passes through untouched. For a guarded request, in order:
+- the API key: where one is known (SMARTSPEC_API_KEY in the proxy's environment, or an ingress's configured key,
+  which each ingress publishes to the cluster as a digest), a request without a matching `Authorization: Bearer`
+  header gets its 401 before a byte of its body is read;
+- the body's size: over SMARTSPEC_MAX_BODY_MIB (8) MiB, a 413, from its Content-Length before reading, else as soon
+  as the bytes read pass the cap (nothing more is buffered);
+- the body is kept; when the proxy ends the request without a response (what it does for an ingress replica's
+  death), it is sent again, with growing pauses, at most MAX_REPLAYS times within SMARTSPEC_PROXY_RETRY_S seconds
+  (60), then answered by a named 503 with `Retry-After`. A request whose ingress replica died twice while it held
+  the request (the body had been read) is not sent to a third: a named 503, for the request that may be what kills
+  them.
+A stream that had sent its headers ends with an error event and `[DONE]`, as a stream whose generation failed does.
+A client that hung up is never retried. Responses the proxy itself makes (408, 429, 503) pass unchanged. Imports
+only the error shapes: it runs in the proxy, beside no model."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from deployments.http import answers
 
 logger = logging.getLogger("ray.serve")
 
-RETRY_ENV = "SMARTSPEC_PROXY_RETRY_S"
-MAX_KEPT_BODY = 64 << 20  # a larger body passes unguarded rather than held twice in the proxy
+RETRY_ENV, MAX_BODY_ENV, KEY_ENV = "SMARTSPEC_PROXY_RETRY_S", "SMARTSPEC_MAX_BODY_MIB", "SMARTSPEC_API_KEY"
+GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
+MAX_REPLAYS = 3  # sends after the first, for a request the proxy left unanswered
+MAX_INGRESS_DEATHS = 2  # ingress replicas that died holding one request before it is refused
+KEY_DIGESTS_KV = "smartspec/api-key-sha256/"  # + app name: the digest each ingress publishes of its key ("" none)
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class IngressReplay:
-    """Pure ASGI middleware (Starlette's `Middleware(IngressReplay)`): replays a request the proxy left unanswered."""
+    """Pure ASGI middleware (Starlette's `Middleware(IngressReplay)`): checks a request before reading its body,
+    and replays one the proxy left unanswered. known_keys: the digests of the API keys in force (none: no key)."""
 
-    def __init__(self, app, retry_s: float = 60.0, first_pause_s: float = 0.25):
-        if retry_s < 0 or first_pause_s <= 0:
-            raise ValueError("retry_s must be >= 0 and first_pause_s > 0")
+    def __init__(self, app, retry_s: float = 60.0, first_pause_s: float = 0.25, max_body_bytes: int = 8 << 20,
+                 known_keys: Callable[[], set[str]] = lambda: set()):
+        if retry_s < 0 or first_pause_s <= 0 or max_body_bytes < 1:
+            raise ValueError("retry_s must be >= 0, first_pause_s > 0 and max_body_bytes >= 1")
         self.app, self.retry_s, self.first_pause_s = app, retry_s, first_pause_s
+        self.max_body_bytes, self.known_keys = max_body_bytes, known_keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") != "POST" or \
+                not scope.get("path", "").rstrip("/").endswith(GUARDED_PATHS):
             return await self.app(scope, receive, send)
-        body, kept, client_gone = await read_body(receive)
-        if not kept or client_gone:  # unguarded: what was read is given once, then the rest as it comes
-            return await self.app(scope, replay(body, receive, []), send)
+        if (refusal := self.refused_before_body(scope)) is not None:
+            return await answer(send, *refusal)
+        body, whole, client_gone = await read_body(receive, self.max_body_bytes)
+        if not whole and not client_gone:
+            return await answer(send, *self.too_large())
+        if client_gone:  # what was read is given once
+            return await self.app(scope, replay(body, receive, [], []), send)
+        await self.serve_with_replays(scope, body, receive, send)
+
+    def refused_before_body(self, scope) -> tuple[int, str, dict[str, str]] | None:
+        """A 401 (no matching key) or a 413 (a Content-Length over the cap), decided from the headers alone."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        digests = self.known_keys()
+        if digests:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            given = key_digest(token.strip()) if scheme.lower() == "bearer" else ""
+            if not any(hmac.compare_digest(given, d) for d in digests):
+                return 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", \
+                    {"www-authenticate": "Bearer"}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return self.too_large()
+        return None
+
+    def too_large(self) -> tuple[int, str, dict[str, str]]:
+        return 413, f"request body over {self.max_body_bytes} bytes ({MAX_BODY_ENV}); it was not read", {}
+
+    async def serve_with_replays(self, scope, body: list[dict], receive, send) -> None:
         gone: list[bool] = []
-        deadline, pause, attempt = None, self.first_pause_s, 0
-        while True:
-            attempt += 1
-            sent = SentResponse(send)
+        deadline, pause, deaths = time.monotonic() + self.retry_s, self.first_pause_s, 0
+        for attempt in range(1, MAX_REPLAYS + 2):
+            sent, delivered = SentResponse(send), []
             try:
-                await self.app(dict(scope, headers=list(scope.get("headers", []))), replay(body, receive, gone),
-                               sent.send)
+                await self.app(dict(scope, headers=list(scope.get("headers", []))),
+                               replay(body, receive, gone, delivered), sent.send)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the proxy turns a replica's death into no response; a raise means the same
@@ -60,18 +109,24 @@ class IngressReplay:
                 return
             if sent.started:
                 return await sent.end_stream()
-            deadline = deadline or time.monotonic() + self.retry_s
-            if time.monotonic() + pause > deadline:
-                return await refuse(send, self.retry_s)
+            deaths += bool(delivered)  # its ingress had read the request, then answered nothing: it died
+            if deaths >= MAX_INGRESS_DEATHS:
+                return await answer(send, 503, f"this request's ingress replica failed {deaths} times while holding "
+                                               f"it; it was not sent to another", {"retry-after": "1"})
+            if attempt > MAX_REPLAYS or time.monotonic() + pause > deadline:
+                break
             logger.warning("proxy guard: %s %s had no answer (its ingress replica failed?); sending it again",
                            scope.get("method"), scope.get("path"))
             await asyncio.sleep(pause)
             pause = min(pause * 2, 4.0)
+        await answer(send, 503, f"no ingress replica answered within {self.retry_s:g} s and {MAX_REPLAYS} resends "
+                                f"({RETRY_ENV}); the request was not served",
+                     {"retry-after": str(max(1, round(self.retry_s)))})
 
 
-async def read_body(receive) -> tuple[list[dict], bool, bool]:
-    """The request's body messages as read, whether they are the whole body (kept, to send again: not past
-    MAX_KEPT_BODY), and whether the client hung up while it was read."""
+async def read_body(receive, cap: int) -> tuple[list[dict], bool, bool]:
+    """The request's body messages as read, whether they are the whole body (False: it passed `cap` bytes, and
+    reading stopped there), and whether the client hung up while it was read."""
     messages, size = [], 0
     while True:
         message = await receive()
@@ -79,19 +134,23 @@ async def read_body(receive) -> tuple[list[dict], bool, bool]:
         if message["type"] == "http.disconnect":
             return messages, False, True
         size += len(message.get("body", b""))
-        if size > MAX_KEPT_BODY:
+        if size > cap:
             return messages, False, False
         if not message.get("more_body", False):
             return messages, True, False
 
 
-def replay(messages: list[dict], receive, gone: list[bool]):
-    """A receive that gives the kept body again, then waits on the client (noting a hang-up in `gone`)."""
+def replay(messages: list[dict], receive, gone: list[bool], delivered: list[bool]):
+    """A receive that gives the kept body again (noting in `delivered` that the last of it was taken), then waits
+    on the client (noting a hang-up in `gone`)."""
     queue = list(messages)
 
     async def receive_again():
         if queue:
-            return queue.pop(0)
+            message = queue.pop(0)
+            if not queue:
+                delivered.append(True)
+            return message
         message = await receive()
         if message["type"] == "http.disconnect":
             gone.append(True)
@@ -124,23 +183,60 @@ class SentResponse:
         await self._send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-async def refuse(send, retry_s: float) -> None:
-    body = answers.error_body(503, f"no ingress replica answered within {retry_s:g} s of retries "
-                                   f"({RETRY_ENV}); the request was not served")
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": 503,
+async def answer(send, status: int, message: str, headers: dict[str, str]) -> None:
+    """An error response in the API's shape, sent by the guard itself."""
+    payload = json.dumps(answers.error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"retry-after", str(max(1, round(retry_s))).encode())]})
+                            *((k.encode(), v.encode()) for k, v in headers.items())]})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
+class PublishedKeys:
+    """The API keys in force, as digests: SMARTSPEC_API_KEY where this proxy runs, and the keys the ingress
+    replicas of this cluster published (ingress.publish_key), read from Ray's key-value store at most every ttl_s."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        own = os.environ.get(KEY_ENV)
+        self.own = {key_digest(own)} if own else set()
+        self.ttl_s, self.read_at, self.published = ttl_s, -float("inf"), set()
+
+    def __call__(self) -> set[str]:
+        if time.monotonic() - self.read_at > self.ttl_s:
+            self.read_at = time.monotonic()
+            try:
+                self.published = read_published_digests()
+            except Exception as exc:  # Ray's store away: the keys last read stay
+                logger.warning("proxy guard: could not read the published API keys: %r", exc)
+        return self.own | self.published
+
+
+def read_published_digests() -> set[str]:
+    import ray
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    if not ray.is_initialized():
+        return set()
+    values = (_internal_kv_get(k) for k in _internal_kv_list(KEY_DIGESTS_KV))
+    return {v.decode() for v in values if v}
+
+
 def middlewares() -> list:
-    """Serve's proxy callback: the guard, with its retry budget from SMARTSPEC_PROXY_RETRY_S."""
+    """Serve's proxy callback: the guard, with its retry budget (SMARTSPEC_PROXY_RETRY_S) and body cap
+    (SMARTSPEC_MAX_BODY_MIB) from the environment."""
     from starlette.middleware import Middleware
 
-    raw = os.environ.get(RETRY_ENV, "60")
+    retry_s = _env_number(RETRY_ENV, 60.0)
+    max_body_mib = _env_number(MAX_BODY_ENV, 8.0)
+    if max_body_mib <= 0:
+        raise ValueError(f"{MAX_BODY_ENV} must be a positive number of MiB, got {max_body_mib:g}")
+    return [Middleware(IngressReplay, retry_s=retry_s, max_body_bytes=int(max_body_mib * 2**20),
+                       known_keys=PublishedKeys())]
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name, str(default))
     try:
-        retry_s = float(raw)
+        return float(raw)
     except ValueError:
-        raise ValueError(f"{RETRY_ENV} must be a number of seconds, got {raw!r}") from None
-    return [Middleware(IngressReplay, retry_s=retry_s)]
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None

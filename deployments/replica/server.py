@@ -193,9 +193,9 @@ class LLMServer:
                         tokenizer.decode(ids[:1])), stream
 
     def _delta(self, out, first: bool) -> Delta:
-        if out.finished and out.finish_reason == "error":  # the engine ended it (its log says why): a named 500
-            raise GenerationError("structured output failed inside the server: its grammar refused a token the "
-                                  "step had committed; the request was ended (the server's log has the details)")
+        if out.finished and out.finish_reason == "error":  # the engine ended it alone (its log has the traceback)
+            return Delta("", [], len(out.token_ids), first, True, "error",
+                         error=out.error or "the server ended the generation after an internal error")
         tokenizer = self.engine.tokenizer
         spec = out.metrics["spec_decode"] if out.finished else None
         return Delta(out.new_text, out.new_token_ids, len(out.token_ids), first, out.finished, out.finish_reason,
@@ -264,10 +264,6 @@ class LLMServer:
             self.engine.close()
         except Exception:
             pass
-
-
-class GenerationError(RuntimeError):
-    """A generation the engine ended with an error of its own (finish reason "error")."""
 
 
 def gauges_of(snapshot: dict, policy_state: dict | None) -> ReplicaGauges:
