@@ -38,6 +38,7 @@ class GenerateCall:
     streamed: bool = True
     request_id: str = field(default_factory=new_request_id)
     retry_of: str | None = None  # the request id of the attempt this one retries (the router avoids its replica)
+    caller: str | None = None  # the asking ingress replica's actor id: a replica aborts the generation once it dies
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -6,10 +6,11 @@
 
 It starts a two-node Ray cluster on this machine (`ray start --head`, then a second node with `ray start
 --address`, each 1 logical CPU), deploys the application with two LLMServer replicas, one per node, each with its
-draft model in an actor of its own (`draft_actor: true`), and keeps 4 clients sending a mix of requests: streamed
-chats, n = 2 completions, JSON-schema chats, tool calls and streams the client hangs up on. Then, in turn, it
-injects each fault, keeps the load on until the application is healthy again (every replica running, a request
-answered), and waits for every request of that window to end:
+draft model in an actor of its own (`draft_actor: true`), and keeps 16 clients, each with 3 requests in flight,
+sending a mix: streamed chats, n = 2 seeded completions, unseeded sampled chats (whole and streamed), JSON-schema
+chats, tool calls and streams the client hangs up on. Then, in turn, it injects each fault, keeps the load on until
+the application is healthy again (every replica running, a request answered), and waits for every request of that
+window to end:
 
   kill-replica     kill -9 of an LLMServer replica process
   kill-draft       kill -9 of a draft actor
@@ -19,11 +20,14 @@ answered), and waits for every request of that window to end:
   rolling-update   a deploy of a changed config (Serve replaces the replicas one by one)
   node-stop        the second node's raylet stopped (as `ray stop` there), then the node started again
 
-Per fault it prints the requests of its window and what became of them: completed, named errors (a 4xx/5xx with
-an error body, or a stream's error event), lost (neither: a dropped connection, a stream cut without [DONE]),
-duplicated (a choice answered twice), hung (no end within --hang-s) and the seconds back to healthy. Hang-ups are
-the client's own and are counted apart. Afterwards every replica's KV blocks must be free. The last line:
-`faults F; requests R; completed C; named errors E; lost L; duplicated D; hung H`. Raw rows go to --out.
+Per fault it prints the requests of its window and what became of them: completed; named errors, allowed only
+for a stream that had already sent tokens when its replica died (its error event: no retry can take back what the
+client has read); lost, any request that should have been answered and was not (a dropped connection, a stream cut
+without [DONE], a 5xx or an error event of any other request, named or not); refused (a 4xx: named, counted apart);
+duplicated (a choice answered twice); hung (no end within --hang-s); and the seconds back to healthy. Hang-ups are
+the client's own and are counted apart. Then the named errors and the losses, itemized by cause. Afterwards every
+replica's KV blocks must be free. The last line: `faults F; requests R; completed C; named errors E; lost L;
+duplicated D; hung H`. Raw rows go to --out.
 Needs the models fetched, and nothing else on ports 6390, 6391, 8000 and 8001."""
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ PROXY_GUARD = "deployments.http.proxy_guard:middlewares"
 URL = f"http://127.0.0.1:{PORT}"
 FAULTS = ("kill-replica", "kill-draft", "kill-controller", "kill-ingress", "scale-down", "rolling-update",
           "node-stop")
-KINDS = ("stream", "n2", "json", "tools", "hangup")
+KINDS = ("stream", "n2", "json", "sampled", "tools", "sampled_stream", "hangup")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -60,7 +64,7 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "l
 class Outcome:
     fault: str
     kind: str
-    outcome: str  # completed | named | lost | duplicated | hung | hung_up
+    outcome: str  # completed | named | lost | refused | duplicated | hung | hung_up
     status: int | None
     seconds: float
     detail: str = ""
@@ -77,6 +81,9 @@ def request_of(kind: str, model: str, max_tokens: int, i: int) -> tuple[str, dic
             "model": model, "messages": [{"role": "user", "content": "Name a Python function and its length."}],
             "max_tokens": max_tokens * 2, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}}
+    if kind in ("sampled", "sampled_stream"):  # unseeded: a retry answers with another draw, as good as the first
+        return "/v1/chat/completions", {"model": model, "messages": [user], "max_tokens": max_tokens,
+                                        "temperature": 0.9, "top_p": 0.95, "stream": kind == "sampled_stream"}
     if kind == "tools":
         return "/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
@@ -86,9 +93,12 @@ def request_of(kind: str, model: str, max_tokens: int, i: int) -> tuple[str, dic
 
 
 def judge_whole(status: int, body: dict, n: int) -> tuple[str, str]:
+    """A whole answer: a 4xx is a named refusal; a 5xx, named or not, is a request that should have been answered
+    (a replica's death before the answer is the failover's to absorb)."""
     if status >= 400:
         named = isinstance(body, dict) and isinstance(body.get("error"), dict) and body["error"].get("message")
-        return ("named", str(body["error"]["message"])[:120]) if named else ("lost", f"{status} without a message")
+        detail = str(body["error"]["message"])[:120] if named else f"{status} without a message"
+        return ("refused" if status < 500 and named else "lost"), detail
     choices = body.get("choices") or []
     indexes = [c.get("index") for c in choices]
     if len(indexes) != len(set(indexes)) or len(choices) > n:
@@ -124,7 +134,7 @@ async def send(client: httpx.AsyncClient, fault: str, kind: str, model: str, max
                         return outcome(what, r.status_code, detail)
                     except ValueError:
                         return outcome("lost", r.status_code, "error without a JSON body")
-                finished, done, error = {}, False, None
+                finished, done, error, tokens = {}, False, None, False
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -137,12 +147,14 @@ async def send(client: httpx.AsyncClient, fault: str, kind: str, model: str, max
                         error = chunk["error"]
                         continue
                     for c in chunk.get("choices", []):
+                        tokens = tokens or bool((c.get("delta") or {}).get("content"))
                         if c.get("finish_reason"):
                             finished[c["index"]] = finished.get(c["index"], 0) + 1
                     if kind == "hangup":
                         return outcome("hung_up", r.status_code)
-                if error is not None:
-                    return outcome("named", r.status_code, str(error.get("message"))[:120])
+                if error is not None:  # allowed once tokens were read: what the client has seen cannot be redone
+                    return outcome("named" if tokens else "lost", error.get("code"),
+                                   str(error.get("message"))[:120])
                 if any(v > 1 for v in finished.values()):
                     return outcome("duplicated", r.status_code, f"finish events {finished}")
                 if done and finished:
@@ -154,20 +166,24 @@ async def send(client: httpx.AsyncClient, fault: str, kind: str, model: str, max
         return outcome("lost", None, f"{type(exc).__name__}: {exc}"[:120])
 
 
-async def load(fault: str, model: str, max_tokens: int, clients: int, stop: asyncio.Event, hang_s: float,
-               counter: list[int]) -> list[Outcome]:
+async def load(fault: str, model: str, max_tokens: int, clients: int, in_flight: int, stop: asyncio.Event,
+               hang_s: float, counter: list[int]) -> list[Outcome]:
+    """`clients` clients (a connection pool each), each keeping `in_flight` requests going until stop."""
     outcomes: list[Outcome] = []
 
-    async def client_loop(c: int) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(hang_s + 5)) as client:
-            while not stop.is_set():
-                counter[0] += 1
-                kind = KINDS[counter[0] % len(KINDS)]
-                outcomes.append(await send(client, fault, kind, model, max_tokens, counter[0], hang_s))
-                if outcomes[-1].outcome not in ("completed", "hung_up"):
-                    await asyncio.sleep(0.5)  # a client backs off after an error, as an SDK's retry would
+    async def one_in_flight(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            counter[0] += 1
+            kind = KINDS[counter[0] % len(KINDS)]
+            outcomes.append(await send(client, fault, kind, model, max_tokens, counter[0], hang_s))
+            if outcomes[-1].outcome not in ("completed", "hung_up"):
+                await asyncio.sleep(0.5)  # a client backs off after an error, as an SDK's retry would
 
-    await asyncio.gather(*(client_loop(c) for c in range(clients)))
+    async def client_loop() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(hang_s + 5)) as client:
+            await asyncio.gather(*(one_in_flight(client) for _ in range(in_flight)))
+
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
     return outcomes
 
 
@@ -297,7 +313,8 @@ def wait_until(check, timeout: float) -> float | None:
 
 async def run_fault(fault: str, args) -> tuple[list[Outcome], float | None, str]:
     stop, counter = asyncio.Event(), [0]
-    task = asyncio.create_task(load(fault, MODEL[0], args.max_tokens, args.clients, stop, args.hang_s, counter))
+    task = asyncio.create_task(load(fault, MODEL[0], args.max_tokens, args.clients, args.in_flight, stop,
+                                    args.hang_s, counter))
     await asyncio.sleep(args.load_s)
     before = await asyncio.to_thread(parts)
     injected_at = time.monotonic()
@@ -327,8 +344,8 @@ def kv_free(timeout: float = 120) -> bool:
 
 
 def summary(rows: list[Outcome]) -> dict:
-    count = {k: sum(r.outcome == k for r in rows) for k in ("completed", "named", "lost", "duplicated", "hung",
-                                                           "hung_up")}
+    count = {k: sum(r.outcome == k for r in rows) for k in ("completed", "named", "lost", "refused", "duplicated",
+                                                           "hung", "hung_up")}
     return {"requests": len(rows), **count}
 
 
@@ -337,15 +354,16 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
-    ap.add_argument("--clients", type=int, default=4, help="concurrent clients of the steady load")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients of the steady load")
+    ap.add_argument("--in-flight", type=int, default=3, help="requests each client keeps in flight")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--load-s", type=float, default=15, help="seconds of load before each fault and after healing")
     ap.add_argument("--heal-s", type=float, default=300, help="the most seconds to wait for health after a fault")
     ap.add_argument("--hang-s", type=float, default=120, help="a request without an end this long is hung")
     ap.add_argument("--out", default="results/chaos.jsonl")
     args = ap.parse_args()
-    if args.clients < 1 or args.max_tokens < 1:
-        ap.error("--clients and --max-tokens must be at least 1")
+    if args.clients < 1 or args.in_flight < 1 or args.max_tokens < 1:
+        ap.error("--clients, --in-flight and --max-tokens must be at least 1")
     args.rolled = False
     MODEL[0] = args.model
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -391,19 +409,19 @@ def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))
-    print(f"\n{'fault':16s} {'requests':>8s} {'completed':>9s} {'named':>6s} {'lost':>5s} {'dup':>4s} {'hung':>5s} "
-          f"{'hang-ups':>8s} {'back (s)':>8s}")
+    print(f"\n{'fault':16s} {'requests':>8s} {'completed':>9s} {'named':>6s} {'lost':>5s} {'refused':>7s} "
+          f"{'dup':>4s} {'hung':>5s} {'hang-ups':>8s} {'back (s)':>8s}")
     for fault, s, back in table:
-        print(f"{fault:16s} {s['requests']:8d} {s['completed']:9d} {s['named']:6d} {s['lost']:5d} "
+        print(f"{fault:16s} {s['requests']:8d} {s['completed']:9d} {s['named']:6d} {s['lost']:5d} {s['refused']:7d} "
               f"{s['duplicated']:4d} {s['hung']:5d} {s['hung_up']:8d} {'-' if back is None else f'{back:.0f}':>8s}")
-    for r in [r for r in rows if r.outcome in ("lost", "duplicated", "hung")][:20]:
-        print(f"  {r.fault} {r.kind}: {r.outcome} ({r.status}) {r.detail}")
-    named = {}
-    for r in rows:
-        if r.outcome == "named":
-            named[(r.status, r.detail[:60])] = named.get((r.status, r.detail[:60]), 0) + 1
-    for (status, detail), n in sorted(named.items(), key=lambda x: -x[1])[:10]:
-        print(f"  named {n}x: {status} {detail}")
+    for what in ("named", "refused", "lost", "duplicated", "hung"):  # itemized by cause: fault, kind, status, why
+        causes: dict[tuple, int] = {}
+        for r in rows:
+            if r.outcome == what:
+                cause = (r.fault, r.kind, r.status, r.detail[:70])
+                causes[cause] = causes.get(cause, 0) + 1
+        for (fault, kind, status, detail), n in sorted(causes.items(), key=lambda x: -x[1])[:12]:
+            print(f"  {what} {n}x: {fault} {kind} {status} {detail}")
     total = summary(rows)
     print(f"KV blocks all free afterwards: {'yes' if free else 'no'}; raw rows: {out}")
     print(f"faults {len(table)}; requests {total['requests']}; completed {total['completed']}; named errors "

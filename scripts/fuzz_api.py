@@ -1,23 +1,28 @@
 """Property-based requests against a running SmartSpec server: nothing a client sends gets a 5xx or hangs, and the
 server is healthy with every KV block free afterwards.
 
-Requests are drawn by hypothesis: both endpoints (and the Serve handle, when this process holds one), every field
-of the API (`response_format`, `tools`, `tool_choice`, `logit_bias`, `prediction`, `structured_outputs`,
-`speculation`, `stop`, `n`, `logprobs`, sampling controls, streams with hang-ups), valid values beside wrong types,
-out-of-range numbers, odd unicode, huge and deeply nested values. Per request: its status (a 5xx, or an error event
-of a 5xx inside a stream, is a failure), whether a 4xx names what is wrong, and whether it ended within --timeout
-seconds (a hang otherwise). Writes results/fuzz_api.jsonl (one line per request: endpoint, status, seconds, and
-the body of any failure) and prints, last, `requests N; 5xx F; hangs H; kv back yes|no`.
+Requests are drawn by hypothesis: both endpoints, and the Serve handle (every fourth request, unary and streamed,
+where this process can reach the application: the fuzzer joins the running Ray cluster); any number of the API's
+fields at once (`response_format`, `tools`, `tool_choice`, `logit_bias`, `prediction`, `structured_outputs`,
+`speculation`, `stop`, `n`, `logprobs`, sampling controls, streams with hang-ups). Half the requests are drawn
+valid in every field, so that many reach the engine with many features at once; the other half mix in wrong types,
+out-of-range numbers, odd unicode, huge and deeply nested values. `--clients` send at once. Per request: its status
+(a 5xx, an error event of a 5xx inside a stream, or a stream that ends without `[DONE]` is a failure), whether a
+4xx names what is wrong, and whether it ended within --timeout seconds (a hang otherwise). Writes
+results/fuzz_api.jsonl (one line per request: endpoint, status, seconds, and the body of any failure) and prints,
+last, `requests N; 5xx F; hangs H; kv back yes|no`, after a `statuses` line (how many were answered 200).
 
     serve run config-light.yaml &            # or any served config
-    python scripts/fuzz_api.py --requests 2000 [--url http://127.0.0.1:8000] [--model smollm2-135m]
+    python scripts/fuzz_api.py --requests 3000 --clients 8 [--url http://127.0.0.1:8000] [--app smartspec]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,69 +87,97 @@ def mostly(draw, valid: st.SearchStrategy, odd: st.SearchStrategy):
     return draw(odd) if draw(st.integers(0, 4)) == 0 else draw(valid)
 
 
+# each field: (a value the API takes, a value it may refuse); a valid request draws the first alone
 NUMBERS = {
-    "temperature": mostly(st.one_of(st.just(0), st.floats(0, 2)),
-                          st.one_of(st.floats(-10, 10), st.sampled_from([1e308, float("nan"), float("inf")]))),
-    "top_p": mostly(st.floats(0.01, 1), st.one_of(st.floats(-1, 2), st.just(float("nan")))),
-    "top_k": mostly(st.integers(0, 100), st.integers(-5, 0)),
-    "min_p": mostly(st.floats(0, 1), st.floats(-1, 2)),
-    "seed": mostly(st.integers(0, 2**32), st.integers(-2**70, 2**70)),
-    "presence_penalty": mostly(st.floats(-2, 2), st.floats(-9, 9)),
-    "frequency_penalty": mostly(st.floats(-2, 2), st.floats(-9, 9)),
-    "repetition_penalty": mostly(st.floats(0.5, 2), st.floats(-1, 3)),
-    "min_tokens": mostly(st.integers(0, 6), st.integers(-2, 12)),
+    "temperature": (st.one_of(st.just(0), st.floats(0, 2)),
+                    st.one_of(st.floats(-10, 10), st.sampled_from([1e308, float("nan"), float("inf")]))),
+    "top_p": (st.floats(0.01, 1), st.one_of(st.floats(-1, 2), st.just(float("nan")))),
+    "top_k": (st.integers(0, 100), st.integers(-5, 0)),
+    "min_p": (st.floats(0, 1), st.floats(-1, 2)),
+    "seed": (st.integers(0, 2**32), st.integers(-2**70, 2**70)),
+    "presence_penalty": (st.floats(-2, 2), st.floats(-9, 9)),
+    "frequency_penalty": (st.floats(-2, 2), st.floats(-9, 9)),
+    "repetition_penalty": (st.floats(0.5, 2), st.floats(-1, 3)),
+    "min_tokens": (st.integers(0, 4), st.integers(-2, 12)),
 }
+VALID_STRUCTURED = st.one_of(
+    st.builds(lambda r: {"regex": r}, st.sampled_from([r"\d{1,3}", r"(yes|no)", "[a-z]+", "[A-Z][a-z]{0,6}"])),
+    st.builds(lambda c: {"choice": c}, st.lists(st.sampled_from(["red", "green", "blue", "42", "ok"]), min_size=1,
+                                                max_size=3, unique=True)),
+    st.builds(lambda s: {"json": s}, st.sampled_from([{"type": "integer"}, {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}}, "required": ["name"]}, {"enum": ["a", "b"]}])),
+    st.just({"json_object": True}), st.just({"grammar": 'start: "yes" | "no"'}))
+VALID_TOOL = st.builds(lambda name: {"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+    st.sampled_from(["get_weather", "lookup", "add"]))
 
 
-def common_fields() -> dict:
-    return {
-        "max_tokens": mostly(st.integers(1, 8), st.one_of(st.integers(-3, 0), st.just(10**9))),
-        "n": mostly(st.integers(1, 3), st.sampled_from([0, 9, 10**6])),
-        "stop": st.one_of(st.none(), ODD_TEXT, st.lists(ODD_TEXT, max_size=5)),
-        "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 200_000).map(str), ODD_TEXT),
-                                      st.one_of(st.floats(-100, 100), st.floats(-1e6, 1e6)), max_size=4),
-        "stream": st.booleans(),
-        "stream_options": st.one_of(st.none(), st.just({"include_usage": True})),
-        "structured_outputs": STRUCTURED,
-        "response_format": RESPONSE_FORMAT,
-        "prediction": st.builds(lambda c: {"type": "content", "content": c}, TEXT),
-        "speculation": st.builds(lambda k: {"max_k": k}, mostly(st.integers(0, 8), st.integers(-2, 40))),
-        "ignore_eos": st.booleans(),
+def fields_of(chat: bool) -> dict[str, tuple[st.SearchStrategy, st.SearchStrategy]]:
+    """Every field of the endpoint: (valid values, any values)."""
+    common = {
+        "max_tokens": (st.integers(1, 8), st.one_of(st.integers(-3, 0), st.just(10**9))),
+        "n": (st.integers(1, 3), st.sampled_from([0, 9, 10**6])),
+        "stop": (st.one_of(st.none(), st.lists(st.sampled_from(["\n", "."]), max_size=2)),
+                 st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=5))),
+        "logit_bias": (st.dictionaries(st.integers(0, 200).map(str), st.floats(-100, 100), max_size=4),
+                       st.dictionaries(st.one_of(st.integers(-5, 200_000).map(str), ODD_TEXT),
+                                       st.floats(-1e6, 1e6), max_size=4)),
+        "stream": (st.booleans(), st.booleans()),
+        "stream_options": (st.one_of(st.none(), st.just({"include_usage": True})), JUNK),
+        "structured_outputs": (VALID_STRUCTURED, STRUCTURED),
+        "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]), RESPONSE_FORMAT),
+        "prediction": (st.builds(lambda c: {"type": "content", "content": c}, st.sampled_from(["def f(x):", "ab"])),
+                       st.builds(lambda c: {"type": "content", "content": c}, TEXT)),
+        "speculation": (st.builds(lambda k: {"max_k": k}, st.integers(0, 8)),
+                        st.builds(lambda k: {"max_k": k}, st.integers(-2, 40))),
+        "ignore_eos": (st.booleans(), JUNK),
         **NUMBERS,
     }
+    if chat:
+        return {**common, "logprobs": (st.booleans(), JUNK), "top_logprobs": (st.integers(0, 5), st.integers(-1, 25)),
+                "tools": (st.lists(VALID_TOOL, max_size=2, unique_by=lambda t: t["function"]["name"]),
+                          st.lists(TOOL, max_size=3)),
+                "tool_choice": (st.sampled_from(["none", "auto"]),
+                                st.one_of(st.sampled_from(["required", "sometimes"]),
+                                          st.builds(lambda n: {"type": "function", "function": {"name": n}},
+                                                    ODD_TEXT))),
+                "parallel_tool_calls": (st.booleans(), JUNK),
+                "max_completion_tokens": (st.integers(1, 8), st.integers(-1, 0))}
+    return {**common, "logprobs": (st.integers(0, 5), st.integers(-1, 25)), "echo": (st.booleans(), JUNK)}
 
 
 MESSAGE = st.builds(lambda role, content: {"role": role, "content": content},
                     st.sampled_from(["user", "user", "user", "system", "assistant", "developer", "tool", "robot"]),
                     maybe(st.one_of(TEXT, st.just([{"type": "text", "text": "hi"}]))))
+VALID_MESSAGES = st.lists(st.builds(lambda c: {"role": "user", "content": c},
+                                    st.sampled_from(["hello", "def f(x):", "Name three colours."])),
+                          min_size=1, max_size=2)
 
 
 @st.composite
 def requests(draw, model: str) -> tuple[str, dict, bool]:
-    """(endpoint, body, hang up early): a random subset of the fields, each drawn as maybe()."""
-    chat = draw(st.booleans())
-    body = {"model": draw(maybe(st.just(model)))}
+    """(endpoint, body, hang up early): any number of the endpoint's fields; valid in every one half the time,
+    else each drawn as maybe()."""
+    chat, valid = draw(st.booleans()), draw(st.booleans())
+    fields = fields_of(chat)
+
+    def value(name: str):
+        good, anything = fields[name]
+        return draw(good) if valid else draw(maybe(mostly(good, anything)))
+    body = {"model": model if valid else draw(maybe(st.just(model)))}
     if chat:
-        body["messages"] = draw(maybe(st.lists(MESSAGE, min_size=1, max_size=4)))
-        extra = {"logprobs": st.booleans(), "top_logprobs": mostly(st.integers(0, 5), st.integers(-1, 25)),
-                 "tools": st.lists(TOOL, max_size=3),
-                 "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "sometimes"]),
-                                          st.builds(lambda n: {"type": "function", "function": {"name": n}},
-                                                    ODD_TEXT)),
-                 "parallel_tool_calls": st.booleans(),
-                 "max_completion_tokens": mostly(st.integers(1, 8), st.integers(-1, 0))}
+        body["messages"] = draw(VALID_MESSAGES) if valid else draw(maybe(st.lists(MESSAGE, min_size=1, max_size=4)))
     else:
-        body["prompt"] = draw(maybe(st.one_of(TEXT, st.lists(st.integers(-5, 200_000), max_size=8),
-                                              st.lists(TEXT, min_size=1, max_size=3))))
-        extra = {"logprobs": mostly(st.integers(0, 5), st.integers(-1, 25)), "echo": st.booleans()}
-    fields = {**common_fields(), **extra}
-    if draw(st.integers(0, 49)):  # without it, a chat runs to the context's end: one request in fifty
-        body["max_tokens"] = draw(fields["max_tokens"])
-    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
-        body[name] = draw(maybe(fields[name]))
-    if draw(st.integers(0, 30)) == 0:
+        prompts = st.one_of(TEXT, st.lists(st.integers(-5, 200_000), max_size=8), st.lists(TEXT, min_size=1,
+                                                                                            max_size=3))
+        body["prompt"] = draw(st.sampled_from(["hello", "def f(x):", "ab ab ab"])) if valid else draw(maybe(prompts))
+    if valid or draw(st.integers(0, 49)):  # without it, a chat runs to the context's end: one odd request in fifty
+        body["max_tokens"] = value("max_tokens")
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), unique=True)):
+        body[name] = value(name)
+    if not valid and draw(st.integers(0, 30)) == 0:
         body[draw(st.sampled_from(sorted(fields)))] = draw(DEEP)
-    if draw(st.integers(0, 30)) == 0:
+    if not valid and draw(st.integers(0, 30)) == 0:
         body[draw(ODD_TEXT)] = draw(JUNK)  # a field the API does not have
     return ("/v1/chat/completions" if chat else "/v1/completions"), body, draw(st.integers(0, 9)) == 0
 
@@ -180,17 +213,27 @@ def send(client: httpx.Client, url: str, endpoint: str, body: dict, hang_up: boo
         if r.status_code != 200:
             r.read()
             return r.status_code, _problem(r.status_code, _json(r.text))
+        done = False
         for i, line in enumerate(r.iter_lines()):
             if hang_up and i >= 2:
                 return "hung-up", None  # the client goes away mid-stream: its request must be aborted
+            if line == "data: [DONE]":
+                done = True
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = _json(line[6:])
-            if event is None:
-                return 200, f"a stream event is not JSON: {line[:200]!r}"
-            if "error" in event and event["error"].get("code", 500) >= 500:
-                return event["error"].get("code", 500), f"error event: {event['error'].get('message')!r}"
-    return 200, None
+            problem = _stream_problem(_json(line[6:]), line)
+            if problem is not None:
+                return problem
+    return (200, None) if done else (200, "the stream ended without [DONE]")
+
+
+def _stream_problem(event, line: str) -> tuple[int, str] | None:
+    """A stream event that is a failure: not JSON, or an error of a 5xx."""
+    if event is None:
+        return 200, f"a stream event is not JSON: {line[:200]!r}"
+    if isinstance(event, dict) and "error" in event and (event["error"] or {}).get("code", 500) >= 500:
+        return event["error"].get("code", 500), f"error event: {event['error'].get('message')!r}"
+    return None
 
 
 def _json(text: str):
@@ -210,12 +253,24 @@ def _problem(status: int, answer) -> str | None:
     return None
 
 
-def call_handle(handle, endpoint: str, body: dict):
-    """The same request through the Serve handle (OpenAIIngress.create): an answer, or an error dict."""
-    answer = handle.create.remote({k: v for k, v in body.items() if k != "stream"},
-                                  chat=endpoint.endswith("chat/completions")).result(timeout_s=120)
-    status = (answer.get("error") or {}).get("code", 200) if isinstance(answer, dict) else 500
-    return status, _problem(status, answer)
+def call_handle(handle, endpoint: str, body: dict, timeout: float):
+    """The same request through the Serve handle: OpenAIIngress.create, or create_stream (handle.options(stream=
+    True)) for a streamed body, whose chunks are read to the end; an answer, or an error dict."""
+    chat, fields = endpoint.endswith("chat/completions"), {k: v for k, v in body.items() if k != "stream"}
+    if body.get("stream") is not True:
+        answer = handle.create.remote(fields, chat=chat).result(timeout_s=timeout)
+        status = (answer.get("error") or {}).get("code", 200) if isinstance(answer, dict) else 500
+        return status, _problem(status, answer)
+    chunks = handle.options(stream=True).create_stream.remote(fields, chat=chat)
+    status = 200
+    for chunk in chunks:
+        if isinstance(chunk, dict) and "error" in chunk:
+            status = (chunk["error"] or {}).get("code", 500)
+            if status >= 500 or not (chunk["error"] or {}).get("message"):
+                return status, _problem(status, chunk) or f"error chunk: {chunk!r}"[:2000]
+        elif not isinstance(chunk, dict):
+            return 500, f"a stream chunk is not a dict: {chunk!r}"[:2000]
+    return status, None
 
 
 def kv_back(url: str, key: str | None, timeout: float = 60) -> bool:
@@ -230,50 +285,76 @@ def kv_back(url: str, key: str | None, timeout: float = 60) -> bool:
     return False
 
 
-def fuzz(url: str, model: str, num_requests: int, timeout: float = 120, handle=None, key: str | None = None,
-         out: Path | None = None, seed: int = 0, progress: bool = True) -> tuple[Tally, bool]:
-    """Send num_requests drawn requests (every fourth through the handle, when given); the tally and whether the
-    server is healthy with its KV blocks free afterwards."""
-    tally, rows = Tally(), []
-    client = httpx.Client(timeout=timeout)
+def draw_requests(model: str, num_requests: int, seed: int) -> list[tuple[str, dict, bool]]:
+    """num_requests drawn requests, the same for the same seed."""
+    drawn: list[tuple[str, dict, bool]] = []
+    while len(drawn) < num_requests:
+        @hypothesis_seed(seed + len(drawn))
+        @settings(max_examples=num_requests - len(drawn), deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(requests(model))
+        def one(request):
+            drawn.append(request)
+        one()
+    return drawn[:num_requests]
 
-    @hypothesis_seed(seed)
-    @settings(max_examples=num_requests, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(requests(model))
-    def one(drawn):
+
+def fuzz(url: str, model: str, num_requests: int, timeout: float = 120, handle=None, key: str | None = None,
+         out: Path | None = None, seed: int = 0, progress: bool = True, clients: int = 1) -> tuple[Tally, bool]:
+    """Send num_requests drawn requests from `clients` at once (every fourth through the handle, when given); the
+    tally and whether the server is healthy with its KV blocks free afterwards."""
+    tally, rows, lock = Tally(), [], threading.Lock()
+    local = threading.local()
+
+    def one(index: int, drawn: tuple[str, dict, bool]) -> None:
         endpoint, body, hang_up = drawn
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=timeout)
         start = time.monotonic()
         try:
-            if handle is not None and tally.requests % 4 == 3:
-                status, problem = call_handle(handle, endpoint, body)
+            if handle is not None and index % 4 == 3:
+                status, problem = call_handle(handle, endpoint, body, timeout)
             else:
-                status, problem = send(client, url, endpoint, body, hang_up, key)
+                status, problem = send(local.client, url, endpoint, body, hang_up, key)
         except (httpx.TimeoutException, TimeoutError) as exc:
             status, problem = "hang", f"no answer in {timeout:g} s ({exc!r})"
-            tally.hangs += 1
         except httpx.HTTPError as exc:
             status, problem = "transport", repr(exc)
         except Exception as exc:  # the handle's call failed: the server did not answer it
             status, problem = 500, repr(exc)[:2000]
-        if isinstance(status, int) and status >= 500:
-            tally.server_errors += 1
-        elif problem is not None and status not in ("hang",):
-            tally.unnamed += status != "transport"
-            tally.server_errors += status == "transport"  # the connection broke: the server failed it
-        rows.append(tally.add(endpoint, body, status, time.monotonic() - start, problem))
-        if progress and tally.requests % 100 == 0:
-            print(f"  {tally.requests} requests; 5xx {tally.server_errors}; hangs {tally.hangs}; "
-                  f"statuses {dict(sorted(tally.by_status.items()))}", file=sys.stderr, flush=True)
+        with lock:
+            if status == "hang":
+                tally.hangs += 1
+            elif status == "transport" or status == 200 and problem or isinstance(status, int) and status >= 500:
+                tally.server_errors += 1  # a 5xx, a broken connection, a broken answer or stream
+            elif problem is not None:
+                tally.unnamed += 1  # a 4xx without a message
+            rows.append(tally.add(endpoint, body, status, time.monotonic() - start, problem))
+            if progress and tally.requests % 100 == 0:
+                print(f"  {tally.requests} requests; 5xx {tally.server_errors}; hangs {tally.hangs}; "
+                      f"statuses {dict(sorted(tally.by_status.items()))}", file=sys.stderr, flush=True)
 
-    one()
-    client.close()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(one, *zip(*enumerate(draw_requests(model, num_requests, seed)))))
     healthy = httpx.get(f"{url}/health", timeout=30).status_code == 200
     back = healthy and kv_back(url, key)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r, default=repr) + "\n" for r in rows))
     return tally, back
+
+
+def serve_handle(app: str):
+    """The application's ingress handle, where this process can join the Ray cluster that serves it; else None."""
+    try:
+        import ray
+        from ray import serve
+
+        ray.init(address="auto", namespace="serve", log_to_driver=False, ignore_reinit_error=True)
+        return serve.get_app_handle(app)
+    except Exception as exc:
+        print(f"no Serve handle for app {app!r} ({exc!r}): HTTP alone", file=sys.stderr)
+        return None
 
 
 def main() -> None:
@@ -284,18 +365,23 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=120, help="seconds after which a request counts as hung")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clients", type=int, default=8, help="requests in flight at once")
+    ap.add_argument("--app", default="smartspec", help="the Serve application whose handle is fuzzed too")
+    ap.add_argument("--no-handle", action="store_true", help="HTTP alone")
     ap.add_argument("--out", default="results/fuzz_api.jsonl")
     args = ap.parse_args()
-    if args.requests < 1:
-        ap.error("--requests must be at least 1")
+    if args.requests < 1 or args.clients < 1:
+        ap.error("--requests and --clients must be at least 1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         sys.exit(f"no SmartSpec server answers at {args.url} ({exc!r}); start one, e.g. `serve run config-light.yaml`")
-    print(f"fuzzing {args.url} ({model}) with {args.requests} requests", file=sys.stderr)
-    tally, back = fuzz(args.url, model, args.requests, args.timeout, key=args.api_key, out=Path(args.out),
-                       seed=args.seed)
+    handle = None if args.no_handle else serve_handle(args.app)
+    print(f"fuzzing {args.url} ({model}) with {args.requests} requests from {args.clients} clients"
+          f"{' and its Serve handle' if handle is not None else ''}", file=sys.stderr)
+    tally, back = fuzz(args.url, model, args.requests, args.timeout, handle=handle, key=args.api_key,
+                       out=Path(args.out), seed=args.seed, clients=args.clients)
     for failure in tally.failures[:20]:
         print(json.dumps(failure, default=repr)[:600])
     print(f"statuses {dict(sorted(tally.by_status.items()))}; 4xx without a message {tally.unnamed}; "

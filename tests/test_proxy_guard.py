@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from deployments.http.proxy_guard import MAX_REPLAYS, IngressReplay, key_digest, middlewares
+from deployments.http.proxy_guard import MAX_REPLAYS, IngressReplay, key_digest, keys_for, middlewares
 
 
 class ProxyStandIn:
@@ -89,7 +89,7 @@ def test_a_request_that_killed_two_ingress_replicas_is_not_sent_to_a_third():
 def test_other_routes_and_methods_pass_through_untouched():
     """Another application's route, or a GET: no body kept, no replay, no key or size check of the guard's."""
     inner = ProxyStandIn(fail=0)
-    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01, max_body_bytes=4, known_keys=lambda: {"x"})
+    guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01, max_body_bytes=4, known_keys=lambda path: {"x"})
     response = post(guard, path="/other-app/predict")  # no key, a body over the cap: none of the guard's business
     assert response.status_code == 200 and inner.bodies == [b'{"prompt":"hi","stream":false}']
     sent = []
@@ -110,7 +110,7 @@ def test_a_missing_or_wrong_key_is_refused_before_the_body_is_read():
         async def __call__(self, scope, receive, send):
             read.append(True)
             await super().__call__(scope, receive, send)
-    guard = IngressReplay(Reads(fail=0), retry_s=5, first_pause_s=0.01, known_keys=lambda: {key_digest("k1")})
+    guard = IngressReplay(Reads(fail=0), retry_s=5, first_pause_s=0.01, known_keys=lambda path: {key_digest("k1")})
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
         response = post(guard, headers=headers)
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
@@ -186,7 +186,17 @@ def test_the_callback_reads_its_budget_cap_and_key_and_names_a_bad_one(monkeypat
     (middleware,) = middlewares()
     assert middleware.cls is IngressReplay and middleware.kwargs["retry_s"] == 12.0
     assert middleware.kwargs["max_body_bytes"] == 1 << 19
-    assert middleware.kwargs["known_keys"]() == {key_digest("secret")}  # no Ray here: the environment's alone
+    assert middleware.kwargs["known_keys"]("/v1/completions") == {key_digest("secret")}  # no Ray: the environment's
     monkeypatch.setenv("SMARTSPEC_PROXY_RETRY_S", "soon")
     with pytest.raises(ValueError, match="SMARTSPEC_PROXY_RETRY_S"):
         middlewares()
+
+
+def test_the_key_in_force_is_the_published_one_of_the_longest_route_prefix():
+    published = [{"prefix": "/", "digest": "", "at": 1}, {"prefix": "/keyed", "digest": "d1", "at": 1},
+                 {"prefix": "/keyed", "digest": "d2", "at": 2}]
+    assert keys_for("/v1/completions", published, {"env"}) == set()  # the root app has no key
+    assert keys_for("/keyed/v1/completions", published, {"env"}) == {"d2"}  # the latest of the two
+    assert keys_for("/keyedness/v1/completions", published, {"env"}) == set()  # not under /keyed
+    assert keys_for("/x/v1/completions", [], {"env"}) == {"env"}  # nothing published: the environment's
+

@@ -848,7 +848,7 @@ def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, referen
     import signal
 
     _BASE[0] = ray_serve
-    url = _deploy_tight(tiny_qwen, "ingress", controller_interval_s=0.2)
+    url = _deploy_tight(tiny_qwen, "ingress", controller_interval_s=0.2, orphan_check_s=0.05)
     unary = _greedy_unary()
 
     async def main():
@@ -871,7 +871,9 @@ def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, referen
     for body, answer in zip(unary, answers):
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == reference(body["prompt"], 64)
-    assert idle["replicas"]
+    # the dead ingress's three generations were aborted as orphans; each answer had one generation run to its end
+    (generations,) = [r["generations"] for r in idle["replicas"].values()]
+    assert generations == {"submitted": 3 + len(unary), "completed": len(unary), "orphans_aborted": 3}, generations
 
 
 def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):

@@ -76,6 +76,8 @@ class AppConfig(Strict):
     max_queued_requests: int = Field(64, ge=-1)
     max_waiting: int = Field(64, ge=1)
     controller_interval_s: float = Field(1.0, gt=0)
+    # how often a replica checks that the ingress replicas asking for its generations live (replica/orphans.py)
+    orphan_check_s: float = Field(1.0, gt=0)
     # a generation waits at most this long for a replica to take it (all replicas restarting after a crash, or
     # all busy); then the caller gets 503 with Retry-After instead of waiting on
     replica_wait_s: float = Field(60.0, gt=0)

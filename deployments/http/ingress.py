@@ -12,6 +12,7 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
@@ -46,20 +47,29 @@ class HTTPError(Exception):
                             headers=headers)
 
 
-def publish_key(api_key: str | None) -> None:
-    """Tell the proxies' guards (proxy_guard.PublishedKeys) this application's API key, as a digest, so they refuse
-    a request without it before reading its body; no key: the application's entry is cleared."""
+async def publish_key(api_key: str | None, attempts: int = 30) -> None:
+    """Tell the proxies' guards (proxy_guard.PublishedKeys) this application's route prefix and API key, as a
+    digest ("" for none), so that they refuse a request without it before reading its body, and no key of another
+    application holds its routes. The route prefix comes from Serve's controller, once the application is known
+    there (retried a second apart)."""
     try:
         context = serve.get_replica_context()
     except Exception:  # not inside a Serve replica (a test that builds the class): no proxy to tell
         return
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+    from ray.experimental.internal_kv import _internal_kv_put
+    from ray.serve.context import _get_global_client
 
-    name = proxy_guard.KEY_DIGESTS_KV + context.app_name
-    if api_key:
-        _internal_kv_put(name, proxy_guard.key_digest(api_key).encode(), overwrite=True)
+    for _ in range(attempts):
+        try:
+            details = await _get_global_client()._controller.get_serve_instance_details.remote()
+            prefix = details["applications"][context.app_name]["route_prefix"]
+            break
+        except Exception:  # Serve's private API: where it differs or is not ready, the ingress checks alone
+            await asyncio.sleep(1)
     else:
-        _internal_kv_del(name)
+        return
+    entry = {"prefix": prefix, "digest": proxy_guard.key_digest(api_key) if api_key else "", "at": time.time()}
+    _internal_kv_put(proxy_guard.KEY_DIGESTS_KV + context.app_name, json.dumps(entry).encode(), overwrite=True)
 
 
 def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -91,7 +101,7 @@ class OpenAIIngress:
         self.replica_wait_s = replica_wait_s  # the most a generation waits for a replica to take it (failover.py)
         # the same cap the proxy guard keeps (proxy_guard.py), for a proxy that runs without it
         self.max_body_bytes = int(float(os.environ.get(proxy_guard.MAX_BODY_ENV, "8")) * 2**20)
-        publish_key(self.api_key)
+        self._publishing = asyncio.get_event_loop().create_task(publish_key(self.api_key))
 
     def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
         """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
@@ -276,7 +286,9 @@ class OpenAIIngress:
         else:
             prompts = [dict(prompt=p, echo=body.echo, prefix_text=prefix_text(None, p)) for p in body.prompts()]
         seeded = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(body.n)]
-        return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), **prompt)
+        # this ingress replica, whose death aborts its generations (replica/orphans.py); None outside one
+        caller = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), caller=caller, **prompt)
                 for prompt in prompts for p in seeded]
 
     async def _start(self, body, chat: bool):

@@ -12,9 +12,10 @@ middleware runs inside each proxy, through Serve's proxy callback:
 set where Ray starts (`serve run` or `ray start`; the KubeRay manifests set it on every pod). It guards this
 application's generation routes alone (POST .../v1/completions and .../v1/chat/completions); every other request
 passes through untouched. For a guarded request, in order:
-- the API key: where one is known (SMARTSPEC_API_KEY in the proxy's environment, or an ingress's configured key,
-  which each ingress publishes to the cluster as a digest), a request without a matching `Authorization: Bearer`
-  header gets its 401 before a byte of its body is read;
+- the API key: where one is known for the request's route (each ingress publishes its application's route prefix
+  with its key's digest, or none, to the cluster; for a route no ingress published, SMARTSPEC_API_KEY in the
+  proxy's environment), a request without a matching `Authorization: Bearer` header gets its 401 before a byte of
+  its body is read;
 - the body's size: over SMARTSPEC_MAX_BODY_MIB (8) MiB, a 413, from its Content-Length before reading, else as soon
   as the bytes read pass the cap (nothing more is buffered);
 - the body is kept; when the proxy ends the request without a response (what it does for an ingress replica's
@@ -44,7 +45,7 @@ RETRY_ENV, MAX_BODY_ENV, KEY_ENV = "SMARTSPEC_PROXY_RETRY_S", "SMARTSPEC_MAX_BOD
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_REPLAYS = 3  # sends after the first, for a request the proxy left unanswered
 MAX_INGRESS_DEATHS = 2  # ingress replicas that died holding one request before it is refused
-KEY_DIGESTS_KV = "smartspec/api-key-sha256/"  # + app name: the digest each ingress publishes of its key ("" none)
+KEY_DIGESTS_KV = "smartspec/api-key/"  # + app name: {"prefix", "digest" ("" for none), "at"}, from its ingress
 
 
 def key_digest(key: str) -> str:
@@ -53,10 +54,11 @@ def key_digest(key: str) -> str:
 
 class IngressReplay:
     """Pure ASGI middleware (Starlette's `Middleware(IngressReplay)`): checks a request before reading its body,
-    and replays one the proxy left unanswered. known_keys: the digests of the API keys in force (none: no key)."""
+    and replays one the proxy left unanswered. known_keys(path): the digests of the API keys in force for a route
+    (none: no key)."""
 
     def __init__(self, app, retry_s: float = 60.0, first_pause_s: float = 0.25, max_body_bytes: int = 8 << 20,
-                 known_keys: Callable[[], set[str]] = lambda: set()):
+                 known_keys: Callable[[str], set[str]] = lambda path: set()):
         if retry_s < 0 or first_pause_s <= 0 or max_body_bytes < 1:
             raise ValueError("retry_s must be >= 0, first_pause_s > 0 and max_body_bytes >= 1")
         self.app, self.retry_s, self.first_pause_s = app, retry_s, first_pause_s
@@ -75,23 +77,23 @@ class IngressReplay:
             return await self.app(scope, replay(body, receive, [], []), send)
         await self.serve_with_replays(scope, body, receive, send)
 
-    def refused_before_body(self, scope) -> tuple[int, str, dict[str, str]] | None:
+    def refused_before_body(self, scope) -> tuple[int, str, dict[str, str], str | None] | None:
         """A 401 (no matching key) or a 413 (a Content-Length over the cap), decided from the headers alone."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        digests = self.known_keys()
+        digests = self.known_keys(scope.get("path", ""))
         if digests:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             given = key_digest(token.strip()) if scheme.lower() == "bearer" else ""
             if not any(hmac.compare_digest(given, d) for d in digests):
                 return 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", \
-                    {"www-authenticate": "Bearer"}
+                    {"www-authenticate": "Bearer"}, "authorization"
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return self.too_large()
         return None
 
-    def too_large(self) -> tuple[int, str, dict[str, str]]:
-        return 413, f"request body over {self.max_body_bytes} bytes ({MAX_BODY_ENV}); it was not read", {}
+    def too_large(self) -> tuple[int, str, dict[str, str], str | None]:
+        return 413, f"request body over {self.max_body_bytes} bytes ({MAX_BODY_ENV}); it was not read", {}, None
 
     async def serve_with_replays(self, scope, body: list[dict], receive, send) -> None:
         gone: list[bool] = []
@@ -183,9 +185,9 @@ class SentResponse:
         await self._send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-async def answer(send, status: int, message: str, headers: dict[str, str]) -> None:
-    """An error response in the API's shape, sent by the guard itself."""
-    payload = json.dumps(answers.error_body(status, message)).encode()
+async def answer(send, status: int, message: str, headers: dict[str, str], param: str | None = None) -> None:
+    """An error response in the API's shape, sent by the guard itself; param: the field to blame."""
+    payload = json.dumps(answers.error_body(status, message, param)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                             *((k.encode(), v.encode()) for k, v in headers.items())]})
@@ -193,32 +195,46 @@ async def answer(send, status: int, message: str, headers: dict[str, str]) -> No
 
 
 class PublishedKeys:
-    """The API keys in force, as digests: SMARTSPEC_API_KEY where this proxy runs, and the keys the ingress
-    replicas of this cluster published (ingress.publish_key), read from Ray's key-value store at most every ttl_s."""
+    """The API keys in force per route, as digests: what the ingress replicas of this cluster published for their
+    applications' route prefixes (ingress.publish_key; the longest prefix of a path wins, then the latest), read
+    from Ray's key-value store at most every ttl_s; for a route none published, SMARTSPEC_API_KEY where this proxy
+    runs."""
 
     def __init__(self, ttl_s: float = 5.0) -> None:
         own = os.environ.get(KEY_ENV)
         self.own = {key_digest(own)} if own else set()
-        self.ttl_s, self.read_at, self.published = ttl_s, -float("inf"), set()
+        self.ttl_s, self.read_at, self.published = ttl_s, -float("inf"), []
 
-    def __call__(self) -> set[str]:
+    def __call__(self, path: str) -> set[str]:
         if time.monotonic() - self.read_at > self.ttl_s:
             self.read_at = time.monotonic()
             try:
-                self.published = read_published_digests()
+                self.published = read_published()
             except Exception as exc:  # Ray's store away: the keys last read stay
                 logger.warning("proxy guard: could not read the published API keys: %r", exc)
-        return self.own | self.published
+        return keys_for(path, self.published, self.own)
 
 
-def read_published_digests() -> set[str]:
+def keys_for(path: str, published: list[dict], fallback: set[str]) -> set[str]:
+    """The digests in force for a path: the published entry of the longest route prefix that holds it (the latest
+    of equals), else the fallback."""
+    def holds(prefix: str) -> bool:
+        return prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/")
+    entries = [e for e in published if isinstance(e.get("prefix"), str) and holds(e["prefix"])]
+    if not entries:
+        return fallback
+    best = max(entries, key=lambda e: (len(e["prefix"]), e.get("at", 0)))
+    return {best["digest"]} if best.get("digest") else set()
+
+
+def read_published() -> list[dict]:
     import ray
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
     if not ray.is_initialized():
-        return set()
+        return []
     values = (_internal_kv_get(k) for k in _internal_kv_list(KEY_DIGESTS_KV))
-    return {v.decode() for v in values if v}
+    return [json.loads(v) for v in values if v]
 
 
 def middlewares() -> list:

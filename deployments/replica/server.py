@@ -19,6 +19,7 @@ from ray import serve
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.latency import CHUNK_CHARS, ServedPrefixes, prefix_keys
+from deployments.replica.orphans import OrphanWatch
 from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, ReplicaGauges,
                               ReplicaReport, RoutingStats, TokenEntry)
 from smartspec.engine.async_engine import AsyncEngine
@@ -96,6 +97,8 @@ class LLMServer:
         self.prompt_chars = self.prompt_tokens = 0
         self.request_s: float | None = None  # a request's time from acceptance to its end, moving average
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
+        self.orphans = OrphanWatch(self.engine.abort, self.cfg.orphan_check_s)
+        self.generations = {"submitted": 0, "completed": 0}  # taken, and answered to their end (not aborted)
         logger.info("LLMServer %s ready: %s, speculation %s", self.replica_id, self.cfg.model,
                     self.cfg.speculation.as_dict() if self.cfg.speculation else None)
         phases.done()
@@ -154,11 +157,14 @@ class LLMServer:
             yield Refused(503, str(exc))
             return
         started = time.monotonic()
+        self.generations["submitted"] += 1
+        self.orphans.add(call.request_id, call.caller)
         try:
             yield accepted
             held, sent, first = None, started, True
             async for out in stream:
                 if out.finished:
+                    self.generations["completed"] += out.finish_reason in ("stop", "length")
                     took = time.monotonic() - started
                     self.request_s = took if self.request_s is None else 0.9 * self.request_s + 0.1 * took
                 delta = self._delta(out, first)
@@ -171,6 +177,7 @@ class LLMServer:
                     held, sent = None, time.monotonic()
                 first = False
         finally:
+            self.orphans.remove(call.request_id)
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
             self.engine.discard(call.request_id)  # (aclose of a stream never started runs none of its cleanup)
 
@@ -211,6 +218,7 @@ class LLMServer:
         out.update({"draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
                     "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
         out["in_flight"] = self.engine.num_in_flight
+        out["generations"] = {**self.generations, "orphans_aborted": self.orphans.aborted}
         out["controller_errors"] = self.controller_errors
         return out
 

@@ -353,20 +353,15 @@ class LLMEngine:
         """The target's forward over the batch with its drafts: (items, drafts, logits). A forward that raises is
         run once more without drafts (speculation's extra rows are the likeliest cause: a shape no bucket holds);
         None when that fails too."""
-        items = [self._forward_item(s, drafted) for s in batch]
-        try:
-            return items, drafted, self.runner.forward(items)
-        except Exception:
-            logger.exception("the forward of a %d-request step failed; trying it once without speculation",
-                             len(batch))
-        plain = Drafted(predicted_s=drafted.predicted_s)
-        items = [self._forward_item(s, plain) for s in batch]
-        try:
-            return items, plain, self.runner.forward(items)
-        except Exception:
-            logger.exception("the forward failed again without speculation: this step's %d requests end",
-                             len(batch))
-            return None
+        for attempt in (drafted, Drafted(predicted_s=drafted.predicted_s)):
+            items = [self._forward_item(s, attempt) for s in batch]
+            try:
+                return items, attempt, self.runner.forward(items)
+            except Exception:
+                logger.exception("the forward of a %d-request step failed %s", len(batch),
+                                 "again without speculation: its requests end" if attempt is not drafted
+                                 else "; trying it once without speculation")
+        return None
 
     def _end_all(self, batch: list[ScheduledRequest], spec: Speculation) -> list[RequestOutput]:
         """End every request of a step whose forward failed twice (the next step's requests are not touched)."""

@@ -173,7 +173,7 @@ def save_profile(path: Path, profile: KeptProfile) -> None:
 
 class KeptProfileCheck:
     """Holds a kept profile against the first steps it prices: `observe` each step's predicted and measured time;
-    once `steps` decoding steps are in, `stale` tells whether their median relative error passed `tolerance` (a
+    once `steps` steps without prefill are in, `stale` tells whether their median relative error passed `tolerance` (a
     profile kept from a faster or slower machine state, another build of the same versions)."""
 
     def __init__(self, path: Path, steps: int = 8, tolerance: float = 0.5) -> None:
@@ -182,8 +182,9 @@ class KeptProfileCheck:
 
     def observe(self, record: StepRecord) -> bool | None:
         """None while the check is still taking steps; then whether the kept profile is stale (once)."""
-        if record.predicted_s is None or record.total_s <= 0 or len(self.errors) >= self.steps:
-            return None
+        if record.predicted_s is None or record.total_s <= 0 or record.num_prefill_tokens \
+                or len(self.errors) >= self.steps:
+            return None  # decoding steps alone: a prefill chunk's price is the fit's roughest
         self.errors.append(abs(record.predicted_s - record.total_s) / record.total_s)
         if len(self.errors) < self.steps:
             return None
