@@ -1,7 +1,7 @@
 """Engines for the tests: tiny prompts and parameters, policies that set k per request and step, requests joining
 while others decode, and the speculative configs the lossless tests run (imported by the test modules)."""
 from smartspec import LLM, SamplingParams
-from smartspec.policy import Policy
+from smartspec.policy import GoodputPolicy, Policy
 
 # repetitive prompts give prompt lookup something to find
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
@@ -27,6 +27,18 @@ def MixedPolicy():
 def AlternatingPolicy():
     """k = K on even steps, 0 on odd ones: the draft must catch up on the tokens made at k = 0."""
     return StepPolicy(lambda step, i, k_max: k_max if step % 2 == 0 else 0)
+
+
+def PricedGoodputPolicy(key: str = "t") -> GoodputPolicy:
+    """The goodput policy with step costs fixed, never refitted from measured time: what it chooses then depends on
+    the tokens alone (acceptance), not on how fast the machine ran, so a test of what it chose cannot turn on the
+    box's speed. A target step of 20 ms and 1 ms a verified token, a draft forward of 2 ms: drafting pays for a
+    request whose drafts are accepted, and not for one whose are all rejected. Run it with warmup_profile=False,
+    or the warm-up profile refits the costs from the clock."""
+    policy = GoodputPolicy(key=key, refit_every=2**62)
+    policy.cost.v = [0.020, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.0]
+    policy.cost.d = [0.002, 0.0, 0.0]
+    return policy
 
 
 def run_staggered(llm, prompts, params):

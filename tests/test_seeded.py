@@ -5,7 +5,7 @@ decoding without speculation, and they still follow the target distribution (chi
 import pytest
 import torch
 from chi_square import CHI2_CRIT, chi2
-from engines import MixedPolicy, make
+from engines import MixedPolicy, PricedGoodputPolicy, make
 
 from smartspec import SamplingParams
 from smartspec.runtime.model_runner import ForwardItem
@@ -27,7 +27,8 @@ def configs(target: str, draft: str) -> dict[str, dict]:
         "suffix, answer memory on": {"method": "suffix", "num_speculative_tokens": 4, "policy": "fixed"},
         "suffix, answer memory off": {"method": "suffix", "num_speculative_tokens": 4, "policy": "fixed",
                                       "suffix_cache_tokens": 0},
-        "draft model, goodput k": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
+        "draft model, goodput k": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+                                   "policy": PricedGoodputPolicy()},
         "draft model, k per request and step": {"method": "draft_model", "model": draft,
                                                 "num_speculative_tokens": 4, "policy": MixedPolicy()},
         "self draft, tree": {"method": "draft_model", "model": target, "num_speculative_tokens": 3,
@@ -48,7 +49,8 @@ def test_without_speculation_alone_and_batched_agree(tiny_qwen, plain):
 
 @pytest.mark.parametrize("name", list(configs("", "")))
 def test_seeded_requests_equal_plain_seeded_decoding_under_every_proposer(name, tiny_qwen, tiny_qwen_draft, plain):
-    llm = make(tiny_qwen, configs(tiny_qwen, tiny_qwen_draft)[name])
+    # warm-up profile off: the priced goodput policy keeps its costs, and what it drafts is not up to the clock
+    llm = make(tiny_qwen, configs(tiny_qwen, tiny_qwen_draft)[name], warmup_profile=False)
     batched = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
     again = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]  # answer memory now holds the first answers
     alone = [llm.generate(p, s)[0].token_ids for p, s in zip(PROMPTS, SEEDED)]
@@ -60,7 +62,8 @@ def test_seeded_requests_equal_plain_seeded_decoding_under_every_proposer(name, 
 
 def test_the_same_request_twice_in_a_row_repeats_itself_with_answer_memory(tiny_qwen):
     """The reported case: the second run's suffix proposer offers the first answer; the answer is the same."""
-    llm = make(tiny_qwen, {"method": "suffix", "num_speculative_tokens": 4})
+    llm = make(tiny_qwen, {"method": "suffix", "num_speculative_tokens": 4, "policy": PricedGoodputPolicy()},
+               warmup_profile=False)
     p = SamplingParams(max_tokens=16, temperature=0.9, seed=1234)
     first, second = (llm.generate("Invent a name for a cat.", p)[0] for _ in range(2))
     assert first.token_ids == second.token_ids
