@@ -32,7 +32,7 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
         rep.add(Request(f"r{i}", [1] * 40, SamplingParams(max_tokens=9, ignore_eos=True)))
     now = 0.0
     while rep.scheduler.has_unfinished():
-        now, _ = rep.step(now)
+        now = rep.step(now).end
     assert rep.blocks.num_free == rep.blocks.num_blocks
 
 
@@ -44,7 +44,7 @@ def test_full_acceptance_makes_fixed_k_take_k_plus_one_tokens_a_step():
     rep.add(Request("r", [1] * 20, SamplingParams(max_tokens=21, ignore_eos=True)))
     now = 0.0
     while rep.scheduler.has_unfinished():
-        now, _ = rep.step(now)
+        now = rep.step(now).end
     assert rep.steps == 1 + 5  # 1 + 4 * 5 = 21 tokens
     assert rep.speculation.metrics.num_accepted_tokens == 15
 

@@ -187,7 +187,7 @@ class LLMEngine:
     def profile_batches(self) -> tuple[int, ...]:
         """The batch sizes the warm-up profile runs on this engine's runner (engine/profile.py)."""
         from smartspec.engine.profile import profile_batches
-        return profile_batches(self.runner.padded_shapes, self.config.max_num_seqs)
+        return profile_batches(self.runner.padded_shapes is not None, self.config.max_num_seqs)
 
     def close(self) -> None:
         if self.trace is not None:

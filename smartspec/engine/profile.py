@@ -11,7 +11,6 @@ from smartspec.engine.planner import Speculation
 from smartspec.engine.profile_cache import Calibration
 from smartspec.policy.baselines import FixedPolicy
 from smartspec.spec_decode.proposer import Proposal, Proposer
-from smartspec.types.padding import PaddedShapes
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.step_record import StepRecord
 
@@ -42,14 +41,14 @@ class _PaddedProposer(Proposer):
 UNPADDED_BATCHES = (1, 4)
 
 
-def profile_batches(shapes: PaddedShapes | None, max_num_seqs: int) -> tuple[int, ...]:
+def profile_batches(padded: bool, max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes the warm-up profile measures. A step that runs as it comes costs what its tokens cost, and
     the fit carries batches 1 and 4 over to larger ones (on a CPU a larger batch would add seconds to a start). A
     runner that pads steps into buckets (shapes: CUDA graphs) is another machine at every row bucket: a 64-row
     step, with one draft token a row, is a bucket of 128 cells that batches 1 and 4 never ran, and the fit cannot
     price drafting at the batch it serves (measured on an H200: k = 0 at 64 streams throughout, where k = 4 ran
     1.27x faster). There the profile also runs powers of four up to max_num_seqs, and max_num_seqs itself."""
-    if shapes is None:
+    if not padded:
         return UNPADDED_BATCHES
     served = {4 ** i for i in range(max_num_seqs.bit_length()) if 4 ** i <= max_num_seqs}
     return tuple(sorted(served | set(UNPADDED_BATCHES) | {max_num_seqs}))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,9 +17,11 @@ from smartspec.engine.commit import commit_tokens, finish_request
 from smartspec.engine.drafter import propose
 from smartspec.engine.planner import Speculation, plan_step
 from smartspec.engine.scheduler import Scheduler, split_batch
-from smartspec.policy import make_policy
+from smartspec.policy import Policy, make_policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.sim.profile import SimProfile
+from smartspec.sim.realism import Realism, profile_records
+from smartspec.sim.workload import RequestAcceptance
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.plan import fed_context
 from smartspec.types.request import Request
@@ -54,79 +58,107 @@ class _SimProposer(Proposer):
         self.fed.pop(request_id, None)
 
 
+@dataclass
+class SimStep:
+    """One simulated step: when it ended, the requests it finished, and what its plan was worth on the machine's
+    exact surface (expected tokens under the requests' true acceptance, over the surface's seconds for its shape,
+    host time apart): what a trap test compares with a quiet policy's."""
+    end: float
+    finished: list[Request]
+    ks: list[int]
+    expected_tokens: float
+    surface_s: float
+    host_s: float
+    tokens: int  # output tokens the step committed
+
+    @property
+    def goodput(self) -> float:
+        return self.expected_tokens / self.surface_s
+
+
 class SimReplica:
-    def __init__(self, profile: SimProfile, policy: str, k_max: int, rng: np.random.Generator, num_blocks: int,
-                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
-        self.profile, self.rng = profile, rng
+    def __init__(self, profile: SimProfile, policy: str | Policy, k_max: int, rng: np.random.Generator,
+                 num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 realism: Realism = Realism()) -> None:
+        self.profile, self.rng, self.realism = profile, rng, realism
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.speculation = Speculation(_SimProposer() if policy != "off" else None, make_policy(policy, k_max),
                                        k_max)
-        if self.speculation.policy.wants_profile:  # the engine's warm-up profile, from the same cost model
-            context, records = 64, []  # the engine profiles prompts of 64 tokens
-            for n in (1, 2, 4, 8, 16, 32):
-                # a first draft reads its prompt (all but the last token) before drafting
-                for depth, catchup in ((0, 0), (1, (context - 1) * n), (1, 0), (k_max, 0)):
-                    t = profile.step_time(n * (depth + 1), n * context, depth, n * depth, catchup)
-                    d = float(profile.cost.predict_draft(depth, n * depth, catchup))
-                    records.append(StepRecord(0, n, [depth] * n, [depth] * n, [0] * n, [], n * (depth + 1), 0,
-                                              n * context, d, t - d, t, draft_catchup_tokens=catchup))
-            self.speculation.policy.observe_profile(records)
+        if self.speculation.policy.wants_profile:  # the engine's warm-up profile, through the machine's noise
+            self.speculation.policy.observe_profile(profile_records(profile, realism, k_max, rng))
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
-        self.alpha: dict[str, float] = {}
+        self.acceptance: dict[str, RequestAcceptance] = {}
         self.steps = 0
 
     @property
     def load(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
-    def add(self, req: Request) -> None:
-        self.alpha[req.request_id] = self.profile.sample_alpha(self.rng)
+    def add(self, req: Request, acceptance: RequestAcceptance | None = None) -> None:
+        """acceptance: the request's (None: a constant rate drawn from the profile's measured requests)."""
+        if acceptance is None:
+            alpha = self.profile.sample_alpha(self.rng)
+            acceptance = RequestAcceptance(alpha, alpha, 0, self.rng)
+        self.acceptance[req.request_id] = acceptance
         self.scheduler.add(req)
 
-    def step(self, now: float) -> tuple[float, list[Request]]:
-        """Run one step starting at `now`; return its end time and the requests that finished in it."""
+    def step(self, now: float) -> SimStep:
+        """Run one step starting at `now`."""
         batch = self.scheduler.schedule()
         decoding, prefill = split_batch(batch)
         lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
+        began = time.perf_counter()
         view, plan = plan_step(self.speculation, decoding, prefill,
                                self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
                                self.max_model_len, now=now)
+        host_s = time.perf_counter() - began
         ks = plan.ks
         catchup = propose(self.speculation, view, decoding, plan).catchup_tokens
         k_of = {r.request_id: k for r, k in zip(decoding, ks)}
         n_tokens = sum(s.num_tokens + k_of.get(s.request.request_id, 0) for s in batch)
         n_context = sum(fed_context(s.request.num_computed_tokens, s.num_tokens + k_of.get(s.request.request_id, 0),
                                     s.request.request_id not in k_of) for s in batch)
-        duration = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks), catchup)
-        draft_s = float(self.profile.cost.predict_draft(max(ks, default=0), sum(ks), catchup)) if any(ks) else 0.0
-        end, finished, accepted = now + duration, [], []
+        surface_s = self.profile.step_time(n_tokens, n_context, max(ks, default=0), sum(ks), catchup)
+        noise = self.realism.noise.factor(self.rng)
+        duration = surface_s * noise
+        draft_s = noise * float(self.profile.cost.predict_draft(max(ks, default=0), sum(ks), catchup)) if any(ks) \
+            else 0.0
+        expected = sum(self.acceptance[r.request_id].expected_tokens(k, r.num_output_tokens)
+                       for r, k in zip(decoding, ks))
+        finished, accepted, outcomes = [], [], []
         for s in batch:
             req = s.request
             k = k_of.get(req.request_id, 0)
             req.num_computed_tokens += s.num_tokens + k
             if not s.completes:
                 continue
-            a = 0
-            while a < k and self.rng.random() < self.alpha[req.request_id]:
-                a += 1
+            a = self.acceptance[req.request_id].accepted(k, req.num_output_tokens)
             if req.request_id in k_of:
                 accepted.append(a)
-            # token ids stand for lengths (requests ignore EOS and have no stop tokens)
-            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len, end)
-            if done.finish_reason is not None:
-                finish_request(req, done.finish_reason, self.scheduler, self.speculation, end)
-                finished.append(req)
-            elif self.speculation.proposer is not None:
-                self.speculation.proposer.sync(req)
+            outcomes.append((req, a, k))
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
                             n_tokens, num_prefill, n_context, draft_s, duration - draft_s, duration,
                             predicted_s=plan.predicted_s if decoding else None, draft_catchup_tokens=catchup,
                             num_tokens=lengths, probes=list(plan.probes))
+        planned_s = host_s if self.realism.host_s == "measured" else float(self.realism.host_s)
+        committed = now + duration + planned_s
+        for req, a, k in outcomes:
+            # token ids stand for lengths (requests ignore EOS and have no stop tokens)
+            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len,
+                                 committed)
+            if done.finish_reason is not None:
+                finish_request(req, done.finish_reason, self.scheduler, self.speculation, committed)
+                finished.append(req)
+            elif self.speculation.proposer is not None:
+                self.speculation.proposer.sync(req)
+        began = time.perf_counter()
         self.speculation.policy.observe(record)
-        return end, finished
+        observed_s = time.perf_counter() - began if self.realism.host_s == "measured" else 0.0
+        end, host_s = committed + observed_s, planned_s + observed_s
+        return SimStep(end, finished, list(ks), expected, surface_s, host_s, sum(a + 1 for _, a, _ in outcomes))
 
 
 def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float], prompt_lens: list[int],
@@ -158,7 +190,8 @@ def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float]
             r = idx
             stepping[r] = False
         if not stepping[r] and reps[r].scheduler.has_unfinished():
-            end, finished = reps[r].step(now)
+            stepped = reps[r].step(now)
+            end, finished = stepped.end, stepped.finished
             stepping[r] = True
             heapq.heappush(events, (end, next(order), "step_end", r))
             for req in finished:
@@ -167,5 +200,5 @@ def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float]
                 rows.append({"request": req.request_id, "replica": rep, "arrival_s": arrival,
                              "ttft_s": req.first_token_time - arrival, "latency_s": req.finish_time - arrival,
                              "tpot_s": (req.finish_time - req.first_token_time) / max(1, n - 1),
-                             "output_tokens": n, "alpha": reps[rep].alpha[req.request_id]})
+                             "output_tokens": n, "alpha": reps[rep].acceptance[req.request_id].first})
     return sorted(rows, key=lambda x: x["arrival_s"])
