@@ -40,10 +40,12 @@ class ArrivalGaps:
     def release(self, request_id: str) -> None:
         self._seen.discard(request_id)
 
-    def expected_gap(self, now: float, prior_gap: float) -> float:
+    def expected_gap(self, now: float, prior_gap: float, remembered: float | None = None) -> float:
         """Seconds until the next arrival: the posterior mean gap of n arrivals over the time since the oldest of
-        them, with the prior counted as one more gap (n - 1 gaps observed and the current one, still open)."""
-        recent = self._times[bisect.bisect_left(self._times, now - self.memory * prior_gap):]
+        them, with the prior counted as one more gap (n - 1 gaps observed and the current one, still open).
+        remembered: the seconds of arrivals counted (default `memory` prior gaps)."""
+        since = now - (self.memory * prior_gap if remembered is None else remembered)
+        recent = self._times[bisect.bisect_left(self._times, since):]
         if not recent:
             return prior_gap
         return (max(0.0, now - recent[0]) + prior_gap) / len(recent)

@@ -17,6 +17,10 @@ from smartspec.policy.step_numbers import StepNumbers
 from smartspec.types.plan import RequestView, StepView
 
 
+PRIOR_GAP_STEPS = 8.0  # the expected gap to the next arrival before any is seen, in drafting steps
+MEMORY_HORIZONS = 4.0  # arrivals older than this many horizons are forgotten
+
+
 @dataclass
 class Starts:
     """Per request, the seconds of its catch-up, and the most steps one is spread over this step."""
@@ -70,12 +74,15 @@ class CatchupLedger:
     def _steps_to_next_arrival(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> float:
         """The most steps a catch-up is spread over: the horizon, or fewer where the next arrival is expected
         sooner. Steps are counted at the length of one in which every request drafts its cap (drafting steps are
-        the ones a catch-up pays back in); the prior gap is `horizon` such steps, so with no arrivals seen the
-        bound is the horizon."""
+        the ones a catch-up pays back in). The prior is one gap of PRIOR_GAP_STEPS such steps, and arrivals are
+        remembered over `MEMORY_HORIZONS` horizons: one stream sent request after request (each a few dozen steps)
+        remembers the last few and spreads a catch-up over about a request's length; with none seen, the bound is
+        the prior. (A prior of the whole horizon outweighed a few arrivals 2 s apart; arrivals remembered over a
+        few prior gaps were forgotten between one stream's requests, which then never paid a catch-up on a CPU.)"""
         sum_k = sum(step.k_max)
         step_s = max(1e-9, float(cost.predict(step.tokens + sum_k, step.context + sum_k,
                                               depth(max(step.k_max, default=0)), sum_k)))
-        gap = self.arrivals.expected_gap(step.now, self.horizon * step_s)
+        gap = self.arrivals.expected_gap(step.now, PRIOR_GAP_STEPS * step_s, MEMORY_HORIZONS * self.horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.horizon))
 
     def observed(self, request_id: str, length: int, proposed: int, accepted: int) -> None:

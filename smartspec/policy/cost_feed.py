@@ -20,12 +20,16 @@ class CostFeed:
         self.steps_unfit = 0  # steps observed since the last fit
         self.drafts_unfit = False  # whether one of them ran draft forwards
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord) -> float | None:
+        """Feeds the step to the model; for a step that drafted, its draft time over the time the model predicted
+        for it before (None where it drafted nothing or nothing was predicted)."""
         proposed = record.proposed
         if record.methods is not None:  # only the draft model's tokens cost draft forwards
             proposed = [p for m, p in zip(record.methods, proposed) if m == DRAFT]
         depth = self.depth(max(proposed, default=0))
         tokens = record.num_batched_tokens if record.forward_tokens is None else record.forward_tokens
+        predicted = float(self.cost.predict_draft(depth, sum(proposed), record.draft_catchup_tokens)) \
+            if depth and self.cost.ready else 0.0
         self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed),
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
                           refit=False)
@@ -33,11 +37,12 @@ class CostFeed:
         self.drafts_unfit |= depth > 0
         if not self.cost.ready or self.steps_unfit >= self.refit_every:
             self.refit()
+        return record.draft_s / predicted if predicted > 0 else None
 
     def observe_profile(self, records: list[StepRecord]) -> None:
         """The warm-up profile: fitted at once, and held as the prior the running fit leans on."""
         for record in records:
-            self.observe(record)
+            self.observe(record)  # what it predicted of them is not judged: the profile is the first word
         self.refit()
         self.cost.hold_prior()
 

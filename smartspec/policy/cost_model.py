@@ -195,6 +195,9 @@ class StepCostModel:
         the fit keeps its split where the data cannot tell, and follows the data wherever the data can."""
         self.v_prior = None if self.v is None else np.array(self.v)
         self.d_prior = np.array(self.d) if self.draft_samples else None
+        # the profile's draft steps live on in d_prior alone: the running draft fit rests on served steps, so a
+        # profile that priced the draft wrong (a draft actor busy with something else) is judged by them
+        self.draft_samples.clear()
         if self.v is not None:
             self.speed.profiled()
 
@@ -241,18 +244,33 @@ class StepCostModel:
         self.v = coef.tolist()
 
     def _fit_draft(self, level: float) -> None:
-        """The draft's prior is scaled by the verify steps' level: drafting runs on the same machine, and a draft
-        cost is re-measured only when the policy drafts, which a fit at a loaded speed may never choose again."""
-        if len(self.draft_samples) < 2:
-            if self.d_prior is not None:  # none measured since the speed changed: the profile's, at today's level
-                self.d = (self.d_prior * level).tolist()
+        """The draft's prior is the profile's at the draft's own level: the weighted median of served draft steps'
+        time over the prior's prediction. Before any has run, at the verify steps' level (drafting runs on the same
+        machine, and a draft cost is re-measured only when the policy drafts, which a fit at a loaded speed may
+        never choose again). Its own level, not the verify steps': a profile that overpriced the draft alone (6x,
+        15x) kept a quiet machine at k = 0 for good, since at k = 0 nothing re-measures the draft; one served draft
+        step now sets its price (GoodputPolicy runs one now and then: DraftPriceCheck)."""
+        data = np.array(self.draft_samples, dtype=np.float64).reshape(-1, 5)
+        prior = None if self.d_prior is None else self.d_prior * self.draft_level(data, level)
+        if len(data) < 2:
+            if prior is not None:
+                self.d = prior.tolist()
             return
-        data = np.array(self.draft_samples, dtype=np.float64)
-        prior = None if self.d_prior is None else self.d_prior * level
         coef = self._robust_fit(data[:, :3], data[:, 3], self._weights(data[:, 4]),
                                 [True, True, bool(data[:, 2].any())], prior)
         if coef is not None:
             self.d = coef.tolist()
+
+    def draft_level(self, data: np.ndarray, verify_level: float) -> float:
+        """How fast the draft steps in data (draft_samples as an array) ran against the profile's draft fit: the
+        weighted median of measured over predicted seconds; verify_level where none was predicted a time."""
+        if self.d_prior is None or not len(data):
+            return verify_level
+        predicted = data[:, :3] @ self.d_prior
+        usable = predicted > 0
+        if not usable.any():
+            return verify_level
+        return weighted_median(data[usable, 3] / predicted[usable], self._weights(data[usable, 4]))
 
     def _robust_fit(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
                     prior: np.ndarray | None = None) -> np.ndarray | None:
@@ -317,5 +335,5 @@ class StepCostModel:
         """Adopt shared coefficients only while this replica has too few measurements of its own."""
         if state.get("verify") and len(self.verify_samples) < self.min_samples:
             self.v = list(state["verify"])
-        if state.get("draft") and len(self.draft_samples) < 2:
+        if state.get("draft") and len(self.draft_samples) < 2 and self.d_prior is None:
             self.d = (list(state["draft"]) + [0.0, 0.0, 0.0])[:3]

@@ -131,3 +131,29 @@ def charge_start_costs(gains: np.ndarray, k_max: list[int], start_tokens: np.nda
     spread = rank[None, :] <= best[:, None] + 1
     out[rows] = np.where(spread, mean[np.arange(len(rows)), best][:, None], out[rows])
     return out
+
+
+def drafting_can_pay(k_top: int, rows: int, alpha: float, cost: Callable, base_tokens: int, base_context: int,
+                     tokens_of: Callable[[np.ndarray, int], np.ndarray] | None = None) -> bool:
+    """Whether any plan of up to k_top drafts a request could beat no speculation even if every request's drafts
+    were accepted at `alpha` (the estimates' ceiling) and cost no catch-up: a bound on every plan the policy (and
+    its probes) could choose, in a few array operations. Where it is False the plan is k = 0 for all, and the
+    estimates, catch-ups and probes need not be computed (a loaded CPU's steady state, and a GPU's at hundreds of
+    streams, where planning per request cost more host time than the step had to spare). Without caps: more
+    candidates only raise the best value, so the bound holds for any caps."""
+    if tokens_of is None:
+        def tokens_of(m, depth):
+            return base_tokens + m
+    if k_top < 1 or rows < 1:
+        return False
+    plain = rows / float(cost(tokens_of(0, 0), base_context, 0, 0))
+    m = np.arange(1, rows * k_top + 1)
+    cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))  # the m largest gains: rows of a^1, then of a^2, ...
+    depths = np.arange(1, k_top + 1)[:, None]
+    tokens = [np.broadcast_to(tokens_of(m, d), m.shape) for d in range(1, k_top + 1)]
+    # one call prices every plan, [depth, m]; where the forward's tokens do not depend on the depth (a runner
+    # that does not pad), the verify part is priced once per m and only drafting per depth
+    same = all(np.array_equal(tokens[0], t) for t in tokens[1:])
+    values = (rows + cumulative) / cost(tokens[0] if same else np.stack(tokens), base_context + m, depths, m)
+    values[m[None, :] > rows * depths] = -np.inf  # more drafts than `depth` a request
+    return bool(values.max() > plain)

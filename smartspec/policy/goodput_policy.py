@@ -10,8 +10,9 @@ Its parts:
 - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
   (`chain_plan.prefill_step_price`); a draft model's catch-up is charged once, spread over the steps it serves
   (`CatchupLedger`).
-- learning: bounded exploration probes for requests at k = 0 (`Exploration`), and now and then a nearby draft
-  length the cost fit has not seen (`chain_plan.shape_probe`).
+- learning: bounded exploration probes for requests at k = 0 (`Exploration`), now and then a nearby draft
+  length the cost fit has not seen (`chain_plan.shape_probe`), and while nothing drafts, a draft token now and
+  then that checks the draft's price (`DraftPriceCheck`).
 - what routing and autoscaling read (`load`, `FittedLoad`) and what replicas share (`shared`).
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ from smartspec.policy.chain_plan import prefill_step_price, shape_probe
 from smartspec.policy.cost_feed import CostFeed
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.exploration import Exploration, worth_probing
-from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
+from smartspec.policy.goodput import Plan, best_plan, drafting_can_pay, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
+from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.step_numbers import StepNumbers, shape_of
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
@@ -51,7 +53,7 @@ class GoodputPolicy(Policy):
 
     def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
-                 catchup_horizon: float = 8.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
+                 catchup_horizon: float = 32.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
                  shape_probe_loss: float = 0.1, refit_every: int = 4) -> None:
         # every shape_probe_interval-th decode step, the plan of another draft length whose predicted goodput is
         # within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
@@ -70,6 +72,7 @@ class GoodputPolicy(Policy):
         self.exploration = Exploration(explore_interval, explore_fraction, max_explore_interval, min_prior_evidence)
         self.catchup = CatchupLedger(catchup_horizon)
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
+        self.draft_check = DraftPriceCheck()
         self.step = 0
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
@@ -84,7 +87,21 @@ class GoodputPolicy(Policy):
         if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
             return SpecPlan.none(view)
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
-        return self._plan_proposers(step) if view.lookups is not None else self._plan_chains(step)
+        if view.lookups is not None:
+            return self._plan_proposers(step)
+        if self.tree_depth is None and not view.prefill_tokens and not drafting_can_pay(
+                view.k_max, len(view.requests), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
+                step.context, step.forward_tokens):
+            return self._plan_none(step)
+        return self._plan_chains(step)
+
+    def _plan_none(self, step: StepNumbers) -> SpecPlan:
+        """No speculation, where no plan could pay (goodput.drafting_can_pay): nor could any probe's outcome make
+        one pay. Only the draft's price is checked now and then, at one token."""
+        ks = [0] * len(step.requests)
+        if not self._check_draft_price(step, ks, self.catchup.starts(step, self.cost, self._depth).seconds):
+            return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
+        return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
     def _plan_chains(self, step: StepNumbers) -> SpecPlan:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
@@ -109,8 +126,9 @@ class GoodputPolicy(Policy):
             plan, probed = shape_probe(plans, self.step, self.shape_probe_interval, self.shape_probe_loss)
             self.shape_probes += probed
         ks, probes = self._probe_chains(step, list(plan.ks), raw_gains, gains, depth_of, starts, plan, price)
+        checked = not any(ks) and self._check_draft_price(step, ks, starts.seconds)
         predicted = plan.seconds
-        if probes:
+        if probes or checked:
             sum_k = sum(ks)
             tokens = step.forward_tokens(sum_k, max(ks)) if self.tree_depth is None else step.tokens + sum_k
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
@@ -136,6 +154,19 @@ class GoodputPolicy(Policy):
                 probes.append(requests[i].request_id)
                 budget -= 1
         return ks, probes
+
+    def _check_draft_price(self, step: StepNumbers, ks: list[int], start_s: np.ndarray) -> bool:
+        """Where a plan drafts nothing and the draft's price is due a check (DraftPriceCheck), one token for the
+        request whose catch-up is cheapest (ks changed in place); whether one runs."""
+        if not self.draft_check.is_due(self.step):
+            return False
+        rows = [i for i, cap in enumerate(step.k_max) if cap > 0]
+        if not rows:
+            return False
+        i = min(rows, key=lambda i: start_s[i])
+        ks[i] = 1
+        self.draft_check.ran(self.step)
+        return True
 
     def _plan_proposers(self, step: StepNumbers) -> SpecPlan:
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
@@ -213,7 +244,9 @@ class GoodputPolicy(Policy):
             self.acceptance.observe(rid, proposed, accepted)
             self.catchup.observed(rid, length, proposed, accepted)
             self.exploration.observed(rid, k, accepted, self.step, rid in probes)
-        self.cost_feed.observe(record)
+        draft_ratio = self.cost_feed.observe(record)
+        if draft_ratio is not None and not self.draft_check.measured(self.step, draft_ratio):
+            self.cost_feed.refit()  # the draft's price was wrong: plan the next step on the step just measured
 
     def observe_profile(self, records: list[StepRecord]) -> None:
         self.cost_feed.observe_profile(records)
@@ -237,7 +270,8 @@ class GoodputPolicy(Policy):
     def stats(self) -> dict:
         return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v, "draft_coefficients": self.cost.d,
                 "fits_refused": self.cost.refused, "mean_relative_error": self.cost.mean_relative_error,
-                "steps": self.step, "shape_probes": self.shape_probes, "speed_changes": self.cost.speed_changes}
+                "steps": self.step, "shape_probes": self.shape_probes, "speed_changes": self.cost.speed_changes,
+                "draft_price_checks": self.draft_check.checks}
 
 
 class GoodputEvidence(SharedEvidence):
