@@ -142,3 +142,31 @@ def test_a_policy_that_drafts_nothing_checks_the_drafts_price_now_and_then():
                                   0, 400, 1.0 * any(plan.ks), 0.02, 0.02 + 1.0 * any(plan.ks),
                                   num_tokens=[100] * 4))
     assert checked == [64, 192]
+
+
+def test_beside_lookups_a_draft_priced_too_dear_is_checked_with_one_draft_token():
+    """With the draft model and lookups offered per request, a profile that priced the draft far too dear leaves
+    every request to the lookups or to k = 0; now and then one request at k = 0 drafts one token with the draft
+    model to check that price, and once checked right, the draft model is chosen."""
+    from smartspec.types.plan import DRAFT
+    from smartspec.types.tree import TokenTree
+
+    policy = GoodputPolicy(key="t")
+    policy.observe_profile([StepRecord(0, n, [k] * n, [k] * n, [0] * n, [], n * (k + 1), 0, 64 * n,
+                                       1.0 * k, 0.02, 0.02 + 1.0 * k)
+                            for n in (1, 4) for k in (0, 1, 2, 5) for _ in range(2)])
+    policy.observe_calibration([StepRecord(0, 1, [4], [4], [4], ["c"], 5, 0, 0, 0.0, 0.0, 0.0)] * 20)
+    requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=4000)) for i in range(2)]
+    first_draft = None
+    for step in range(1, 130):
+        plan = policy.plan(view(requests, 4, lookups=[TokenTree([], [], [])] * 2, use_draft=True))
+        drafted = [k for m, k in zip(plan.methods, plan.ks) if m == DRAFT]
+        if any(drafted) and first_draft is None:
+            first_draft = step
+            assert drafted == [1]  # the check: one token
+        draft_s = 0.002 * max(drafted, default=0)  # the draft's real price: 500x below the profile's
+        policy.observe(StepRecord(step, 2, plan.ks, plan.ks, plan.ks, [r.request_id for r in requests],
+                                  2 + sum(plan.ks), 0, 200, draft_s, 0.02, 0.02 + draft_s, methods=plan.methods,
+                                  num_tokens=[100, 100]))
+    assert first_draft == 64
+    assert sum(k for m, k in zip(plan.methods, plan.ks) if m == DRAFT) > 2  # drafting for real, priced right

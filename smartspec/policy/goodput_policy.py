@@ -155,16 +155,20 @@ class GoodputPolicy(Policy):
                 budget -= 1
         return ks, probes
 
-    def _check_draft_price(self, step: StepNumbers, ks: list[int], start_s: np.ndarray) -> bool:
-        """Where a plan drafts nothing and the draft's price is due a check (DraftPriceCheck), one token for the
-        request whose catch-up is cheapest (ks changed in place); whether one runs."""
+    def _check_draft_price(self, step: StepNumbers, ks: list[int], start_s: np.ndarray,
+                           methods: list[str] | None = None) -> bool:
+        """Where a plan drafts nothing with the draft model and its price is due a check (DraftPriceCheck), one
+        draft token for the request whose catch-up is cheapest among those the plan leaves at k = 0 (ks and
+        methods changed in place); whether one runs."""
         if not self.draft_check.is_due(self.step):
             return False
-        rows = [i for i, cap in enumerate(step.k_max) if cap > 0]
+        rows = [i for i, cap in enumerate(step.k_max) if cap > 0 and ks[i] == 0]
         if not rows:
             return False
         i = min(rows, key=lambda i: start_s[i])
         ks[i] = 1
+        if methods is not None:
+            methods[i] = DRAFT
         self.draft_check.ran(self.step)
         return True
 
@@ -187,6 +191,8 @@ class GoodputPolicy(Policy):
         plan = select_proposers(draft, lookup, k_max, self.cost.predict, step.tokens, step.context, price)
         methods, ks = plan.methods, plan.ks
         probes = self._probe_draft(step, methods, ks, lookup, start_s)
+        if view.draft_available and not view.prefill_tokens and not any(k for m, k in zip(methods, ks) if m == DRAFT):
+            self._check_draft_price(step, ks, start_s, methods)
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
         m_all, m_draft = sum(ks), sum(drafted)
         predicted = float(self.cost.predict(step.tokens + m_all, step.context + m_all, max(drafted, default=0),
