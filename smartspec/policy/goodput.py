@@ -85,16 +85,22 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     # sorted once, largest gain first: a depth bound's candidates in this order are those of a sort of their own,
     # since a stable sort of a subset keeps the subset's order within the whole's
     order = np.argsort(-g, kind="stable")
-    sorted_depths = depth_of[cols[order]]
-    for depth in sorted(set(depth_of.tolist())):
-        within = order[sorted_depths <= depth]
-        m = np.arange(1, len(within) + 1)
-        values = plan_value(b + np.cumsum(g[within]), cost(tokens_of(m, depth), base_context + m, depth, m), price)
-        i = int(np.argmax(values))
-        chosen = within[: i + 1]
-        used = int(depth_of[cols[chosen].max()])
-        seconds = float(cost(tokens_of(i + 1, used), base_context + i + 1, used, i + 1))
-        plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i]), used, i + 1))
+    depths = np.unique(depth_of)
+    within = depth_of[cols[order]][None, :] <= depths[:, None]  # [depth bound, position]: a candidate under it
+    m = np.cumsum(within, axis=1)  # draft tokens taken up to each position
+    # every depth bound's prefixes priced in one call (adding the excluded positions' zeros changes no sum)
+    tokens = np.stack([np.broadcast_to(tokens_of(m[i], int(d)), m[i].shape) for i, d in enumerate(depths)])
+    values = plan_value(b + np.cumsum(np.where(within, g[order], 0.0), axis=1),
+                        cost(tokens, base_context + m, depths[:, None], m), price)
+    values[~within] = -np.inf
+    best = np.argmax(values, axis=1)  # the first of equals, as a scan of the depth's own candidates would take
+    positions = np.arange(len(order))
+    for i, p in enumerate(best.tolist()):
+        chosen = order[within[i] & (positions <= p)]
+        count = int(m[i, p])
+        used = int(depth_of[cols[chosen]].max())
+        seconds = float(cost(tokens_of(count, used), base_context + count, used, count))
+        plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i, p]), used, count))
     return plans
 
 
