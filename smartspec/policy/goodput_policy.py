@@ -39,6 +39,9 @@ from smartspec.types.step_record import StepRecord
 from smartspec.types.tree import TokenTree
 
 
+PROBE_SPREAD_STEPS = 8  # the decoding steps a learning probe's catch-up is weighed against (_probe_draft)
+
+
 class GoodputPolicy(Policy):
     """Chooses k_i in {0..K} for every decoding request so as to maximise the batch's goodput,
 
@@ -202,17 +205,17 @@ class GoodputPolicy(Policy):
     def _probe_draft(self, step: StepNumbers, methods: list[str], ks: list[int], lookup: np.ndarray,
                      start_s: np.ndarray) -> list[str]:
         """While the draft's acceptance prior is unlearned, one request the plan leaves at k = 0 probes the draft
-        model with one token (methods and ks changed in place; the prober returned): a request the lookups do not serve, whose catch-up
-        costs a small share of the decoding steps it would be spread over (longer prompts are drafted for once the
-        prior says it pays). Decoding steps alone: beside a prefill chunk the step is long, but the catch-up delays
-        the batch all the same."""
+        model with one token (methods and ks changed in place; the prober returned): a request the lookups do not
+        serve, whose catch-up costs at most `explore_fraction` of PROBE_SPREAD_STEPS decoding steps (longer prompts
+        are drafted for once the prior says it pays: a probe buys one outcome, not a request's drafting). Decoding
+        steps alone: beside a prefill chunk the step is long, but the catch-up delays the batch all the same."""
         explore = self.exploration
         if not step.view.draft_available or not explore.learning(self.acceptance.evidence):
             return []
         decode_s = float(self.cost.predict(len(step.requests), step.decode_context))
         due = [i for i, r in enumerate(step.requests)
                if ks[i] == 0 and step.k_max[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
-               and start_s[i] <= explore.fraction * self.catchup.horizon * decode_s]
+               and start_s[i] <= explore.fraction * PROBE_SPREAD_STEPS * decode_s]
         if not due:
             return []
         i = min(due, key=lambda i: start_s[i])
