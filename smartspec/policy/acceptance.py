@@ -215,10 +215,15 @@ class ChainAcceptance:
         self.later = AcceptanceEstimator(prior_alpha=prior_alpha)
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        for stage, tried, taken in self._stages(proposed, accepted):
-            stage.observe(request_id, tried, taken)
+        self.observe_step([(request_id, proposed, accepted)])
+
+    def observe_step(self, outcomes: list[tuple[str, int, int]]) -> None:
+        """A step's outcomes, (request, proposed, accepted) each; the later stage's guess follows the first stage's
+        prior once, after them all (nothing reads it in between)."""
+        for request_id, proposed, accepted in outcomes:
+            if proposed > 0:
+                for stage, tried, taken in self._stages(proposed, accepted):
+                    stage.observe(request_id, tried, taken)
         self._later_starts_from_first()
 
     def calibrate(self, proposed: int, accepted: int) -> None:

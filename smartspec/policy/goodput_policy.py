@@ -244,15 +244,20 @@ class GoodputPolicy(Policy):
         if len(record.num_tokens) != len(record.request_ids):
             raise ValueError(f"StepRecord.num_tokens holds {len(record.num_tokens)} lengths for "
                              f"{len(record.request_ids)} decoding requests")
-        methods = dict(zip(record.request_ids, record.methods)) if record.methods is not None else {}
+        methods = record.methods if record.methods is not None else [DRAFT] * len(record.request_ids)
         probes = set(record.probes)
-        for rid, k, proposed, accepted, length in zip(record.request_ids, record.ks, record.proposed, record.accepted,
-                                                      record.num_tokens):
-            if methods.get(rid, DRAFT) != DRAFT:  # a lookup's outcome went to the calibration above
+        outcomes = []
+        for rid, k, proposed, accepted, length, method in zip(record.request_ids, record.ks, record.proposed,
+                                                              record.accepted, record.num_tokens, methods):
+            # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no
+            # outcome (most of a loaded batch: skipped, not walked through three no-ops)
+            if method != DRAFT or not (k or proposed or rid in probes):
                 continue
-            self.acceptance.observe(rid, proposed, accepted)
+            outcomes.append((rid, proposed, accepted))
             self.catchup.observed(rid, length, proposed, accepted)
             self.exploration.observed(rid, k, accepted, self.step, rid in probes)
+        if outcomes:
+            self.acceptance.observe_step(outcomes)
         draft_ratio = self.cost_feed.observe(record)
         if draft_ratio is not None and not self.draft_check.measured(self.step, draft_ratio):
             self.cost_feed.refit()  # the draft's price was wrong: plan the next step on the step just measured
