@@ -163,8 +163,8 @@ class GoodputPolicy(Policy):
         """Where a plan drafts nothing with the draft model and its price is due a check (DraftPriceCheck), one
         draft token for the request whose catch-up is cheapest among those the plan leaves at k = 0 (ks and
         methods changed in place); whether one runs."""
-        if not self.draft_check.is_due(self.step):
-            return False
+        if not self.draft_check.is_due(self.step) or self.cost.predict_draft(1, 1) <= 0:
+            return False  # not due, or a proposer without forwards (prompt lookup): no price to check
         rows = [i for i, cap in enumerate(step.k_max) if cap > 0 and ks[i] == 0]
         if not rows:
             return False
