@@ -51,5 +51,8 @@ def build_app(args: dict | None = None) -> Application:
     cfg = AppConfig.model_validate(args or {})
     controller = GoodputController.bind()
     server = LLMServer.options(**llm_server_options(cfg)).bind(cfg.model_dump(), controller)
-    return OpenAIIngress.bind(server, controller, cfg.name, api_key=cfg.api_key,
-                              metrics_need_key=cfg.metrics_need_key, replica_wait_s=cfg.replica_wait_s)
+    # the ingress holds its streams until they end: replaced in a redeploy, it finishes them first, as long as a
+    # replica does (Serve's default of 20 s cut streams that a loaded replica was still generating)
+    ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s)
+    return ingress.bind(server, controller, cfg.name, api_key=cfg.api_key, metrics_need_key=cfg.metrics_need_key,
+                        replica_wait_s=cfg.replica_wait_s)

@@ -156,6 +156,78 @@ def test_a_stream_cut_after_its_headers_ends_with_an_error_event_and_done():
     assert json.loads(events[-2][6:])["error"]["code"] == 500 and "HTTP front failed" in events[-2]
 
 
+class HeadersThenDies:
+    """An ingress stand-in whose first `fail` calls start an event stream (headers alone) and die before its first
+    token; then one answers `then`: a whole stream, or an error (status, JSON body)."""
+
+    def __init__(self, fail: int, then: tuple[int, bytes] | None = None):
+        self.fail, self.then, self.calls = fail, then, 0
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        while (await receive()).get("more_body"):
+            pass
+        if self.calls > self.fail and self.then is not None:
+            status, body = self.then
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        if self.calls > self.fail:
+            for event in (b'data: {"token": 1}\n\n', b"data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+
+def guarded_messages(inner) -> list[dict]:
+    """What the guard sends the client for one streamed request, message by message."""
+    sent, body = [], [{"type": "http.request", "body": b'{"stream": true}', "more_body": False}]
+
+    async def receive():
+        if body:
+            return body.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+    asyncio.run(IngressReplay(inner, retry_s=5, first_pause_s=0.001)(
+        {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
+    return sent
+
+
+def test_a_stream_whose_ingress_died_before_its_first_token_is_sent_again_into_the_same_response():
+    """Its client had read the headers alone: the next attempt's events follow them, its start held back."""
+    inner = HeadersThenDies(fail=1)
+    sent = guarded_messages(inner)
+    assert inner.calls == 2
+    assert [m["type"] for m in sent].count("http.response.start") == 1 and sent[0]["status"] == 200
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"token": 1}\n\ndata: [DONE]\n\n'
+
+
+def test_a_spliced_attempt_that_answers_an_error_ends_the_stream_with_its_event():
+    """The next attempt answers a 503 instead of a stream: the client, holding a 200 event stream, reads that
+    error as the stream's error event, then [DONE]."""
+    refusal = json.dumps({"error": {"message": "no replica took the request within 60 s", "code": 503}}).encode()
+    sent = guarded_messages(HeadersThenDies(fail=1, then=(503, refusal)))
+    assert [m["type"] for m in sent].count("http.response.start") == 1 and sent[0]["status"] == 200
+    events = b"".join(m.get("body", b"") for m in sent[1:]).decode().split("\n\n")
+    assert json.loads(events[0][6:])["error"]["code"] == 503 and events[1] == "data: [DONE]"
+    assert sent[-1]["more_body"] is False
+
+
+def test_a_stream_whose_ingress_replicas_keep_dying_ends_with_a_named_error_event():
+    """Headers sent, then two ingress replicas died holding it: the guard's 503 goes out as the stream's error
+    event, after the headers the client has, not as a second response."""
+    inner = HeadersThenDies(fail=10)
+    sent = guarded_messages(inner)
+    assert inner.calls == 2 and [m["type"] for m in sent].count("http.response.start") == 1
+    events = b"".join(m.get("body", b"") for m in sent[1:]).decode().split("\n\n")
+    assert json.loads(events[0][6:])["error"]["code"] == 503 and "failed 2 times" in events[0]
+    assert events[1] == "data: [DONE]"
+
+
 def test_a_client_that_hung_up_is_not_sent_again():
     inner = ProxyStandIn(fail=10)
     guard = IngressReplay(inner, retry_s=5, first_pause_s=0.01)

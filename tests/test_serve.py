@@ -777,6 +777,13 @@ def _greedy_unary() -> list[dict]:
             for p in PROMPTS[1:3]]
 
 
+async def _stream_lines(client, url: str, body: dict) -> list[str]:
+    """A stream's data lines, from its headers to its end."""
+    async with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
 async def _long_greedy_stream(client, url: str, opened: asyncio.Event) -> list[str]:
     """A greedy stream of LONG's tokens: its data lines; `opened` set once its headers came."""
     async with client.stream("POST", f"{url}/v1/completions", json={**LONG, "temperature": 0}) as response:
@@ -840,11 +847,12 @@ def _ingress_pid(app_name: str) -> int:
 
 
 def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, reference):
-    """One stream running and two greedy unary requests waiting in the only LLMServer; the only OpenAIIngress
-    replica, which holds all three, is killed (SIGKILL). The proxy guard (deployments/http/proxy_guard.py, set by
-    conftest as the README sets it) ends the stream, which had sent its headers, with an error event and [DONE],
-    and sends each unary request again: Serve restarts the ingress and they are answered as the offline engine
-    answers them. Then every KV block is free again."""
+    """One stream running, and a second stream and two greedy unary requests waiting in the only LLMServer; the
+    only OpenAIIngress replica, which holds all four, is killed (SIGKILL). The proxy guard
+    (deployments/http/proxy_guard.py, set by conftest as the README sets it) ends the running stream, which had
+    sent tokens, with an error event and [DONE]; it sends the waiting stream (its headers alone sent) and each unary
+    request again: Serve restarts the ingress and they are answered as the offline engine answers them, the
+    stream into the response its client holds. Then every KV block is free again."""
     import signal
 
     _BASE[0] = ray_serve
@@ -856,24 +864,31 @@ def test_a_killed_ingress_replica_loses_no_request(ray_serve, tiny_qwen, referen
             opened = asyncio.Event()
             tasks = [asyncio.create_task(_long_greedy_stream(client, url, opened))]
             await opened.wait()
+            await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()] == [1])
+            waiting = {**unary[0], "stream": True}
+            tasks.append(asyncio.create_task(_stream_lines(client, f"{url}/v1/completions", waiting)))
             tasks += [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for body in unary]
-            await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()] == [3])
+            await asyncio.to_thread(_status_of, url, lambda s: [r["in_flight"] for r in s["replicas"].values()] == [4])
             os.kill(await asyncio.to_thread(_ingress_pid, "ingress"), signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
     try:
-        events, *answers = asyncio.run(main())
+        events, waited, *answers = asyncio.run(main())
         idle = _status_of(url, lambda s: all(r["in_flight"] == 0 and r["free_blocks"] == r["total_blocks"]
                                              for r in s["replicas"].values()), timeout=120)
     finally:
         serve.delete("ingress")
     assert events[-1] == "data: [DONE]" and "HTTP front failed" in events[-2], events[-3:]
+    assert waited[-1] == "data: [DONE]" and '"error"' not in "".join(waited), waited[-3:]
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in waited[:-1]
+                   if json.loads(line[6:])["choices"]) == reference(unary[0]["prompt"], 64)
     for body, answer in zip(unary, answers):
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == reference(body["prompt"], 64)
-    # the dead ingress's three generations were aborted as orphans; each answer had one generation run to its end
+    # the dead ingress's four generations were aborted as orphans; each answer had one generation run to its end
     (generations,) = [r["generations"] for r in idle["replicas"].values()]
-    assert generations == {"submitted": 3 + len(unary), "completed": len(unary), "orphans_aborted": 3}, generations
+    assert generations == {"submitted": 4 + 1 + len(unary), "completed": 1 + len(unary), "orphans_aborted": 4}, \
+        generations
 
 
 def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):

@@ -384,31 +384,36 @@ class OpenAIIngress:
 
     async def _chunks(self, fold: AnswerFold, streams, include_usage: bool):
         """The streamed answer's chunks as the events arrive; a failure after the status was sent, as an error
-        chunk."""
+        chunk. The opening (the role) is held until the first event: a stream whose ingress replica dies before it is
+        one whose client has read headers alone, and the proxy guard sends it again into the same response (a role
+        chunk sent first made it a stream cut short, its client having seen no token)."""
         endpoint = "chat" if fold.chat else "completions"
         start, first_token = time.monotonic(), None
         completed, status = False, 499
+        opening = list(fold.opening())
         try:
-            for chunk in fold.opening():
-                yield chunk
             async for i, event in self._merged(streams):
                 first_token = first_token or time.monotonic()
-                for chunk in fold.feed(i, event):
+                for chunk in [*opening, *fold.feed(i, event)]:
                     yield chunk
-            for chunk in fold.closing(include_usage):
+                opening = []
+            for chunk in [*opening, *fold.closing(include_usage)]:
                 yield chunk
             completed = True
         except asyncio.CancelledError:
             raise
         except NoReplicaInTime as exc:  # the status is sent already: say it in the stream
             status = 503
-            yield answers.error_body(status, str(exc))
+            for chunk in [*opening, answers.error_body(status, str(exc))]:
+                yield chunk
         except GenerationFailedInServer as exc:
             status = 500
-            yield answers.error_body(status, str(exc))
+            for chunk in [*opening, answers.error_body(status, str(exc))]:
+                yield chunk
         except Exception as exc:  # a replica failed mid-stream: the status is sent already; say it in the stream
             status = 500
-            yield answers.error_body(status, f"generation failed: {exc!r}")
+            for chunk in [*opening, answers.error_body(status, f"generation failed: {exc!r}")]:
+                yield chunk
         finally:
             self.metrics.failed_over(streams)
             if completed:

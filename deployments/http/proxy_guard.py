@@ -23,7 +23,9 @@ passes through untouched. For a guarded request, in order:
   (60), then answered by a named 503 with `Retry-After`. A request whose ingress replica died twice while it held
   the request (the body had been read) is not sent to a third: a named 503, for the request that may be what kills
   them.
-A stream that had sent its headers ends with an error event and `[DONE]`, as a stream whose generation failed does.
+A stream that had sent its headers alone (the ingress holds a stream's first chunk until its first token) is sent
+again into the same response; one that had sent more ends with an error event and `[DONE]`, as a stream whose
+generation failed does.
 A client that hung up is never retried. Responses the proxy itself makes (408, 429, 503) pass unchanged. Imports
 only the error shapes: it runs in the proxy, beside no model."""
 from __future__ import annotations
@@ -98,8 +100,10 @@ class IngressReplay:
     async def serve_with_replays(self, scope, body: list[dict], receive, send) -> None:
         gone: list[bool] = []
         deadline, pause, deaths = time.monotonic() + self.retry_s, self.first_pause_s, 0
+        sent = SentResponse(send)
         for attempt in range(1, MAX_REPLAYS + 2):
-            sent, delivered = SentResponse(send), []
+            delivered: list[bool] = []
+            sent.next_attempt()
             try:
                 await self.app(dict(scope, headers=list(scope.get("headers", []))),
                                replay(body, receive, gone, delivered), sent.send)
@@ -109,21 +113,21 @@ class IngressReplay:
                 logger.warning("proxy guard: attempt %d of %s raised %r", attempt, scope.get("path"), exc)
             if sent.finished or gone:
                 return
-            if sent.started:
+            if sent.body_sent or (sent.started and not sent.event_stream):
                 return await sent.end_stream()
             deaths += bool(delivered)  # its ingress had read the request, then answered nothing: it died
             if deaths >= MAX_INGRESS_DEATHS:
-                return await answer(send, 503, f"this request's ingress replica failed {deaths} times while holding "
-                                               f"it; it was not sent to another", {"retry-after": "1"})
+                return await sent.refuse(503, f"this request's ingress replica failed {deaths} times while holding "
+                                              f"it; it was not sent to another", {"retry-after": "1"})
             if attempt > MAX_REPLAYS or time.monotonic() + pause > deadline:
                 break
             logger.warning("proxy guard: %s %s had no answer (its ingress replica failed?); sending it again",
                            scope.get("method"), scope.get("path"))
             await asyncio.sleep(pause)
             pause = min(pause * 2, 4.0)
-        await answer(send, 503, f"no ingress replica answered within {self.retry_s:g} s and {MAX_REPLAYS} resends "
-                                f"({RETRY_ENV}); the request was not served",
-                     {"retry-after": str(max(1, round(self.retry_s)))})
+        await sent.refuse(503, f"no ingress replica answered within {self.retry_s:g} s and {MAX_REPLAYS} resends "
+                               f"({RETRY_ENV}); the request was not served",
+                          {"retry-after": str(max(1, round(self.retry_s)))})
 
 
 async def read_body(receive, cap: int) -> tuple[list[dict], bool, bool]:
@@ -161,19 +165,55 @@ def replay(messages: list[dict], receive, gone: list[bool], delivered: list[bool
 
 
 class SentResponse:
-    """What one attempt sent: whether its response started and finished, and whether it is an event stream."""
+    """What the attempts sent the client: whether the response started and finished, whether it is an event stream,
+    and whether any of its body went out. An event stream whose headers alone went out (the ingress holds a
+    stream's first chunk until its first token) is sent again into the same response: the next attempt's start is
+    not sent again, and an error it answers with instead of a stream goes out as the stream's error event."""
 
     def __init__(self, send):
-        self._send, self.started, self.finished, self.event_stream = send, False, False, False
+        self._send, self.started, self.finished, self.event_stream, self.body_sent = send, False, False, False, False
+        self._spliced = False  # this attempt's start was held back: the client has the first attempt's
+        self._refused: tuple[int, bytes] | None = None  # a spliced attempt that answered an error, not a stream
+
+    def next_attempt(self) -> None:
+        self._spliced, self._refused = self.started, None
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
-            self.started = True
-            self.event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                                    for k, v in message.get("headers", []))
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.finished = True
+            event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                               for k, v in message.get("headers", []))
+            if self._spliced:
+                if message.get("status") != 200 or not event_stream:
+                    self._refused = (message.get("status", 500), b"")
+                return
+            self.started, self.event_stream = True, event_stream
+        elif message["type"] == "http.response.body":
+            last = not message.get("more_body", False)
+            if self._refused is not None:  # an error answer in a spliced attempt: collected, sent as an event
+                self._refused = (self._refused[0], self._refused[1] + message.get("body", b""))
+                if last:
+                    await self._end_with(*self._refused)
+                return
+            self.body_sent |= bool(message.get("body"))
+            self.finished |= last
         await self._send(message)
+
+    async def refuse(self, status: int, message: str, headers: dict[str, str]) -> None:
+        """The guard's own refusal: an error response, or, where a stream's headers went out already, its error
+        event and [DONE]."""
+        if not self.started:
+            return await answer(self._send, status, message, headers)
+        await self._end_with(status, json.dumps(answers.error_body(status, message)).encode())
+
+    async def _end_with(self, status: int, body: bytes) -> None:
+        """A spliced attempt's error answer, as the stream's error event and [DONE]."""
+        try:
+            error = json.loads(body)
+        except ValueError:
+            error = answers.error_body(status, body.decode("utf-8", "replace")[:200] or "the request failed")
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": (answers.sse(error) + answers.sse("[DONE]")).encode(),
+                          "more_body": False})
 
     async def end_stream(self) -> None:
         """The response began and its ingress replica died: end it whole, a stream with its error event."""
