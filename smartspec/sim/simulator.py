@@ -126,17 +126,8 @@ class SimReplica:
             else 0.0
         expected = sum(self.acceptance[r.request_id].expected_tokens(k, r.num_output_tokens)
                        for r, k in zip(decoding, ks))
-        finished, accepted, outcomes = [], [], []
-        for s in batch:
-            req = s.request
-            k = k_of.get(req.request_id, 0)
-            req.num_computed_tokens += s.num_tokens + k
-            if not s.completes:
-                continue
-            a = self.acceptance[req.request_id].accepted(k, req.num_output_tokens)
-            if req.request_id in k_of:
-                accepted.append(a)
-            outcomes.append((req, a, k))
+        outcomes = self._accept(batch, k_of)
+        accepted = [a for req, a, _ in outcomes if req.request_id in k_of]
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
         record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
@@ -145,20 +136,36 @@ class SimReplica:
                             num_tokens=lengths, probes=list(plan.probes))
         planned_s = host_s if self.realism.host_s == "measured" else float(self.realism.host_s)
         committed = now + duration + planned_s
-        for req, a, k in outcomes:
-            # token ids stand for lengths (requests ignore EOS and have no stop tokens)
-            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len,
-                                 committed)
-            if done.finish_reason is not None:
-                finish_request(req, done.finish_reason, self.scheduler, self.speculation, committed)
-                finished.append(req)
-            elif self.speculation.proposer is not None:
-                self.speculation.proposer.sync(req)
+        finished = self._commit(outcomes, committed)
         began = time.perf_counter()
         self.speculation.policy.observe(record)
         observed_s = time.perf_counter() - began if self.realism.host_s == "measured" else 0.0
         end, host_s = committed + observed_s, planned_s + observed_s
         return SimStep(end, finished, list(ks), expected, surface_s, host_s, sum(a + 1 for _, a, _ in outcomes))
+
+    def _accept(self, batch, k_of: dict[str, int]) -> list[tuple[Request, int, int]]:
+        """The step's forward fed: per request that completes its part, (request, drafts accepted, drafts)."""
+        outcomes = []
+        for s in batch:
+            req = s.request
+            k = k_of.get(req.request_id, 0)
+            req.num_computed_tokens += s.num_tokens + k
+            if s.completes:
+                outcomes.append((req, self.acceptance[req.request_id].accepted(k, req.num_output_tokens), k))
+        return outcomes
+
+    def _commit(self, outcomes: list[tuple[Request, int, int]], at: float) -> list[Request]:
+        """Each outcome's tokens committed at `at`; the requests that finished."""
+        finished = []
+        for req, a, k in outcomes:
+            # token ids stand for lengths (requests ignore EOS and have no stop tokens)
+            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len, at)
+            if done.finish_reason is not None:
+                finish_request(req, done.finish_reason, self.scheduler, self.speculation, at)
+                finished.append(req)
+            elif self.speculation.proposer is not None:
+                self.speculation.proposer.sync(req)
+        return finished
 
 
 def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float], prompt_lens: list[int],
