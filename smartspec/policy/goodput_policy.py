@@ -102,7 +102,8 @@ class GoodputPolicy(Policy):
         """No speculation, where no plan could pay (goodput.drafting_can_pay): nor could any probe's outcome make
         one pay. Only the draft's price is checked now and then, at one token."""
         ks = [0] * len(step.requests)
-        if not self._check_draft_price(step, ks, self.catchup.starts(step, self.cost, self._depth).seconds):
+        if not self.draft_check.is_due(self.step) or not self._check_draft_price(
+                step, ks, self.catchup.starts(step, self.cost, self._depth).seconds):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
