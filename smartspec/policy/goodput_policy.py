@@ -76,6 +76,7 @@ class GoodputPolicy(Policy):
         self.catchup = CatchupLedger(catchup_horizon)
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
         self.draft_check = DraftPriceCheck()
+        self.drafted_last = False  # whether the last chain plan drafted (plan: when the bound is worth trying)
         self.step = 0
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
@@ -92,11 +93,15 @@ class GoodputPolicy(Policy):
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
         if view.lookups is not None:
             return self._plan_proposers(step)
-        if self.tree_depth is None and not view.prefill_tokens and not drafting_can_pay(
+        # the bound is tried only after a step that drafted nothing: where the last plan drafted, this one most
+        # likely does too, and the bound would be host time on top of the full plan
+        if self.tree_depth is None and not view.prefill_tokens and not self.drafted_last and not drafting_can_pay(
                 view.k_max, len(view.requests), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
                 step.context, step.forward_tokens):
             return self._plan_none(step)
-        return self._plan_chains(step)
+        plan = self._plan_chains(step)
+        self.drafted_last = any(plan.ks)
+        return plan
 
     def _plan_none(self, step: StepNumbers) -> SpecPlan:
         """No speculation, where no plan could pay (goodput.drafting_can_pay): nor could any probe's outcome make
