@@ -11,7 +11,8 @@ import numpy as np
 from smartspec.policy.base import Policy
 from smartspec.sim.oracle import OraclePolicy
 from smartspec.sim.profile import SimProfile
-from smartspec.sim.realism import CALIBRATION_QUESTIONS, Realism, calibration_records
+from smartspec.engine.profile import CALIBRATION_QUESTIONS
+from smartspec.sim.realism import Realism, calibration_records
 from smartspec.sim.simulator import SimReplica, SimStep
 from smartspec.sim.workload import Workload
 from smartspec.types.request import Request
@@ -62,7 +63,7 @@ def closed_loop(profile: SimProfile, policy: str | Policy, k_max: int, concurren
     replica = _replica(profile, policy, k_max, concurrency, workload, realism, seed)
     # the engine measures acceptance on a few questions before serving; here, questions like the workload's
     replica.speculation.policy.observe_calibration(calibration_records(
-        [workload.request(seed, num_requests + i).acceptance for i in range(CALIBRATION_QUESTIONS)], k_max))
+        [workload.request(seed, num_requests + i).acceptance for i in range(len(CALIBRATION_QUESTIONS))], k_max))
     started, done, now, window_from, window = 0, 0, 0.0, None, _Window()
 
     def start(at: float) -> None:

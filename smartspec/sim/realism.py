@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smartspec.engine.profile import UNPADDED_BATCHES
+from smartspec.engine.profile import CALIBRATION_TOKENS, UNPADDED_BATCHES
 from smartspec.sim.profile import SimProfile
 from smartspec.sim.workload import RequestAcceptance
 from smartspec.types.step_record import StepRecord
 
 PROFILE_CONTEXT = 64  # the engine's profile prompts (profile_steps' context)
-CALIBRATION_QUESTIONS, CALIBRATION_TOKENS = 4, 48  # engine/profile.py calibrate_acceptance
 
 
 @dataclass(frozen=True)
