@@ -16,7 +16,7 @@ window to end:
   kill-draft       kill -9 of a draft actor
   kill-controller  kill -9 of the goodput controller
   kill-ingress     kill -9 of the OpenAI ingress replica
-  scale-down       a deploy with num_replicas 1 (one replica drains), then 2 again
+  scale-down       a deploy with Serve's override LLMServer num_replicas 1 (one replica drains), then 2
   rolling-update   a deploy of a changed config (Serve replaces the replicas one by one)
   node-stop        the second node's raylet stopped (as `ray stop` there), then the node started again
 
@@ -216,19 +216,25 @@ def kill9(pattern: str) -> str:
 
 def app_config(args, **changes) -> dict:
     # each node has 1 logical CPU, and a replica's placement group (replica 0.5, draft actor 0.25) fits one node
-    return {"model": args.model, "num_replicas": 2, "replica_num_cpus": 0.5,
+    # (the replica count is deploy's; max_waiting is what the rolling update changes)
+    return {"model": args.model, "replica_num_cpus": 0.5, "max_waiting": 63 if args.rolled else 64,
             "num_threads": 1, "max_model_len": 2048, "kv_cache_gib": 0.5, "replica_wait_s": 60,
             "speculation": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 4,
                             "draft_actor": True, "draft_num_cpus": 0.25, "draft_num_threads": 1},
             **changes}
 
 
-def deploy(config: dict) -> None:
-    from ray import serve
+def deploy(config: dict, replicas: int = 2) -> None:
+    """As `serve run config.yaml` deploys: the application's args, and the LLMServer replica count as Serve's own
+    deployment override. Serve applies an override to the running replicas (a scale-down drains one); a change
+    under args is a new code version, and Serve replaces every replica (a rolling update)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
-    from deployments.app import build_app
-
-    serve.run(build_app(config), name="smartspec", route_prefix="/", blocking=False)
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({
+        "http_options": {"host": "127.0.0.1", "port": PORT},
+        "applications": [{"name": "smartspec", "route_prefix": "/", "import_path": "deployments.app:build_app",
+                          "args": config, "deployments": [{"name": "LLMServer", "num_replicas": replicas}]}]}))
 
 
 PARTS = ("ServeReplica:smartspec:LLMServer", "ray::DraftWorker", "ServeReplica:smartspec:GoodputController",
@@ -276,10 +282,11 @@ def inject(fault: str, args) -> str:
     if fault == "kill-ingress":
         return kill9("ServeReplica:smartspec:OpenAIIngress")
     if fault == "scale-down":
-        deploy(app_config(args, num_replicas=1))
-        return "deploy num_replicas 1"
+        deploy(app_config(args), replicas=1)
+        return "deploy with LLMServer num_replicas 1"
     if fault == "rolling-update":
-        deploy(app_config(args, max_waiting=63))
+        args.rolled = True
+        deploy(app_config(args))
         return "deploy of a changed config (max_waiting 64 -> 63)"
     if fault == "node-stop":
         raylets = pids(f"raylet.*--node_manager_port={WORKER_PORT}") or pids(f"raylet.*{WORKER_PORT}")
@@ -294,9 +301,7 @@ def recover(fault: str, args) -> None:
     """What an operator does after the fault, before the next: scale back up, start the node again."""
     if fault == "scale-down":
         wait_until(lambda: healthy(1), args.heal_s)
-        deploy(app_config(args, max_waiting=63 if args.rolled else 64))
-    if fault == "rolling-update":
-        args.rolled = True
+        deploy(app_config(args))
     if fault == "node-stop":
         time.sleep(10)
         start_worker_node()
