@@ -29,7 +29,7 @@ def test_estimator_converges_on_bernoulli_streams(alpha):
     per_request = []
     for step in range(400):
         rids = [f"r{i}" for i in range(8)]
-        est.tick(rids)
+        est.tick()
         for rid in rids:
             est.observe(rid, 4, geometric_accepted(rng, alpha, 4))
         if step >= 100:
@@ -45,7 +45,7 @@ def test_chain_stages_agree_when_every_depth_is_equally_hard(alpha):
     rng = random.Random(3)
     chain = ChainAcceptance(prior_alpha=0.5)
     for _ in range(400):
-        chain.tick(["r0", "r1"])
+        chain.tick()
         for rid in ("r0", "r1"):
             chain.observe(rid, 5, geometric_accepted(rng, alpha, 5))
     # the later stage hears only from drafts whose first token was accepted: fewer outcomes, more noise at low alpha
@@ -102,7 +102,7 @@ def test_request_without_evidence_drifts_to_the_prior():
         est.observe("bad", 4, 0)
     assert est.alpha("bad") < 0.3
     for _ in range(100):  # "bad" runs at k = 0: no evidence, only time
-        est.tick(["bad"])
+        est.tick()
     assert abs(est.alpha("bad") - est.prior) < 0.02 and est.prior > 0.6
 
 
@@ -168,3 +168,30 @@ def test_a_requests_estimate_does_not_depend_on_the_rest_of_its_batch():
 
 
 # ---- cost model ------------------------------------------------------------------------------------------------
+
+
+def test_a_step_of_outcomes_counts_as_its_outcomes_one_at_a_time():
+    """observe_many (a step's outcomes at once, the prior's decayed sums in one array operation) leaves every
+    count where one observe per outcome leaves it; decay is read lazily, by the steps passed since a request's last
+    outcome, as if applied at every tick."""
+    rng = random.Random(5)
+    one, many = AcceptanceEstimator(prior_alpha=0.5), AcceptanceEstimator(prior_alpha=0.5)
+    for step in range(60):
+        one.tick()
+        many.tick()
+        rids = [f"r{i}" for i in range(12) if rng.random() < 0.7]
+        proposed = [rng.randint(1, 5) for _ in rids]
+        accepted = [rng.randint(0, p) for p in proposed]
+        for rid, p, a in zip(rids, proposed, accepted):
+            one.observe(rid, p, a)
+        many.observe_many(rids, np.array(proposed), np.array(accepted))
+    ids = [f"r{i}" for i in range(12)]
+    assert many.prior_counts.accepted == pytest.approx(one.prior_counts.accepted, rel=1e-12)
+    assert many.prior_counts.rejected == pytest.approx(one.prior_counts.rejected, rel=1e-12)
+    assert many.alphas(ids) == pytest.approx(one.alphas(ids), rel=1e-12)
+    manual = AcceptanceEstimator(prior_alpha=0.5, request_decay=0.5)
+    manual.observe("x", 4, 4)
+    for _ in range(3):
+        manual.tick()
+    a, r, at = manual.requests["x"]
+    assert (a * 0.5 ** (manual.clock - at), r) == (0.5, 0.0)

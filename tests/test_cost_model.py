@@ -283,3 +283,24 @@ def test_a_long_prompt_at_the_profile_s_speed_keeps_the_profile_s_level():
     predicted = np.array([model.v_prior @ np.ravel(verify_features(n, c)) for n, c, _, _ in model.verify_samples])
     assert abs(1 - (predicted @ data[:, 2]) / (predicted @ predicted)) > 0.2  # a least-squares scale is far off
     assert model.prior_level(data) == pytest.approx(1.0, abs=0.02)
+
+
+def test_fits_wait_for_a_fifth_of_a_second_of_steps():
+    """refit_every steps and REFIT_GAP_S of their time: 60 ms CPU steps are fitted every 4 steps, 5 ms GPU steps
+    every 40 (one fit's host time spread over steps it is small beside)."""
+    from smartspec.policy.cost_feed import REFIT_GAP_S, CostFeed
+
+    def fits(step_s: float) -> int:
+        model = StepCostModel()
+        feed = CostFeed(model, 4, lambda k: k)
+        fitted = []
+        model.refit = lambda draft=False, fit=model.refit: (fitted.append(model.steps), fit(draft=draft))
+        for j in range(400):
+            b = 1 + j % 16
+            feed.observe(StepRecord(0, b, [0] * b, [0] * b, [0] * b, [f"r{i}" for i in range(b)], b, 0, 64 * b, 0.0,
+                                    step_s, step_s, num_tokens=[64] * b))
+        return len([s for s in fitted if s > 8])  # after the first fits, made after each step until one holds
+
+    assert REFIT_GAP_S == 0.2
+    assert fits(0.06) == pytest.approx(392 / 4, abs=1)
+    assert fits(0.005) == pytest.approx(392 / 40, abs=1)

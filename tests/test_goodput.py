@@ -84,3 +84,63 @@ def test_start_costs_keep_gains_non_increasing_and_price_what_does_not_pay():
     assert (charged[2, :2] <= 0).all()  # a start that never pays is never chosen
     ks, _ = select_from_gains(charged, [4, 4, 2], np.arange(1, 5), linear_cost(0.1, 0.001), 3, 300)
     assert ks[0] >= ks[1] > 0 and ks[2] == 0
+
+
+def every_plan_can_pay(k_top, rows, alpha, cost, base_tokens, base_context) -> bool:
+    """The bound by its definition: every draft count m and depth priced at the step's context."""
+    m = np.arange(1, rows * k_top + 1)
+    cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))  # the m largest gains: rows of a^1, then of a^2, ...
+    depths = np.arange(1, k_top + 1)[:, None]
+    values = (rows + cumulative) / cost(base_tokens + m, base_context + m, depths, m)
+    values[m[None, :] > rows * depths] = -np.inf
+    return bool(values.max() > rows / float(cost(base_tokens, base_context, 0, 0)))
+
+
+def random_bound_instances(n: int, seed: int):
+    from smartspec.policy.cost_model import StepCostModel
+
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        model = StepCostModel()
+        model.v = [rng.uniform(0.001, 0.05)] + (rng.uniform(0, 2e-3, 6) * (rng.random(6) < 0.7)).tolist() + [
+            rng.uniform(0, 1e-6) * (rng.random() < 0.9)]
+        model.d = [rng.uniform(0, 0.01), rng.uniform(0, 1e-3), 0.0]
+        rows, k_top = int(rng.integers(1, 300)), int(rng.integers(1, 9))
+        base = rows + int(rng.integers(0, 3)) * int(rng.integers(0, 200))
+        yield model, k_top, rows, float(rng.uniform(0.2, 0.99)), base, int(rng.integers(rows, 2000 * rows))
+
+
+def test_the_drafting_bound_answers_as_every_plan_priced_at_the_context():
+    """drafting_pays_above, priced at the layer ends and the cost's kinks alone and turned into a context threshold,
+    says what pricing every plan at the step's context says: random piecewise-linear costs, batches, depths and
+    ceilings, many near the edge between paying and not."""
+    from smartspec.policy.cost_model import SEGMENT_EDGES
+    from smartspec.policy.goodput import drafting_pays_above
+
+    answers = []
+    for model, k_top, rows, alpha, base, context in random_bound_instances(3000, 11):
+        every = every_plan_can_pay(k_top, rows, alpha, model.predict, base, context)
+        above = drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1], None, SEGMENT_EDGES)
+        assert (context > above) == every, (k_top, rows, alpha, base, context, above)
+        assert (context > drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1])) == every
+        answers.append(every)
+    assert 0.2 < np.mean(answers) < 0.8  # both answers, often
+
+
+def test_where_the_bound_says_no_the_exact_plan_drafts_nothing():
+    """The bound holds: where no plan could pay at the ceiling, the exact selection over gains at or below it
+    chooses no speculation."""
+    from smartspec.policy.cost_model import SEGMENT_EDGES
+    from smartspec.policy.goodput import drafting_pays_above
+
+    checked = 0
+    rng = np.random.default_rng(3)
+    for model, k_top, rows, alpha, base, context in random_bound_instances(2000, 12):
+        if rows > 96 or context > drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1], None,
+                                                      SEGMENT_EDGES):
+            continue
+        gains = chain_gains(rng.uniform(0.0, alpha, rows), k_top)
+        ks, _ = select_from_gains(gains, [k_top] * rows, np.arange(1, k_top + 1), model.predict, base, context)
+        assert not any(ks)
+        checked += 1
+    assert checked > 50

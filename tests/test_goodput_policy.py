@@ -13,6 +13,7 @@ from policy_views import view
 from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy, merge_states
 from smartspec.policy.goodput import select_from_gains
+from smartspec.policy.step_numbers import StepNumbers
 from smartspec.types.request import Request
 from smartspec.types.step_record import StepRecord
 
@@ -145,7 +146,8 @@ def test_a_draft_catch_up_is_charged_and_tracked():
         # the draft fed the context and its drafts but the last: it saw the accepted ones, up to k - 1 of them
         assert p.catchup.seen["seen"] == 500 + min(2, ks[1] - 1) and "fresh" not in p.catchup.seen
         seen.token_ids += [1, 2, 3]  # two drafts accepted and the target's token
-        assert p.catchup.tokens([seen, fresh]).tolist() == [502 - p.catchup.seen["seen"], 499]
+        step = StepNumbers.of(view([seen, fresh], 5), 0.0)
+        assert p.catchup.tokens(step).tolist() == [502 - p.catchup.seen["seen"], 499]
 
 
 def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:

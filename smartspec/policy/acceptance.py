@@ -63,6 +63,9 @@ class Counts:
         self.rejected += rejected
 
 
+_NO_COUNTS = (0.0, 0.0, 0)  # a request without outcomes
+
+
 class AcceptanceEstimator:
     def __init__(self, prior_alpha: float = 0.5, prior_strength: float | None = None, request_decay: float = 0.9,
                  prior_decay: float = 0.995, max_alpha: float = 0.99, strength_range: tuple[float, float] = (4.0, 64.0),
@@ -75,17 +78,20 @@ class AcceptanceEstimator:
         self.min_finished = min_finished  # finished requests needed before the strength is learned
         self.min_outcomes = min_outcomes  # a finished request counts toward it with at least this many outcomes
         self.finished: deque[tuple[float, float]] = deque(maxlen=finished_window)  # (accepted, outcomes)
-        self.totals: dict[str, Counts] = {}  # per request, undecayed: what it showed over its whole life
+        # per request, undecayed: accepted and rejected over its whole life
+        self.totals: dict[str, tuple[float, float]] = {}
         self._learned_strength: float | None = None  # relearned when a request finishes, not on every alpha()
         low, high = strength_range
         # before the strength is learned: the strengths a request's estimate is averaged over
         self.cold_strengths = [low * (high / low) ** (i / max(1, cold_strengths - 1)) for i in range(cold_strengths)]
         self.request_decay = request_decay
+        self.clock = 0  # steps passed (tick); a request's counts decay by request_decay a step, read lazily
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
         self.prior_counts = Counts()  # this engine's own evidence (what it exports)
         self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
-        self.requests: dict[str, Counts] = {}
+        # per request: accepted, rejected, as of step `at` (decayed since by request_decay ** (clock - at))
+        self.requests: dict[str, tuple[float, float, int]] = {}
         # (prior, the terms of _averaged_over_strengths that depend on it alone, the estimate without outcomes)
         self._prior_terms: tuple | None = None
 
@@ -133,9 +139,10 @@ class AcceptanceEstimator:
 
     def alphas(self, request_ids: list[str]) -> np.ndarray:
         """Each request's estimate (the prior for one without evidence), for a whole batch at once."""
-        counts = [self.requests.get(r) for r in request_ids]
-        a = np.array([c.accepted if c else 0.0 for c in counts], dtype=np.float64)
-        r = np.array([c.rejected if c else 0.0 for c in counts], dtype=np.float64)
+        get, clock = self.requests.get, self.clock
+        counts = np.array([get(r, _NO_COUNTS) for r in request_ids], dtype=np.float64).reshape(-1, 3)
+        decayed = self.request_decay ** (clock - counts[:, 2])
+        a, r = counts[:, 0] * decayed, counts[:, 1] * decayed
         prior = self.prior
         if self.fixed_strength is None and self._learned_strength is None:
             return np.minimum(self.max_alpha, self._averaged_over_strengths(a, r, prior))
@@ -167,12 +174,28 @@ class AcceptanceEstimator:
         return out
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        rejected = 1.0 if accepted < proposed else 0.0
-        self.requests.setdefault(request_id, Counts()).add(accepted, rejected)
-        self.totals.setdefault(request_id, Counts()).add(accepted, rejected)
-        self.calibrate(proposed, accepted)
+        if proposed > 0:
+            self.observe_many([request_id], np.array([proposed]), np.array([accepted]))
+
+    def observe_many(self, request_ids: list[str], proposed: np.ndarray, accepted: np.ndarray) -> None:
+        """A step's outcomes, one per request (proposed > 0 each): each request's own counts, and the prior's."""
+        rejected = (accepted < proposed).astype(np.float64)
+        clock, decay, get, totals = self.clock, self.request_decay, self.requests.get, self.totals
+        for rid, taken, missed in zip(request_ids, accepted.tolist(), rejected.tolist()):
+            a, r, at = get(rid, _NO_COUNTS)
+            decayed = decay ** (clock - at)
+            self.requests[rid] = (a * decayed + taken, r * decayed + missed, clock)
+            total_a, total_r = totals.get(rid, (0.0, 0.0))
+            totals[rid] = (total_a + taken, total_r + missed)
+        self._calibrate_many(accepted.astype(np.float64), rejected)
+
+    def _calibrate_many(self, accepted: np.ndarray, rejected: np.ndarray) -> None:
+        """The prior's counts after these outcomes in turn, each decaying the ones before by prior_decay: the
+        same sums as one calibrate() per outcome, in one array operation."""
+        n = len(accepted)
+        weights = self.prior_decay ** np.arange(n - 1, -1, -1, dtype=np.float64)
+        self.prior_counts.decay(self.prior_decay ** n)
+        self.prior_counts.add(float(weights @ accepted), float(weights @ rejected))
 
     def calibrate(self, proposed: int, accepted: int) -> None:
         """An outcome that is evidence for the prior alone (no request's own): the engine's calibration, and the
@@ -182,18 +205,16 @@ class AcceptanceEstimator:
         self.prior_counts.decay(self.prior_decay)
         self.prior_counts.add(accepted, 1.0 if accepted < proposed else 0.0)
 
-    def tick(self, request_ids) -> None:
-        """One step passed for these requests: older evidence weighs less (with none new, toward the prior)."""
-        for rid in request_ids:
-            c = self.requests.get(rid)
-            if c is not None:
-                c.decay(self.request_decay)
+    def tick(self) -> None:
+        """One step passed: every request's older evidence weighs less (with none new, toward the prior). Counted,
+        not applied: a batch's counts are decayed when they are read (alphas, observe), not walked every step."""
+        self.clock += 1
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         total = self.totals.pop(request_id, None)
-        if total is not None and total.accepted + total.rejected >= max(1, self.min_outcomes):
-            self.finished.append((total.accepted, total.accepted + total.rejected))
+        if total is not None and total[0] + total[1] >= max(1, self.min_outcomes):
+            self.finished.append((total[0], total[0] + total[1]))
             self._learned_strength = self._learn_strength()
 
 
@@ -215,15 +236,19 @@ class ChainAcceptance:
         self.later = AcceptanceEstimator(prior_alpha=prior_alpha)
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
-        self.observe_step([(request_id, proposed, accepted)])
+        self.observe_step([request_id], [proposed], [accepted])
 
-    def observe_step(self, outcomes: list[tuple[str, int, int]]) -> None:
-        """A step's outcomes, (request, proposed, accepted) each; the later stage's guess follows the first stage's
-        prior once, after them all (nothing reads it in between)."""
-        for request_id, proposed, accepted in outcomes:
-            if proposed > 0:
-                for stage, tried, taken in self._stages(proposed, accepted):
-                    stage.observe(request_id, tried, taken)
+    def observe_step(self, request_ids: list[str], proposed: list[int], accepted: list[int]) -> None:
+        """A step's outcomes, per request: its drafts proposed and accepted. The first stage hears every chain that
+        proposed; the later stage, those that proposed two or more and had the first accepted (_stages). The later
+        stage's guess follows the first stage's prior once, after them all (nothing reads it in between)."""
+        proposed_a, accepted_a = np.asarray(proposed, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
+        for stage, rows, tried, taken in ((self.first, proposed_a > 0, 1, np.minimum(accepted_a, 1)),
+                                          (self.later, (accepted_a >= 1) & (proposed_a >= 2), proposed_a - 1,
+                                           accepted_a - 1)):
+            if rows.any():
+                ids = [rid for rid, row in zip(request_ids, rows.tolist()) if row]
+                stage.observe_many(ids, np.broadcast_to(tried, rows.shape)[rows], taken[rows])
         self._later_starts_from_first()
 
     def calibrate(self, proposed: int, accepted: int) -> None:
@@ -248,10 +273,9 @@ class ChainAcceptance:
         keeps k at 1 (measured: a draft model accepted 100% of its drafts and stayed at k = 1)."""
         self.later.initial_prior = self.first.prior
 
-    def tick(self, request_ids) -> None:
-        request_ids = list(request_ids)
-        self.first.tick(request_ids)
-        self.later.tick(request_ids)
+    def tick(self) -> None:
+        self.first.tick()
+        self.later.tick()
 
     def forget(self, request_id: str) -> None:
         self.first.forget(request_id)

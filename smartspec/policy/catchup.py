@@ -14,7 +14,7 @@ from smartspec.policy.arrivals import ArrivalGaps
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import charge_start_costs
 from smartspec.policy.step_numbers import StepNumbers
-from smartspec.types.plan import RequestView, StepView
+from smartspec.types.plan import StepView
 
 
 PRIOR_GAP_STEPS = 8.0  # the expected gap to the next arrival before any is seen, in drafting steps
@@ -35,17 +35,18 @@ class CatchupLedger:
         self.seen: dict[str, int] = {}  # request -> tokens the draft has read
 
     def see(self, view: StepView) -> None:
-        for r in (*view.requests, *view.prefilling):
-            self.arrivals.see(r.request_id, r.arrival_time)
+        self.arrivals.see_each(view.requests)
+        self.arrivals.see_each(view.prefilling)
 
-    def tokens(self, requests: list[RequestView]) -> np.ndarray:
+    def tokens(self, step: StepNumbers) -> np.ndarray:
         """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of
         a context it never drafted for, or what the request generated at k = 0 since."""
-        return np.array([max(0, r.num_tokens - 1 - self.seen.get(r.request_id, 0)) for r in requests],
-                        dtype=np.float64)
+        get = self.seen.get
+        seen = np.array([get(rid, 0) for rid in step.ids], dtype=np.float64)
+        return np.maximum(0.0, step.num_tokens - 1 - seen)
 
     def starts(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> Starts:
-        return Starts(cost.predict_draft(0, 0, self.tokens(step.requests)),
+        return Starts(cost.predict_draft(0, 0, self.tokens(step)),
                       self._steps_to_next_arrival(step, cost, depth))
 
     def charge(self, gains: np.ndarray, step: StepNumbers, starts: Starts, cost: StepCostModel) -> np.ndarray:
@@ -63,13 +64,12 @@ class CatchupLedger:
         second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
         worth and let whole batches start drafting in prefill steps (tested:
         test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
-        requests = step.requests
         capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.k_max)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
-        remaining = np.array([max(1, r.max_tokens - r.num_output_tokens) for r in requests], dtype=np.float64)
-        horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
-        decode_s = float(cost.predict(len(requests), sum(r.num_tokens for r in requests)))
-        return starts.seconds / horizon * (len(requests) / decode_s)
+        horizon = np.clip(step.remaining / per_step, 1.0, starts.horizon_cap)
+        b = len(step.ids)
+        decode_s = float(cost.predict(b, step.decode_context))
+        return starts.seconds / horizon * (b / decode_s)
 
     def _steps_to_next_arrival(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> float:
         """The most steps a catch-up is spread over: the horizon, or fewer where the next arrival is expected

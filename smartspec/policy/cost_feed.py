@@ -1,7 +1,9 @@
-"""Each step's measured time into the step-cost model, refitted once every `refit_every` steps rather than after
-each: a fit is a few robust least-squares solves (over a millisecond of Python and numpy, about 2% of a CPU decode
-step), and a fit a few steps old predicts the next step as well as a fresh one. Until the model has a fit at all, it
-is refitted after every step."""
+"""Each step's measured time into the step-cost model, refitted once every `refit_every` steps and `REFIT_GAP_S`
+seconds of steps rather than after each: a fit is a few robust least-squares solves (about a millisecond of Python
+and numpy), and a fit a fraction of a second old predicts the next step as well as a fresh one. Counted in steps
+alone, fits took 2% of a CPU decode step but 5% of a GPU's (4-5 ms), the host time the policy must not take; with
+the gap, one fit serves ~40 such steps and still follows a change of speed within a fifth of a second. Until the
+model has a fit at all, it is refitted after every step."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,6 +13,8 @@ from smartspec.types.numbers import is_int
 from smartspec.types.plan import DRAFT
 from smartspec.types.step_record import StepRecord
 
+REFIT_GAP_S = 0.2  # the least step time between two fits (after refit_every steps)
+
 
 class CostFeed:
     def __init__(self, cost: StepCostModel, refit_every: int, depth: Callable[[int], int]) -> None:
@@ -18,6 +22,7 @@ class CostFeed:
             raise ValueError(f"refit_every must be an integer >= 1, got {refit_every!r}")
         self.cost, self.refit_every, self.depth = cost, refit_every, depth
         self.steps_unfit = 0  # steps observed since the last fit
+        self.seconds_unfit = 0.0  # and their measured time
         self.drafts_unfit = False  # whether one of them ran draft forwards
 
     def observe(self, record: StepRecord) -> float | None:
@@ -34,8 +39,9 @@ class CostFeed:
                           record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
                           refit=False)
         self.steps_unfit += 1
+        self.seconds_unfit += record.total_s
         self.drafts_unfit |= depth > 0
-        if not self.cost.ready or self.steps_unfit >= self.refit_every:
+        if not self.cost.ready or (self.steps_unfit >= self.refit_every and self.seconds_unfit >= REFIT_GAP_S):
             self.refit()
         return record.draft_s / predicted if predicted > 0 else None
 
@@ -48,4 +54,4 @@ class CostFeed:
 
     def refit(self) -> None:
         self.cost.refit(draft=self.drafts_unfit)
-        self.steps_unfit, self.drafts_unfit = 0, False
+        self.steps_unfit, self.seconds_unfit, self.drafts_unfit = 0, 0.0, False

@@ -43,6 +43,7 @@ SEGMENTS = ((0, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, float("inf")))
 _SCALARS = (int, float, np.integer, np.floating)
 _SEGMENT_STARTS = np.array([a for a, _ in SEGMENTS])
 _SEGMENT_WIDTHS = np.array([b - a for a, b in SEGMENTS])
+SEGMENT_EDGES = _SEGMENT_STARTS[1:]  # the token counts where a step's cost may change slope
 
 
 def segment_tokens(n) -> np.ndarray:

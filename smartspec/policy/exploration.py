@@ -87,7 +87,7 @@ def worth_probing(step: StepNumbers, due: list[int], raw_gains: np.ndarray, gain
     gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
     better = plan_value(gained, t[None, :], price) > plan.value
     better &= j[None, :] <= np.asarray(k_max)[due][:, None]
-    return {i for i, row in zip(due, better) if row.any()}
+    return {i for i, any_better in zip(due, better.any(axis=1).tolist()) if any_better}
 
 
 def probe_pays(hope: Plan, plan: Plan, gain: float, start_s: float, probe_s: float, price: float | None,

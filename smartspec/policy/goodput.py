@@ -16,7 +16,8 @@ second beat the decode batch's own goodput, scaled by the requests the step hold
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -47,12 +48,17 @@ def chain_gains(alphas, k: int) -> np.ndarray:
 
 @dataclass
 class Plan:
-    """One choice of k per request, with its predicted step time and its value (goodput, or tokens - price * T)."""
-    ks: list[int]
+    """One choice of k per request, with its predicted step time and its value (goodput, or tokens - price * T).
+    Its ks are worked out when first read (ks_of): of a step's plans by depth, one or two are read."""
+    ks_of: Callable[[], list[int]] = field(repr=False)
     seconds: float
     value: float
     depth: int  # draft forwards it takes (0: no speculation)
     tokens: int  # draft tokens it verifies
+
+    @cached_property
+    def ks(self) -> list[int]:
+        return self.ks_of()
 
 
 def plan_value(tokens, seconds, price: float | None = None):
@@ -67,13 +73,14 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     """The best plan under each draft depth, the plan without speculation first (see select_from_gains).
     tokens_of(m, depth): the tokens the forward computes with m draft tokens at most `depth` a row, where that is
     not base_tokens + m (a runner that pads every row to the widest: StepNumbers.forward_tokens)."""
+    padded = tokens_of
     if tokens_of is None:
         def tokens_of(m, depth):
             return base_tokens + m
     b = len(k_max)
     t0 = float(cost(tokens_of(0, 0), base_context, 0, 0))
 
-    plans = [Plan([0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
+    plans = [Plan(lambda: [0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
     k_max_arr = np.asarray(k_max, dtype=np.int64)
     k_top = int(k_max_arr.max()) if b else 0
     if k_top == 0:
@@ -89,18 +96,22 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     within = depth_of[cols[order]][None, :] <= depths[:, None]  # [depth bound, position]: a candidate under it
     m = np.cumsum(within, axis=1)  # draft tokens taken up to each position
     # every depth bound's prefixes priced in one call (adding the excluded positions' zeros changes no sum)
-    tokens = np.stack([np.broadcast_to(tokens_of(m[i], int(d)), m[i].shape) for i, d in enumerate(depths)])
+    tokens = base_tokens + m if padded is None else np.stack(
+        [np.broadcast_to(padded(m[i], int(d)), m[i].shape) for i, d in enumerate(depths)])
     values = plan_value(b + np.cumsum(np.where(within, g[order], 0.0), axis=1),
                         cost(tokens, base_context + m, depths[:, None], m), price)
     values[~within] = -np.inf
     best = np.argmax(values, axis=1)  # the first of equals, as a scan of the depth's own candidates would take
-    positions = np.arange(len(order))
-    for i, p in enumerate(best.tolist()):
-        chosen = order[within[i] & (positions <= p)]
-        count = int(m[i, p])
-        used = int(depth_of[cols[chosen]].max())
-        seconds = float(cost(tokens_of(count, used), base_context + count, used, count))
-        plans.append(Plan(np.bincount(rows[chosen], minlength=b).tolist(), seconds, float(values[i, p]), used, count))
+    taken = within & (np.arange(len(order))[None, :] <= best[:, None])  # [depth bound, position]: its plan's drafts
+    counts = m[np.arange(len(depths)), best]
+    used = np.where(taken, depth_of[cols[order]][None, :], 0).max(axis=1)  # the deepest draft each plan takes
+    if padded is None:  # every plan priced in one call, at the float each would cost alone (cost_model)
+        seconds = cost(base_tokens + counts, base_context + counts, used, counts).tolist()
+    else:
+        seconds = [float(cost(padded(c, u), base_context + c, u, c)) for c, u in zip(counts.tolist(), used.tolist())]
+    for i, (p, count, depth) in enumerate(zip(best.tolist(), counts.tolist(), used.tolist())):
+        plans.append(Plan(lambda chosen=order[taken[i]]: np.bincount(rows[chosen], minlength=b).tolist(), seconds[i],
+                          float(values[i, p]), depth, count))
     return plans
 
 
@@ -139,27 +150,54 @@ def charge_start_costs(gains: np.ndarray, k_max: list[int], start_tokens: np.nda
     return out
 
 
-def drafting_can_pay(k_top: int, rows: int, alpha: float, cost: Callable, base_tokens: int, base_context: int,
-                     tokens_of: Callable[[np.ndarray, int], np.ndarray] | None = None) -> bool:
-    """Whether any plan of up to k_top drafts a request could beat no speculation even if every request's drafts
-    were accepted at `alpha` (the estimates' ceiling) and cost no catch-up: a bound on every plan the policy (and
-    its probes) could choose, in a few array operations. Where it is False the plan is k = 0 for all, and the
-    estimates, catch-ups and probes need not be computed (a loaded CPU's steady state, and a GPU's at hundreds of
-    streams, where planning per request cost more host time than the step had to spare). Without caps: more
-    candidates only raise the best value, so the bound holds for any caps."""
-    if tokens_of is None:
-        def tokens_of(m, depth):
-            return base_tokens + m
+def drafting_pays_above(k_top: int, rows: int, alpha: float, cost: Callable, base_tokens: int, context_slope: float,
+                        tokens_of: Callable[[np.ndarray, int], np.ndarray] | None = None,
+                        kinks: np.ndarray | None = None) -> float:
+    """The step context (at k = 0) above which some plan of up to k_top drafts a request could beat no speculation
+    even if every request's drafts were accepted at `alpha` (the estimates' ceiling) and cost no catch-up: -inf, at
+    any context; inf, at none. A bound on every plan the policy (and its probes) could choose: where the step's
+    context is at most this, the plan is k = 0 for all, and the estimates, catch-ups and probes need not be
+    computed (a loaded CPU's steady state, and a GPU's at hundreds of streams, where planning per request cost more
+    host time than the step had to spare). Without caps: more candidates only raise the best value, so the bound
+    holds for any caps.
+
+    A step's cost is affine in its context with the same slope s for every plan (context_slope: cost_model's v_c),
+    T_i(C) = A_i + s C; plan i (g_i tokens beyond the rows') beats no speculation where (rows + g_i) T_0(C) > rows
+    T_i(C), i.e. s g_i C > rows A_i - (rows + g_i) A_0: past a context of its own. One answer serves every step of a
+    batch whose rows, tokens and cost fit stay as they are (GoodputPolicy keeps it) while its context grows.
+
+    kinks: the token counts where the cost's slope in tokens changes (cost_model.SEGMENT_EDGES). Given, on a
+    runner that does not pad, only the plans at the ends of each layer of drafts (m = j * rows and the one after)
+    and at the kinks are priced: between two of them both the tokens a plan adds and its cost are affine in m, so
+    its threshold is a ratio of affine functions, monotone, least at an end. A few dozen plans, not rows * k_top."""
     if k_top < 1 or rows < 1:
-        return False
-    plain = rows / float(cost(tokens_of(0, 0), base_context, 0, 0))
-    m = np.arange(1, rows * k_top + 1)
-    cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))  # the m largest gains: rows of a^1, then of a^2, ...
+        return np.inf
+    m, cumulative = _bound_candidates(k_top, rows, alpha, base_tokens, tokens_of, kinks)
     depths = np.arange(1, k_top + 1)[:, None]
-    tokens = [np.broadcast_to(tokens_of(m, d), m.shape) for d in range(1, k_top + 1)]
-    # one call prices every plan, [depth, m]; where the forward's tokens do not depend on the depth (a runner
-    # that does not pad), the verify part is priced once per m and only drafting per depth
-    same = all(np.array_equal(tokens[0], t) for t in tokens[1:])
-    values = (rows + cumulative) / cost(tokens[0] if same else np.stack(tokens), base_context + m, depths, m)
-    values[m[None, :] > rows * depths] = -np.inf  # more drafts than `depth` a request
-    return bool(values.max() > plain)
+    if tokens_of is None:
+        plain = float(cost(base_tokens, 0, 0, 0))
+        tokens = base_tokens + m
+    else:
+        plain = float(cost(tokens_of(0, 0), 0, 0, 0))
+        tokens = np.stack([np.broadcast_to(tokens_of(m, d), m.shape) for d in range(1, k_top + 1)])
+    need = rows * cost(tokens, m, depths, m) - (rows + cumulative) * plain  # [depth, m]: what s g_i C must beat
+    need[m[None, :] > rows * depths] = np.inf  # more drafts than `depth` a request
+    if context_slope <= 0:
+        return -np.inf if (need < 0).any() else np.inf
+    with np.errstate(divide="ignore"):
+        return float((need / (context_slope * cumulative)).min())
+
+
+def _bound_candidates(k_top: int, rows: int, alpha: float, base_tokens: int, tokens_of, kinks
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """The draft counts m the bound prices (see drafting_pays_above's kinks), and the m largest gains' sum for each:
+    whole layers of rows * a^j below m's own layer, then the part of that layer."""
+    if tokens_of is None and kinks is not None:
+        ends = np.arange(k_top) * rows
+        m = np.unique(np.concatenate((ends + 1, ends + rows, np.asarray(kinks, dtype=np.int64) - base_tokens)))
+        m = m[(m >= 1) & (m <= rows * k_top)]
+    else:
+        m = np.arange(1, rows * k_top + 1)
+    layer = (m - 1) // rows + 1
+    below = np.concatenate(([0.0], np.cumsum(rows * alpha ** np.arange(1, k_top + 1, dtype=np.float64))))
+    return m, below[layer - 1] + (m - (layer - 1) * rows) * alpha ** layer

@@ -26,9 +26,9 @@ from smartspec.policy.base import Policy, SharedEvidence
 from smartspec.policy.catchup import CatchupLedger, Starts
 from smartspec.policy.chain_plan import prefill_step_price, shape_probe
 from smartspec.policy.cost_feed import CostFeed
-from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.cost_model import SEGMENT_EDGES, StepCostModel
 from smartspec.policy.exploration import Exploration, worth_probing
-from smartspec.policy.goodput import Plan, best_plan, drafting_can_pay, plans_by_depth
+from smartspec.policy.goodput import Plan, best_plan, drafting_pays_above, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
@@ -77,6 +77,7 @@ class GoodputPolicy(Policy):
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
         self.draft_check = DraftPriceCheck()
         self.drafted_last = False  # whether the last chain plan drafted (plan: when the bound is worth trying)
+        self.pays_above: dict[tuple, float] = {}  # the bound's context, per batch shape and cost fit
         self.step = 0
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
@@ -87,7 +88,7 @@ class GoodputPolicy(Policy):
         the proposer and k per request."""
         self.step += 1
         self.catchup.see(view)
-        self.acceptance.tick(r.request_id for r in view.requests)
+        self.acceptance.tick()
         if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
             return SpecPlan.none(view)
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
@@ -95,16 +96,30 @@ class GoodputPolicy(Policy):
             return self._plan_proposers(step)
         # the bound is tried only after a step that drafted nothing: where the last plan drafted, this one most
         # likely does too, and the bound would be host time on top of the full plan
-        if self.tree_depth is None and not view.prefill_tokens and not self.drafted_last and not drafting_can_pay(
-                view.k_max, len(view.requests), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
-                step.context, step.forward_tokens):
+        if self.tree_depth is None and not view.prefill_tokens and not self.drafted_last and \
+                step.context <= self._drafting_pays_above(step):
             return self._plan_none(step)
         plan = self._plan_chains(step)
         self.drafted_last = any(plan.ks)
         return plan
 
+    def _drafting_pays_above(self, step: StepNumbers) -> float:
+        """goodput.drafting_pays_above for this step, kept per batch shape and cost fit: a loaded batch's steps
+        differ in their context alone, and between fits (cost_feed) one answer serves them all."""
+        v, d = self.cost.v, self.cost.d
+        key = (step.view.k_max, len(step.ids), step.tokens, step.view.shapes, self.acceptance.first.max_alpha,
+               tuple(v), tuple(d))
+        above = self.pays_above.get(key)
+        if above is None:
+            if len(self.pays_above) >= 64:  # batch shapes of fits gone by
+                self.pays_above.clear()
+            above = self.pays_above[key] = drafting_pays_above(
+                step.view.k_max, len(step.ids), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
+                v[-1], step.padded_tokens, SEGMENT_EDGES)
+        return above
+
     def _plan_none(self, step: StepNumbers) -> SpecPlan:
-        """No speculation, where no plan could pay (goodput.drafting_can_pay): nor could any probe's outcome make
+        """No speculation, where no plan could pay (goodput.drafting_pays_above): nor could any probe's outcome make
         one pay. Only the draft's price is checked now and then, at one token."""
         ks = [0] * len(step.requests)
         if not self.draft_check.is_due(self.step) or not self._check_draft_price(
@@ -114,19 +129,19 @@ class GoodputPolicy(Policy):
 
     def _plan_chains(self, step: StepNumbers) -> SpecPlan:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
-        requests, k_max = step.requests, step.view.k_max
+        k_max = step.view.k_max
         if self.tree_depth is None:
-            raw_gains = self.acceptance.gains([r.request_id for r in requests], k_max)
+            raw_gains = self.acceptance.gains(step.ids, k_max)
             depth_of = np.arange(1, k_max + 1)
         else:
             if self.tree_gains is None or self.tree_gains.k_max != k_max:
                 self.tree_gains = TreeGains(k_max, self.prior_alpha)
-            raw_gains = np.stack([self.tree_gains.curve(r.request_id) for r in requests])
+            raw_gains = np.stack([self.tree_gains.curve(rid) for rid in step.ids])
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
         starts = self.catchup.starts(step, self.cost, self._depth)
         gains = self.catchup.charge(raw_gains, step, starts, self.cost)
         price = prefill_step_price(gains, step, depth_of, self.cost.predict) if step.view.prefill_tokens else None
-        padded = step.forward_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
+        padded = step.padded_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
         plans = plans_by_depth(gains, step.k_max, depth_of, self.cost.predict, step.tokens, step.context, price,
                                padded)
         if price is not None:
@@ -149,18 +164,18 @@ class GoodputPolicy(Policy):
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
         within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
         more than a small share of the step (the prior speaks for it)."""
-        explore, requests, probes = self.exploration, step.requests, []
-        due = [i for i, r in enumerate(requests)
-               if ks[i] == 0 and step.k_max[i] > 0 and explore.is_due(r.request_id, self.step)]
+        explore, probes = self.exploration, []
+        due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.k_max))
+               if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
         learning = explore.learning(self.acceptance.evidence)
         worth = worth_probing(step, due, raw_gains, gains, depth_of, starts, plan, price, learning,
                               self.acceptance.first.max_alpha,
                               lambda g: self.catchup.charge(g, step, starts, self.cost), self.cost.predict)
-        budget = explore.budget(len(requests))
+        budget = explore.budget(len(step.ids))
         for i in sorted(due, key=lambda i: starts.seconds[i]):
             if budget and i in worth and (learning or starts.seconds[i] <= explore.fraction * plan.seconds):
                 ks[i] = 1
-                probes.append(requests[i].request_id)
+                probes.append(step.ids[i])
                 budget -= 1
         return ks, probes
 
@@ -191,7 +206,7 @@ class GoodputPolicy(Policy):
         if view.draft_available:
             starts = self.catchup.starts(step, self.cost, self._depth)
             start_s = starts.seconds
-            draft = self.catchup.charge(self.acceptance.gains([r.request_id for r in step.requests], view.k_max),
+            draft = self.catchup.charge(self.acceptance.gains(step.ids, view.k_max),
                                         step, starts, self.cost)
         price = None
         if view.prefill_tokens:  # as in prefill_step_price: drafts must beat the decoding batch's own rate
@@ -252,18 +267,20 @@ class GoodputPolicy(Policy):
                              f"{len(record.request_ids)} decoding requests")
         methods = record.methods if record.methods is not None else [DRAFT] * len(record.request_ids)
         probes = set(record.probes)
-        outcomes = []
+        drafted: tuple[list, list, list] = ([], [], [])  # request ids, proposed, accepted
         for rid, k, proposed, accepted, length, method in zip(record.request_ids, record.ks, record.proposed,
                                                               record.accepted, record.num_tokens, methods):
             # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no
             # outcome (most of a loaded batch: skipped, not walked through three no-ops)
             if method != DRAFT or not (k or proposed or rid in probes):
                 continue
-            outcomes.append((rid, proposed, accepted))
+            drafted[0].append(rid)
+            drafted[1].append(proposed)
+            drafted[2].append(accepted)
             self.catchup.observed(rid, length, proposed, accepted)
             self.exploration.observed(rid, k, accepted, self.step, rid in probes)
-        if outcomes:
-            self.acceptance.observe_step(outcomes)
+        if drafted[0]:
+            self.acceptance.observe_step(*drafted)
         draft_ratio = self.cost_feed.observe(record)
         if draft_ratio is not None and not self.draft_check.measured(self.step, draft_ratio):
             self.cost_feed.refit()  # the draft's price was wrong: plan the next step on the step just measured

@@ -16,10 +16,24 @@ class StepNumbers:
     tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
     context: int  # and the context they attend over
     now: float  # the clock of arrival_time
+    ids: tuple[str, ...]  # the decoding requests' ids, in the view's order
+    num_tokens: np.ndarray  # [B] each one's context (RequestView.num_tokens)
+    remaining: np.ndarray  # [B] the tokens each may still generate (at least 1)
 
     @classmethod
     def of(cls, view: StepView, now: float) -> StepNumbers:
-        return cls(view, k_max_of(view), *shape_of(view), now)
+        """The view's columns taken once (a transpose of its rows), the rest computed on them as arrays."""
+        rows = view.requests
+        if not rows:
+            empty = np.zeros(0)
+            return cls(view, [], view.prefill_tokens, view.prefill_context, now, (), empty, empty)
+        ids, num_tokens, num_output, max_tokens, caps, _ = zip(*rows)
+        left = np.array(max_tokens, dtype=np.float64) - np.array(num_output, dtype=np.float64)
+        own = np.array(caps, dtype=np.float64)  # a request without a cap of its own: NaN, which fmin passes over
+        k_max = np.maximum(0, np.fmin(np.fmin(left - 1, own), view.k_max)).astype(np.int64).tolist()
+        context = view.prefill_context + sum(num_tokens)
+        return cls(view, k_max, view.prefill_tokens + len(rows), context, now, ids,
+                   np.array(num_tokens, dtype=np.float64), np.maximum(1.0, left))
 
     @property
     def requests(self) -> list[RequestView]:
@@ -35,16 +49,15 @@ class StepNumbers:
         return real if bucket is None else real * 0 + bucket[0] * bucket[1]
 
     @property
+    def padded_tokens(self):
+        """forward_tokens where the runner pads this step (a plan's tokens then depend on its depth); None where
+        they are the step's tokens plus the drafts."""
+        return self.forward_tokens if self.view.shapes is not None and not self.view.prefill_tokens else None
+
+    @property
     def decode_context(self) -> int:
         """The decoding requests' context alone."""
         return self.context - self.view.prefill_context
-
-
-def k_max_of(view: StepView) -> list[int]:
-    """The most each request may draft: the engine's k_max, the request's own, and one short of its max_tokens."""
-    return [max(0, min(view.k_max, r.max_tokens - r.num_output_tokens - 1,
-                       view.k_max if r.k_max is None else r.k_max))
-            for r in view.requests]
 
 
 def shape_of(view: StepView) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from smartspec.policy.base import Policy
 from smartspec.policy.cost_model import StepCostModel
 from smartspec.policy.goodput import best_plan, charge_start_costs, plans_by_depth
 from smartspec.policy.chain_plan import prefill_step_price
-from smartspec.policy.step_numbers import StepNumbers, k_max_of
+from smartspec.policy.step_numbers import StepNumbers
 from smartspec.types.plan import SpecPlan, StepView
 from smartspec.types.step_record import StepRecord
 
@@ -28,11 +28,11 @@ class OraclePolicy(Policy):
         self.seen: dict[str, int] = {}  # request -> tokens its draft has read
 
     def plan(self, view: StepView) -> SpecPlan:
-        caps = k_max_of(view)
         k_top = view.k_max
         if not view.requests or k_top == 0:
             return SpecPlan([0] * len(view.requests))
         step = StepNumbers.of(view, 0.0)
+        caps = step.k_max
         rates = np.array([[self.rate_of(r.request_id, r.num_output_tokens + j) for j in range(k_top)]
                           for r in view.requests])
         gains = np.cumprod(rates, axis=1)  # the j-th draft adds the chance that it and those before are accepted

@@ -4,7 +4,7 @@ returns a `SpecPlan`, and the engine reports the step back as a `StepRecord`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from smartspec.types.padding import PaddedShapes
@@ -31,9 +31,9 @@ def fed_context(start: int, tokens: int, prefill: bool) -> int:
     return chunk_context(start, tokens) if prefill else start + tokens
 
 
-@dataclass(frozen=True)
-class RequestView:
-    """A decoding request as the policy sees it."""
+class RequestView(NamedTuple):
+    """A decoding request as the policy sees it. (A named tuple: the engine builds one per decoding request every
+    step, at a fifth of a frozen dataclass's cost.)"""
     request_id: str
     num_tokens: int  # prompt + output so far (its context once the step's last token is fed)
     num_output_tokens: int
