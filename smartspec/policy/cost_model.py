@@ -141,6 +141,11 @@ class StepCostModel:
 
     # ---- prediction ---------------------------------------------------------------------------------------
     @property
+    def context_slope(self) -> float:
+        """Seconds a step's cost rises per context token (v_c): the same for every shape of step."""
+        return self.v[-1]
+
+    @property
     def ready(self) -> bool:
         return self.v is not None
 

@@ -73,12 +73,8 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     """The best plan under each draft depth, the plan without speculation first (see select_from_gains).
     tokens_of(m, depth): the tokens the forward computes with m draft tokens at most `depth` a row, where that is
     not base_tokens + m (a runner that pads every row to the widest: StepNumbers.forward_tokens)."""
-    padded = tokens_of
-    if tokens_of is None:
-        def tokens_of(m, depth):
-            return base_tokens + m
     b = len(k_max)
-    t0 = float(cost(tokens_of(0, 0), base_context, 0, 0))
+    t0 = float(cost(base_tokens if tokens_of is None else tokens_of(0, 0), base_context, 0, 0))
 
     plans = [Plan(lambda: [0] * b, t0, plan_value(b, t0, price) if b else 0.0, 0, 0)]
     k_max_arr = np.asarray(k_max, dtype=np.int64)
@@ -96,8 +92,8 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     within = depth_of[cols[order]][None, :] <= depths[:, None]  # [depth bound, position]: a candidate under it
     m = np.cumsum(within, axis=1)  # draft tokens taken up to each position
     # every depth bound's prefixes priced in one call (adding the excluded positions' zeros changes no sum)
-    tokens = base_tokens + m if padded is None else np.stack(
-        [np.broadcast_to(padded(m[i], int(d)), m[i].shape) for i, d in enumerate(depths)])
+    tokens = base_tokens + m if tokens_of is None else np.stack(
+        [np.broadcast_to(tokens_of(m[i], int(d)), m[i].shape) for i, d in enumerate(depths)])
     values = plan_value(b + np.cumsum(np.where(within, g[order], 0.0), axis=1),
                         cost(tokens, base_context + m, depths[:, None], m), price)
     values[~within] = -np.inf
@@ -105,10 +101,11 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     taken = within & (np.arange(len(order))[None, :] <= best[:, None])  # [depth bound, position]: its plan's drafts
     counts = m[np.arange(len(depths)), best]
     used = np.where(taken, depth_of[cols[order]][None, :], 0).max(axis=1)  # the deepest draft each plan takes
-    if padded is None:  # every plan priced in one call, at the float each would cost alone (cost_model)
+    if tokens_of is None:  # every plan priced in one call, at the float each would cost alone (cost_model)
         seconds = cost(base_tokens + counts, base_context + counts, used, counts).tolist()
     else:
-        seconds = [float(cost(padded(c, u), base_context + c, u, c)) for c, u in zip(counts.tolist(), used.tolist())]
+        seconds = [float(cost(tokens_of(c, u), base_context + c, u, c))
+                   for c, u in zip(counts.tolist(), used.tolist())]
     for i, (p, count, depth) in enumerate(zip(best.tolist(), counts.tolist(), used.tolist())):
         plans.append(Plan(lambda chosen=order[taken[i]]: np.bincount(rows[chosen], minlength=b).tolist(), seconds[i],
                           float(values[i, p]), depth, count))
@@ -161,10 +158,11 @@ def drafting_pays_above(k_top: int, rows: int, alpha: float, cost: Callable, bas
     host time than the step had to spare). Without caps: more candidates only raise the best value, so the bound
     holds for any caps.
 
-    A step's cost is affine in its context with the same slope s for every plan (context_slope: cost_model's v_c),
-    T_i(C) = A_i + s C; plan i (g_i tokens beyond the rows') beats no speculation where (rows + g_i) T_0(C) > rows
-    T_i(C), i.e. s g_i C > rows A_i - (rows + g_i) A_0: past a context of its own. One answer serves every step of a
-    batch whose rows, tokens and cost fit stay as they are (GoodputPolicy keeps it) while its context grows.
+    A step's cost is affine in its context with the same slope s for every plan (context_slope:
+    StepCostModel.context_slope), T_i(C) = A_i + s C; plan i (g_i tokens beyond the rows') beats no speculation
+    where (rows + g_i) T_0(C) > rows T_i(C), i.e. s g_i C > rows A_i - (rows + g_i) A_0: past a context of its own.
+    One answer serves every step of a batch whose rows, tokens and cost fit stay as they are (GoodputPolicy keeps
+    it) while its context grows.
 
     kinks: the token counts where the cost's slope in tokens changes (cost_model.SEGMENT_EDGES). Given, on a
     runner that does not pad, only the plans at the ends of each layer of drafts (m = j * rows and the one after)

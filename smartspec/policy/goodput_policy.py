@@ -106,16 +106,15 @@ class GoodputPolicy(Policy):
     def _drafting_pays_above(self, step: StepNumbers) -> float:
         """goodput.drafting_pays_above for this step, kept per batch shape and cost fit: a loaded batch's steps
         differ in their context alone, and between fits (cost_feed) one answer serves them all."""
-        v, d = self.cost.v, self.cost.d
         key = (step.view.k_max, len(step.ids), step.tokens, step.view.shapes, self.acceptance.first.max_alpha,
-               tuple(v), tuple(d))
+               tuple(self.cost.v), tuple(self.cost.d))
         above = self.pays_above.get(key)
         if above is None:
             if len(self.pays_above) >= 64:  # batch shapes of fits gone by
                 self.pays_above.clear()
             above = self.pays_above[key] = drafting_pays_above(
                 step.view.k_max, len(step.ids), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
-                v[-1], step.padded_tokens, SEGMENT_EDGES)
+                self.cost.context_slope, step.padded_tokens, SEGMENT_EDGES)
         return above
 
     def _plan_none(self, step: StepNumbers) -> SpecPlan:
