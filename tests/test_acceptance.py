@@ -195,3 +195,22 @@ def test_a_step_of_outcomes_counts_as_its_outcomes_one_at_a_time():
         manual.tick()
     a, r, at = manual.requests["x"]
     assert (a * 0.5 ** (manual.clock - at), r) == (0.5, 0.0)
+
+
+def test_a_small_batch_estimates_in_python_floats_as_a_large_one_in_arrays():
+    """A cold estimator answers a batch of at most SCALAR_ROWS requests in Python floats and a larger one in numpy
+    arrays: the same estimates either way, to rounding."""
+    from smartspec.policy.acceptance import SCALAR_ROWS, AcceptanceEstimator
+
+    rng = np.random.default_rng(8)
+    est = AcceptanceEstimator(prior_alpha=0.6)
+    ids = [f"r{i}" for i in range(12)]
+    for _ in range(30):
+        for rid in ids[:9]:  # three requests keep no outcomes
+            k = int(rng.integers(1, 6))
+            est.observe(rid, k, int(rng.integers(0, k + 1)))
+        est.tick()
+    whole = est.alphas(ids)
+    alone = np.concatenate([est.alphas(ids[i:i + SCALAR_ROWS]) for i in range(0, len(ids), SCALAR_ROWS)])
+    assert np.abs(whole - alone).max() < 1e-12
+    assert len(set(whole.round(12))) > 3  # requests differ: the check compares something

@@ -86,14 +86,17 @@ def test_start_costs_keep_gains_non_increasing_and_price_what_does_not_pay():
     assert ks[0] >= ks[1] > 0 and ks[2] == 0
 
 
-def every_plan_can_pay(k_top, rows, alpha, cost, base_tokens, base_context) -> bool:
+def every_plan_can_pay(k_top, rows, alpha, cost, base_tokens, base_context, tokens_of=None) -> bool:
     """The bound by its definition: every draft count m and depth priced at the step's context."""
     m = np.arange(1, rows * k_top + 1)
     cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))  # the m largest gains: rows of a^1, then of a^2, ...
     depths = np.arange(1, k_top + 1)[:, None]
-    values = (rows + cumulative) / cost(base_tokens + m, base_context + m, depths, m)
+    tokens = base_tokens + m if tokens_of is None else np.stack(
+        [np.broadcast_to(tokens_of(m, d), m.shape) for d in range(1, k_top + 1)])
+    values = (rows + cumulative) / cost(tokens, base_context + m, depths, m)
     values[m[None, :] > rows * depths] = -np.inf
-    return bool(values.max() > rows / float(cost(base_tokens, base_context, 0, 0)))
+    plain = base_tokens if tokens_of is None else tokens_of(0, 0)
+    return bool(values.max() > rows / float(cost(plain, base_context, 0, 0)))
 
 
 def random_bound_instances(n: int, seed: int):
@@ -111,18 +114,17 @@ def random_bound_instances(n: int, seed: int):
 
 
 def test_the_drafting_bound_answers_as_every_plan_priced_at_the_context():
-    """drafting_pays_above, priced at the layer ends and the cost's kinks alone and turned into a context threshold,
+    """drafting_bound.drafting_pays_above, priced at the layer ends and the cost's kinks alone and turned into a context threshold,
     says what pricing every plan at the step's context says: random piecewise-linear costs, batches, depths and
     ceilings, many near the edge between paying and not."""
     from smartspec.policy.cost_model import SEGMENT_EDGES
-    from smartspec.policy.goodput import drafting_pays_above
+    from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 
     answers = []
     for model, k_top, rows, alpha, base, context in random_bound_instances(3000, 11):
         every = every_plan_can_pay(k_top, rows, alpha, model.predict, base, context)
-        above = drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1], None, SEGMENT_EDGES)
+        above = drafting_pays_above(BoundShape(k_top, rows, base), alpha, model.predict, model.v[-1], SEGMENT_EDGES)
         assert (context > above) == every, (k_top, rows, alpha, base, context, above)
-        assert (context > drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1])) == every
         answers.append(every)
     assert 0.2 < np.mean(answers) < 0.8  # both answers, often
 
@@ -131,16 +133,98 @@ def test_where_the_bound_says_no_the_exact_plan_drafts_nothing():
     """The bound holds: where no plan could pay at the ceiling, the exact selection over gains at or below it
     chooses no speculation."""
     from smartspec.policy.cost_model import SEGMENT_EDGES
-    from smartspec.policy.goodput import drafting_pays_above
+    from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 
     checked = 0
     rng = np.random.default_rng(3)
     for model, k_top, rows, alpha, base, context in random_bound_instances(2000, 12):
-        if rows > 96 or context > drafting_pays_above(k_top, rows, alpha, model.predict, base, model.v[-1], None,
-                                                      SEGMENT_EDGES):
+        if rows > 96 or context > drafting_pays_above(BoundShape(k_top, rows, base), alpha, model.predict,
+                                                      model.v[-1], SEGMENT_EDGES):
             continue
         gains = chain_gains(rng.uniform(0.0, alpha, rows), k_top)
         ks, _ = select_from_gains(gains, [k_top] * rows, np.arange(1, k_top + 1), model.predict, base, context)
         assert not any(ks)
         checked += 1
     assert checked > 50
+
+
+def every_priced_plan_can_pay(k_top, rows, held, alpha, cost, step_tokens, step_context, decode_context) -> bool:
+    """The prefill step's bound by its definition: every plan's drafts priced at p = (rows + held) / T_0(C_d), the
+    least price prefill_step_price can set."""
+    m = np.arange(1, rows * k_top + 1)
+    cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))
+    depths = np.arange(1, k_top + 1)[:, None]
+    price = (rows + held) / float(cost(rows, decode_context, 0, 0))
+    added = cost(step_tokens + m, step_context + m, depths, m) - float(cost(step_tokens, step_context, 0, 0))
+    values = cumulative - price * added
+    values[m[None, :] > rows * depths] = -np.inf
+    return bool(values.max() > 0)
+
+
+def test_the_prefill_bound_answers_as_every_priced_plan():
+    """drafting_pays_above for a step with prefill, priced at layer ends and kinks and turned into a threshold on the decoding
+    requests' context, says what pricing every plan of a step with prefill says."""
+    from smartspec.policy.cost_model import SEGMENT_EDGES
+    from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
+
+    answers, rng = [], np.random.default_rng(5)
+    for model, k_top, rows, alpha, base, context in random_bound_instances(3000, 13):
+        held, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
+        step_tokens, step_context = base + chunk, context + int(rng.integers(chunk, 4 * chunk + 1))
+        every = every_priced_plan_can_pay(k_top, rows, held, alpha, model.predict, step_tokens, step_context,
+                                          context)
+        above = drafting_pays_above(BoundShape(k_top, rows, step_tokens, held=held), alpha, model.predict,
+                                    model.v[-1], SEGMENT_EDGES)
+        assert (context > above) == every, (k_top, rows, held, alpha, step_tokens, context, above)
+        answers.append(every)
+    assert 0.1 < np.mean(answers) < 0.9
+
+
+def test_where_the_prefill_bound_says_no_the_priced_plan_drafts_nothing():
+    """The policy's own path on a step with prefill (chain_plan.prefill_step_price, then the priced selection) keeps
+    no draft wherever the bound says none could pay at the ceiling."""
+    from smartspec.policy.chain_plan import prefill_step_price
+    from smartspec.policy.cost_model import SEGMENT_EDGES
+    from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
+    from smartspec.policy.step_numbers import StepNumbers
+    from smartspec.types.plan import PrefillView, RequestView, StepView
+
+    checked, rng = 0, np.random.default_rng(6)
+    for model, k_top, rows, alpha, base, context in random_bound_instances(2000, 14):
+        if rows > 64:
+            continue
+        held, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
+        per_row = max(1, context // rows)
+        view = StepView([RequestView(f"r{i}", per_row, 1, 10 ** 6, None, 0.0) for i in range(rows)], k_top,
+                        prefill_tokens=chunk, prefill_context=chunk * 2, prefilling=[PrefillView(f"p{j}", 0.0) for j in range(held)])
+        step = StepNumbers.of(view, 0.0)
+        if step.decode_context > drafting_pays_above(BoundShape(k_top, rows, step.tokens, held=held), alpha,
+                                                     model.predict, model.v[-1], SEGMENT_EDGES):
+            continue
+        gains = chain_gains(rng.uniform(0.0, alpha, rows), k_top)
+        depth_of = np.arange(1, k_top + 1)
+        price = prefill_step_price(gains, step, depth_of, model.predict)
+        ks, _ = select_from_gains(gains, step.k_max, depth_of, model.predict, step.tokens, step.context, price)
+        assert not any(ks)
+        checked += 1
+    assert checked > 50
+
+
+def test_the_bound_holds_for_a_padded_runner():
+    """The bound on a runner that pads every row to the deepest chain's width (a bucket's cells per depth, the real
+    tokens beyond the largest bucket) says what pricing every plan says."""
+    from smartspec.policy.cost_model import SEGMENT_EDGES
+    from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
+
+    answers = []
+    for model, k_top, rows, alpha, base, context in random_bound_instances(3000, 15):
+        def padded(m, depth, rows=rows, base=base):
+            cells = -(-rows // 8) * 8 * (depth + 1)
+            return base + m if cells > 2048 else m * 0 + cells
+
+        every = every_plan_can_pay(k_top, rows, alpha, model.predict, base, context, padded)
+        above = drafting_pays_above(BoundShape(k_top, rows, base, tokens_of=padded), alpha, model.predict,
+                                    model.v[-1], SEGMENT_EDGES)
+        assert (context > above) == every, (k_top, rows, alpha, base, context, above)
+        answers.append(every)
+    assert 0.1 < np.mean(answers) < 0.9

@@ -25,6 +25,7 @@ from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUs
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.start_phases import StartPhases
+from smartspec.runtime.heap import freeze_startup_heap
 from smartspec.spec_decode.factory import make_draft_proposer
 from smartspec.structured.compile import TOOL_CALL_TAGS
 from smartspec.types.logprobs import TokenLogprob
@@ -89,6 +90,7 @@ class LLMServer:
                                                               runner_factory=self._runner_factory(),
                                                               draft_factory=self._draft_factory()))
         self.engine.warm_grammars()
+        freeze_startup_heap()  # the engine lives as long as this process: its start is no collector's work
         self.controller = controller
         self.controller_errors = 0
         # what the router reads (record_routing_stats): the prefix keys of the prompts served lately, and how many

@@ -37,6 +37,28 @@ def log_gamma(x: np.ndarray) -> np.ndarray:
             - np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5)))
 
 
+def _log_gamma_of_a_number(x: float) -> float:
+    """log_gamma's formula in Python floats, for one number (numpy's per-call cost is most of a small batch's)."""
+    z = x + 6.0
+    zi = 1.0 / z
+    series = zi * (1 / 12 - zi * zi * (1 / 360 - zi * zi / 1260))
+    return ((z - 0.5) * math.log(z) - z + 0.5 * math.log(2 * math.pi) + series
+            - math.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5)))
+
+
+def _strength_averaged_of_a_request(per_strength: tuple, a: float, r: float) -> float:
+    """_strength_averaged for one request's outcomes, in Python floats; per_strength: (s, a0, r0, log Gamma(a0),
+    log Gamma(r0), log Gamma(s)) per strength."""
+    logs = [_log_gamma_of_a_number(a + a0) + _log_gamma_of_a_number(r + r0) - _log_gamma_of_a_number(a + r + s)
+            - log_a0 - log_r0 + log_s for s, a0, r0, log_a0, log_r0, log_s in per_strength]
+    top = max(logs)
+    weights = [math.exp(v - top) for v in logs]
+    return sum(w * (a + t[1]) / (a + r + t[0]) for w, t in zip(weights, per_strength)) / sum(weights)
+
+
+SCALAR_ROWS = 2  # a batch of at most this many: each estimate in Python floats, not numpy arrays
+
+
 def _strength_averaged(terms: tuple, a: np.ndarray, r: np.ndarray) -> np.ndarray:
     """AcceptanceEstimator._averaged_over_strengths for requests with outcomes a, r [B], given the prior's terms."""
     s, a0, r0, log_a0, log_r0, log_s = terms
@@ -92,7 +114,8 @@ class AcceptanceEstimator:
         self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
         # per request: accepted, rejected, as of step `at` (decayed since by request_decay ** (clock - at))
         self.requests: dict[str, tuple[float, float, int]] = {}
-        # (prior, the terms of _averaged_over_strengths that depend on it alone, the estimate without outcomes)
+        # (prior, the terms of _averaged_over_strengths that depend on it alone per strength, the estimate without
+        # outcomes, those terms as arrays)
         self._prior_terms: tuple | None = None
 
     @property
@@ -155,22 +178,20 @@ class AcceptanceEstimator:
         same for every s and drops out). a, r: [B]."""
         prior = min(max(prior, 1e-3), 1 - 1e-3)
         if self._prior_terms is None or self._prior_terms[0] != prior:  # the prior moves only when outcomes arrive
-            s = np.array(self.cold_strengths)[None, :]
-            log_a0, log_r0, log_s = log_gamma(np.stack((prior * s, (1 - prior) * s, s)))
-            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0) is taken once
-            # per prior, in the first call's batch (rows are independent: the same value as alone)
-            self._prior_terms = (prior, (s, prior * s, (1 - prior) * s, log_a0, log_r0, log_s), None)
-        _, terms, unseen_estimate = self._prior_terms
+            per_strength = tuple((s, prior * s, (1 - prior) * s, _log_gamma_of_a_number(prior * s),
+                                  _log_gamma_of_a_number((1 - prior) * s), _log_gamma_of_a_number(s))
+                                 for s in self.cold_strengths)
+            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0): once per prior
+            self._prior_terms = (prior, per_strength, _strength_averaged_of_a_request(per_strength, 0.0, 0.0),
+                                 tuple(np.array(column)[None, :] for column in zip(*per_strength)))
+        _, per_strength, unseen_estimate, terms = self._prior_terms
+        if len(a) <= SCALAR_ROWS:
+            return np.array([_strength_averaged_of_a_request(per_strength, x, y) if x or y else unseen_estimate
+                             for x, y in zip(a.tolist(), r.tolist())])
         seen = (a != 0) | (r != 0)
-        rows = np.flatnonzero(seen)
-        if unseen_estimate is None:  # one more row, of no outcomes
-            rows, a, r = np.append(rows, len(a)), np.append(a, 0.0), np.append(r, 0.0)
-        estimates = _strength_averaged(terms, a[rows], r[rows]) if len(rows) else np.zeros(0)
-        if unseen_estimate is None:
-            unseen_estimate, estimates = float(estimates[-1]), estimates[:-1]
-            self._prior_terms = (prior, terms, unseen_estimate)
         out = np.full(len(seen), unseen_estimate)
-        out[seen] = estimates
+        if seen.any():
+            out[seen] = _strength_averaged(terms, a[seen], r[seen])
         return out
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:

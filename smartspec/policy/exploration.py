@@ -6,6 +6,7 @@ could reveal is worth what they cost (`probe_pays`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,11 +51,26 @@ class Exploration:
         self.wait.pop(request_id, None)
 
 
-def worth_probing(step: StepNumbers, due: list[int], raw_gains: np.ndarray, gains: np.ndarray, depth_of: np.ndarray,
-                  starts: Starts, plan: Plan, price: float | None, together: bool, max_alpha: float,
+@dataclass(frozen=True)
+class ChainStep:
+    """What the chain plan of a step was chosen on (GoodputPolicy._plan_chains), as probes weigh it."""
+    step: StepNumbers
+    raw_gains: np.ndarray  # [B, K] the estimates' gains
+    gains: np.ndarray  # [B, K] with catch-ups charged
+    depth_of: np.ndarray  # [K] the draft forwards j tokens (or nodes) take
+    starts: Starts
+    price: float | None  # a step with prefill: tokens a second a draft must add (chain_plan.prefill_step_price)
+    tokens_of: Callable | None  # a padded runner's cells (StepNumbers.padded_tokens); None: the real tokens
+
+    def forward_tokens(self, m, depth):
+        return self.step.tokens + m if self.tokens_of is None else self.tokens_of(m, depth)
+
+
+def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, max_alpha: float,
                   charge: Callable[[np.ndarray], np.ndarray], cost: Callable) -> set[int]:
     """The requests in `due` (at k = 0 in the chosen plan) that would draft if their drafts were accepted almost
-    surely (max_alpha, the estimator's ceiling), catch-up charged as usual (`charge`).
+    surely (max_alpha, the estimator's ceiling), catch-up charged as usual (`charge`), each priced as the runner
+    runs it (a padded runner widens every row to the deepest chain).
 
     A probe buys evidence of acceptance, and evidence is worth its cost only if it could change a choice: where even
     near-certain acceptance would leave the request at k = 0 (a batch whose verify tokens and draft forwards cost
@@ -70,23 +86,26 @@ def worth_probing(step: StepNumbers, due: list[int], raw_gains: np.ndarray, gain
     request: it is tried alone on top of the chosen plan, at every draft length up to its cap."""
     if not due:
         return set()
-    k_max, tokens, context = step.k_max, step.tokens, step.context
+    step, raw_gains, price = chain.step, chain.raw_gains, chain.price
     k_top = raw_gains.shape[1]
     hopeful = np.array(raw_gains, dtype=np.float64, copy=True)
     hopeful[due] = max_alpha ** np.arange(1, k_top + 1)[None, :]
     hopeful = charge(hopeful)
     j = np.arange(1, k_top + 1)
-    m = plan.tokens + j
-    t = cost(tokens + m, context + m, np.maximum(plan.depth, depth_of), m)  # [K]: j more drafts
+    m, depths = plan.tokens + j, np.maximum(plan.depth, chain.depth_of)
+    tokens = step.tokens + m if chain.tokens_of is None else np.array(
+        [chain.tokens_of(int(mi), int(d)) for mi, d in zip(m.tolist(), depths.tolist())])
+    t = cost(tokens, step.context + m, depths, m)  # [K]: j more drafts
     if together:
-        hope = best_plan(plans_by_depth(hopeful, k_max, depth_of, cost, tokens, context, price))
+        hope = best_plan(plans_by_depth(hopeful, step.k_max, chain.depth_of, cost, step.tokens, step.context, price,
+                                        chain.tokens_of))
         return {i for i in due if hope.ks[i] > 0
-                and probe_pays(hope, plan, raw_gains[i, 0], starts.seconds[i], float(t[0]), price,
-                               starts.horizon_cap)}
-    expected = expected_tokens(gains, plan.ks)  # catch-up charged
+                and probe_pays(hope, plan, raw_gains[i, 0], chain.starts.seconds[i], float(t[0]), price,
+                               chain.starts.horizon_cap)}
+    expected = expected_tokens(chain.gains, plan.ks)  # catch-up charged
     gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
     better = plan_value(gained, t[None, :], price) > plan.value
-    better &= j[None, :] <= np.asarray(k_max)[due][:, None]
+    better &= j[None, :] <= np.asarray(step.k_max)[due][:, None]
     return {i for i, any_better in zip(due, better.any(axis=1).tolist()) if any_better}
 
 

@@ -6,7 +6,8 @@ Its parts:
 - step cost (T): `StepCostModel`, fed every step and refitted every `refit_every` steps (`CostFeed`), seeded
   by the engine's warm-up profile.
 - selection: exact, per depth bound (`goodput.plans_by_depth`); k = 0 is always a candidate, so a step is
-  never planned to be slower than plain decoding.
+  never planned to be slower than plain decoding. Where no plan could pay (`drafting_bound`) none is computed;
+  a plan that keeps coming out the same is held for a few steps before the next full plan (`PlanHold`).
 - prices: a step that carries prefill keeps only drafts that beat the decoding batch's own rate
   (`chain_plan.prefill_step_price`); a draft model's catch-up is charged once, spread over the steps it serves
   (`CatchupLedger`).
@@ -23,13 +24,15 @@ import numpy as np
 
 from smartspec.policy.acceptance import ChainAcceptance
 from smartspec.policy.base import Policy, SharedEvidence
-from smartspec.policy.catchup import CatchupLedger, Starts
+from smartspec.policy.catchup import CatchupLedger
 from smartspec.policy.chain_plan import prefill_step_price, shape_probe
 from smartspec.policy.cost_feed import CostFeed
 from smartspec.policy.cost_model import SEGMENT_EDGES, StepCostModel
-from smartspec.policy.exploration import Exploration, worth_probing
-from smartspec.policy.goodput import Plan, best_plan, drafting_pays_above, plans_by_depth
+from smartspec.policy.exploration import ChainStep, Exploration, worth_probing
+from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
+from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
+from smartspec.policy.plan_hold import PlanHold
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.step_numbers import StepNumbers, shape_of
@@ -77,6 +80,7 @@ class GoodputPolicy(Policy):
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
         self.draft_check = DraftPriceCheck()
         self.drafted_last = False  # whether the last chain plan drafted (plan: when the bound is worth trying)
+        self.plan_hold = PlanHold()  # a plan that keeps coming out the same is planned in full only now and then
         self.pays_above: dict[tuple, float] = {}  # the bound's context, per batch shape and cost fit
         self.step = 0
         self.load = FittedLoad(self.cost, self.acceptance)
@@ -94,37 +98,65 @@ class GoodputPolicy(Policy):
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
         if view.lookups is not None:
             return self._plan_proposers(step)
-        # the bound is tried only after a step that drafted nothing: where the last plan drafted, this one most
-        # likely does too, and the bound would be host time on top of the full plan
-        if self.tree_depth is None and not view.prefill_tokens and not self.drafted_last and \
-                step.context <= self._drafting_pays_above(step):
-            return self._plan_none(step)
+        if self.tree_depth is None:
+            # a step a shape probe is due at plans in full (the probe's cadence is the fit's, not the hold's)
+            probe_due = self.shape_probe_interval and self.step % self.shape_probe_interval == 0
+            held = None if probe_due else self.plan_hold.held_ks(self.step, step.ids)
+            if held is not None:
+                return self._plan_held(step, held)
+            if not self.drafted_last and self._nothing_can_pay(step):
+                return self._plan_none(step)
+        shape_probes = self.shape_probes
         plan = self._plan_chains(step)
         self.drafted_last = any(plan.ks)
+        if self.shape_probes == shape_probes:  # a shape probe is one step's detour, not what the hold compares
+            self.plan_hold.planned(self.step, step.ids, plan.ks, bool(plan.probes))
         return plan
 
-    def _drafting_pays_above(self, step: StepNumbers) -> float:
-        """goodput.drafting_pays_above for this step, kept per batch shape and cost fit: a loaded batch's steps
-        differ in their context alone, and between fits (cost_feed) one answer serves them all."""
-        key = (step.view.k_max, len(step.ids), step.tokens, step.view.shapes, self.acceptance.first.max_alpha,
-               tuple(self.cost.v), tuple(self.cost.d))
+    def _nothing_can_pay(self, step: StepNumbers) -> bool:
+        """Whether the exact plan and every probe it could run are surely no speculation: no plan could pay were
+        every draft accepted at the estimator's ceiling (drafting_bound). Tried only after a step that drafted
+        nothing: where the last plan drafted, this one most likely does too, and the bound would be host time on
+        top of the full plan."""
+        context = step.decode_context if step.view.prefill_tokens else step.context
+        return context <= self._pays_above(step, self.acceptance.first.max_alpha)
+
+    def _pays_above(self, step: StepNumbers, alpha: float) -> float:
+        """drafting_bound.drafting_pays_above for this step, kept per batch shape and cost fit: a loaded batch's
+        steps differ in their context alone, and between fits (cost_feed) one answer serves them all. Beside
+        prefill the step's tokens past the last kink change no answer, and are keyed as one."""
+        view = step.view
+        held = max(1, len(view.prefilling)) if view.prefill_tokens else 0
+        tokens = min(step.tokens, int(SEGMENT_EDGES[-1])) if held else step.tokens
+        key = (view.k_max, len(step.ids), held, tokens, view.shapes, alpha, tuple(self.cost.v),
+               tuple(self.cost.d))
         above = self.pays_above.get(key)
         if above is None:
             if len(self.pays_above) >= 64:  # batch shapes of fits gone by
                 self.pays_above.clear()
-            above = self.pays_above[key] = drafting_pays_above(
-                step.view.k_max, len(step.ids), self.acceptance.first.max_alpha, self.cost.predict, step.tokens,
-                self.cost.context_slope, step.padded_tokens, SEGMENT_EDGES)
+            shape = BoundShape(view.k_max, len(step.ids), tokens, held, step.padded_tokens)
+            above = self.pays_above[key] = drafting_pays_above(shape, alpha, self.cost.predict,
+                                                               self.cost.context_slope, SEGMENT_EDGES)
         return above
 
     def _plan_none(self, step: StepNumbers) -> SpecPlan:
-        """No speculation, where no plan could pay (goodput.drafting_pays_above): nor could any probe's outcome make
+        """No speculation, where no plan could pay (_nothing_can_pay): nor could any probe's outcome make
         one pay. Only the draft's price is checked now and then, at one token."""
         ks = [0] * len(step.requests)
         if not self.draft_check.is_due(self.step) or not self._check_draft_price(
                 step, ks, self.catchup.starts(step, self.cost, self._depth).seconds):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
+
+    def _plan_held(self, step: StepNumbers, ks: list[int]) -> SpecPlan:
+        """The last full plan's draft lengths again, within today's caps (PlanHold); no speculation with the
+        draft's price checked as in _plan_none."""
+        if not any(ks):
+            return self._plan_none(step)
+        ks = [min(k, cap) for k, cap in zip(ks, step.k_max)]
+        sum_k, depth = sum(ks), max(ks)
+        return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(sum_k, depth), step.context + sum_k,
+                                                          depth, sum_k)))
 
     def _plan_chains(self, step: StepNumbers) -> SpecPlan:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
@@ -148,7 +180,8 @@ class GoodputPolicy(Policy):
         else:
             plan, probed = shape_probe(plans, self.step, self.shape_probe_interval, self.shape_probe_loss)
             self.shape_probes += probed
-        ks, probes = self._probe_chains(step, list(plan.ks), raw_gains, gains, depth_of, starts, plan, price)
+        ks, probes = self._probe_chains(ChainStep(step, raw_gains, gains, depth_of, starts, price, padded),
+                                        list(plan.ks), plan)
         checked = not any(ks) and self._check_draft_price(step, ks, starts.seconds)
         predicted = plan.seconds
         if probes or checked:
@@ -157,22 +190,19 @@ class GoodputPolicy(Policy):
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
         return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes)
 
-    def _probe_chains(self, step: StepNumbers, ks: list[int], raw_gains: np.ndarray, gains: np.ndarray,
-                      depth_of: np.ndarray, starts: Starts, plan: Plan, price: float | None) \
-            -> tuple[list[int], list[str]]:
+    def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan) -> tuple[list[int], list[str]]:
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
         within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
         more than a small share of the step (the prior speaks for it)."""
-        explore, probes = self.exploration, []
+        explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
         due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.k_max))
                if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
         learning = explore.learning(self.acceptance.evidence)
-        worth = worth_probing(step, due, raw_gains, gains, depth_of, starts, plan, price, learning,
-                              self.acceptance.first.max_alpha,
-                              lambda g: self.catchup.charge(g, step, starts, self.cost), self.cost.predict)
+        worth = worth_probing(chain, due, plan, learning, self.acceptance.first.max_alpha,
+                              lambda g: self.catchup.charge(g, step, chain.starts, self.cost), self.cost.predict)
         budget = explore.budget(len(step.ids))
-        for i in sorted(due, key=lambda i: starts.seconds[i]):
-            if budget and i in worth and (learning or starts.seconds[i] <= explore.fraction * plan.seconds):
+        for i in sorted(due, key=lambda i: start_s[i]):
+            if budget and i in worth and (learning or start_s[i] <= explore.fraction * plan.seconds):
                 ks[i] = 1
                 probes.append(step.ids[i])
                 budget -= 1
@@ -307,7 +337,7 @@ class GoodputPolicy(Policy):
         return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v, "draft_coefficients": self.cost.d,
                 "fits_refused": self.cost.refused, "mean_relative_error": self.cost.mean_relative_error,
                 "steps": self.step, "shape_probes": self.shape_probes, "speed_changes": self.cost.speed_changes,
-                "draft_price_checks": self.draft_check.checks}
+                "draft_price_checks": self.draft_check.checks, "plans_held": self.plan_hold.held}
 
 
 class GoodputEvidence(SharedEvidence):

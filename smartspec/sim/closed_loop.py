@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from smartspec.policy.base import Policy
+from smartspec.runtime.heap import frozen_heap
 from smartspec.sim.oracle import OraclePolicy
 from smartspec.sim.profile import SimProfile
 from smartspec.engine.profile import CALIBRATION_QUESTIONS
@@ -60,7 +61,13 @@ def closed_loop(profile: SimProfile, policy: str | Policy, k_max: int, concurren
     if not (concurrency >= 1 and num_requests >= 2 * concurrency + 1):
         raise ValueError(f"a closed loop needs concurrency >= 1 and more than two waves of requests: got "
                          f"{concurrency}, {num_requests}")
-    replica = _replica(profile, policy, k_max, concurrency, workload, realism, seed)
+    with frozen_heap():  # as a served replica's heap is once started (the policy's host time is measured)
+        replica = _replica(profile, policy, k_max, concurrency, workload, realism, seed)
+        return _run(replica, policy, k_max, concurrency, num_requests, workload, seed)
+
+
+def _run(replica: SimReplica, policy: str | Policy, k_max: int, concurrency: int, num_requests: int,
+         workload: Workload, seed: int) -> LoopResult:
     # the engine measures acceptance on a few questions before serving; here, questions like the workload's
     replica.speculation.policy.observe_calibration(calibration_records(
         [workload.request(seed, num_requests + i).acceptance for i in range(len(CALIBRATION_QUESTIONS))], k_max))
