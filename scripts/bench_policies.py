@@ -21,6 +21,8 @@ row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled m
     python scripts/bench_policies.py --rates 0.1 --requests 3 --max-tokens 16 --policies off smartspec
     python scripts/bench_policies.py --proposers draft_model draft_tree --tree 8:4:2 --policies off fixed:5 smartspec
     python scripts/bench_policies.py --report results/policies31 results/policies32 --out results/policies31-32
+    python scripts/bench_policies.py --workload mixed --proposers draft_model --k-max 4 \\
+        --policies off fixed:1 fixed:2 fixed:3 fixed:4 smartspec --rates 0.1 0.2 0.4 --requests 9 --repeats 2
 
 With --trace-dir, the bar also comes at equal box speed: the per-repeat latency ratios fitted against how fast the
 box ran the two runs' plain decode steps of the same batch size, read where those ran equally fast
@@ -39,7 +41,7 @@ import torch
 
 from smartspec import EngineConfig, SamplingParams
 from smartspec.bench.box_speed import print_probe_spread, record_probe
-from smartspec.bench.workloads import humaneval_prompts
+from smartspec.bench.workloads import humaneval_prompts, proposer_prompts
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.policy import make_policy
@@ -83,6 +85,17 @@ def run_rate(engine: LLMEngine, prompts: list[str], rate: float, max_tokens: int
     return rows
 
 
+def workload_prompts(workload: str, variant: str, n: int, tokenizer) -> list[str]:
+    """n prompts: "humaneval", the shortest HumanEval problems (--variant's form); "mixed", in turn a HumanEval
+    problem (code: the draft often agrees), prose about one (little the draft gets right) and an edit of one (the
+    answer copies the prompt), so that acceptance differs from request to request and within a batch."""
+    code = sorted(humaneval_prompts(variant, 164, tokenizer), key=lambda p: len(tokenizer(p).input_ids))
+    if workload == "humaneval":
+        return code[:n]
+    kinds = (code, proposer_prompts("chat", n, tokenizer), proposer_prompts("edit", n, tokenizer))
+    return [kinds[i % 3][i // 3] for i in range(n)]
+
+
 def summarize(rows: list[dict]) -> dict:
     lat = sorted(r["latency_s"] for r in rows)
     return dict(mean_latency_s=statistics.mean(lat), p50_latency_s=statistics.median(lat),
@@ -106,6 +119,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--variant", default="chat", choices=["raw", "chat"])
+    ap.add_argument("--workload", default="humaneval", choices=["humaneval", "mixed"],
+                    help="mixed: code, prose and edits in turn (workload_prompts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
@@ -136,8 +151,7 @@ def main() -> int:
             spec = SpeculativeConfig(method=method, model=args.draft if method == "draft_model" else None,
                                      policy="off", tree=tree)
             proposers[name] = make_proposer(spec, engine.draft_runtime(engine.speculation.proposer.blocks.num_blocks))
-    problems = humaneval_prompts(args.variant, 164, engine.tokenizer)
-    prompts = sorted(problems, key=lambda p: len(engine.tokenizer(p).input_ids))[: args.requests]
+    prompts = workload_prompts(args.workload, args.variant, args.requests, engine.tokenizer)
     configs = []  # (label, proposer, policy name, policy, K): one policy object per config for the whole run
     for proposer_name in args.proposers:
         for policy_name in args.policies:

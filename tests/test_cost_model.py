@@ -285,22 +285,30 @@ def test_a_long_prompt_at_the_profile_s_speed_keeps_the_profile_s_level():
     assert model.prior_level(data) == pytest.approx(1.0, abs=0.02)
 
 
-def test_fits_wait_for_a_fifth_of_a_second_of_steps():
-    """refit_every steps and REFIT_GAP_S of their time: 60 ms CPU steps are fitted every 4 steps, 5 ms GPU steps
-    every 40 (one fit's host time spread over steps it is small beside)."""
-    from smartspec.policy.cost_feed import REFIT_GAP_S, CostFeed
+def test_fits_wait_for_a_fifth_of_a_second_of_steps_and_longer_while_they_predict_them():
+    """refit_every steps and REFIT_GAP_S of their time: noisy 60 ms CPU steps are fitted every 4 steps, noisy 5 ms
+    GPU steps every 40 (one fit's host time spread over steps it is small beside). Steps every fit predicts within
+    QUIET_ERROR stretch the gap, doubling to MAX_REFIT_GAP_S; one step missed by more brings it back."""
+    from smartspec.policy.cost_feed import MAX_REFIT_GAP_S, QUIET_ERROR, REFIT_GAP_S, CostFeed
 
-    def fits(step_s: float) -> int:
+    def fit_steps(step_s: float, missed: set[int]) -> list[int]:
         model = StepCostModel()
         feed = CostFeed(model, 4, lambda k: k)
         fitted = []
         model.refit = lambda draft=False, fit=model.refit: (fitted.append(model.steps), fit(draft=draft))
         for j in range(400):
             b = 1 + j % 16
+            t = step_s * (1.5 if (j % 2 if missed is None else j in missed) else 1.0)
             feed.observe(StepRecord(0, b, [0] * b, [0] * b, [0] * b, [f"r{i}" for i in range(b)], b, 0, 64 * b, 0.0,
-                                    step_s, step_s, num_tokens=[64] * b))
-        return len([s for s in fitted if s > 8])  # after the first fits, made after each step until one holds
+                                    t, t, num_tokens=[64] * b))
+        return fitted  # the first fits after each step, until one holds
 
-    assert REFIT_GAP_S == 0.2
-    assert fits(0.06) == pytest.approx(392 / 4, abs=1)
-    assert fits(0.005) == pytest.approx(392 / 40, abs=1)
+    assert (REFIT_GAP_S, MAX_REFIT_GAP_S, QUIET_ERROR) == (0.2, 1.6, 0.15)
+    noisy = [s for s in fit_steps(0.06, None) if s > 8]  # every other step 1.5x: never quiet
+    assert len(noisy) == pytest.approx(392 / 4, abs=2)
+    assert len([s for s in fit_steps(0.005, None) if s > 8]) == pytest.approx(392 * 0.00625 / REFIT_GAP_S, abs=2)
+    gaps = np.diff(fit_steps(0.06, set())).tolist()  # every step the same: each fit predicts the next ones
+    assert gaps[:7] == [1, 1, 1, 4, 7, 14, 27] and set(gaps[7:]) == {27}  # 0.2 s, 0.4, 0.8, 1.6 s of 60 ms steps
+    again = fit_steps(0.06, {200})  # one step missed: back to a fifth of a second, then stretching again
+    after = [s for s in again if s > 200]
+    assert after[0] <= 205 and after[1] - after[0] == 4

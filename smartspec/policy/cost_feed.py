@@ -3,7 +3,13 @@ seconds of steps rather than after each: a fit is a few robust least-squares sol
 and numpy), and a fit a fraction of a second old predicts the next step as well as a fresh one. Counted in steps
 alone, fits took 2% of a CPU decode step but 5% of a GPU's (4-5 ms), the host time the policy must not take; with
 the gap, one fit serves ~40 such steps and still follows a change of speed within a fifth of a second. Until the
-model has a fit at all, it is refitted after every step."""
+model has a fit at all, it is refitted after every step.
+
+A fit that predicted every step since it was made within QUIET_ERROR, none of them drafting (a draft's shape is
+news to the fit), waits twice as long for the next, up to MAX_REFIT_GAP_S: a batch in steady decoding teaches it
+nothing new, and on a CPU at a few streams the fits were most of the policy's host time. One step it missed by
+more brings the gap back to REFIT_GAP_S at once, so a change of speed is still followed within a fifth of a
+second of steps; a draft price found wrong is refitted at once (GoodputPolicy.observe)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,6 +20,8 @@ from smartspec.types.plan import DRAFT
 from smartspec.types.step_record import StepRecord
 
 REFIT_GAP_S = 0.2  # the least step time between two fits (after refit_every steps)
+MAX_REFIT_GAP_S = 1.6  # ... and the most, while fits keep predicting the steps
+QUIET_ERROR = 0.15  # a step predicted within this relative error taught a fit nothing new
 
 
 class CostFeed:
@@ -24,6 +32,8 @@ class CostFeed:
         self.steps_unfit = 0  # steps observed since the last fit
         self.seconds_unfit = 0.0  # and their measured time
         self.drafts_unfit = False  # whether one of them ran draft forwards
+        self.quiet = True  # whether the fit predicted each of them within QUIET_ERROR
+        self.gap_s = REFIT_GAP_S  # the step time the next fit waits for
 
     def observe(self, record: StepRecord) -> float | None:
         """Feeds the step to the model; for a step that drafted, its draft time over the time the model predicted
@@ -35,13 +45,14 @@ class CostFeed:
         tokens = record.num_batched_tokens if record.forward_tokens is None else record.forward_tokens
         predicted = float(self.cost.predict_draft(depth, sum(proposed), record.draft_catchup_tokens)) \
             if depth and self.cost.ready else 0.0
-        self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed),
-                          record.draft_s, record.total_s - record.draft_s, catchup=record.draft_catchup_tokens,
-                          refit=False)
+        error = self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed), record.draft_s,
+                                  record.total_s - record.draft_s, catchup=record.draft_catchup_tokens, refit=False)
+        self.quiet &= error is not None and error <= QUIET_ERROR
         self.steps_unfit += 1
         self.seconds_unfit += record.total_s
         self.drafts_unfit |= depth > 0
-        if not self.cost.ready or (self.steps_unfit >= self.refit_every and self.seconds_unfit >= REFIT_GAP_S):
+        gap_s = self.gap_s if self.quiet else REFIT_GAP_S  # a step it missed: the usual gap, at once
+        if not self.cost.ready or (self.steps_unfit >= self.refit_every and self.seconds_unfit >= gap_s):
             self.refit()
         return record.draft_s / predicted if predicted > 0 else None
 
@@ -53,5 +64,7 @@ class CostFeed:
         self.cost.hold_prior()
 
     def refit(self) -> None:
+        steady = self.quiet and not self.drafts_unfit and self.steps_unfit >= self.refit_every
+        self.gap_s = min(MAX_REFIT_GAP_S, 2 * self.gap_s) if steady else REFIT_GAP_S
         self.cost.refit(draft=self.drafts_unfit)
-        self.steps_unfit, self.seconds_unfit, self.drafts_unfit = 0, 0.0, False
+        self.steps_unfit, self.seconds_unfit, self.drafts_unfit, self.quiet = 0, 0.0, False, True

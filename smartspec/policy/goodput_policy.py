@@ -98,10 +98,11 @@ class GoodputPolicy(Policy):
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
         if view.lookups is not None:
             return self._plan_proposers(step)
+        batch = (step.ids, bool(view.prefill_tokens))  # what PlanHold tells batches apart by
         if self.tree_depth is None:
             # a step a shape probe is due at plans in full (the probe's cadence is the fit's, not the hold's)
             probe_due = self.shape_probe_interval and self.step % self.shape_probe_interval == 0
-            held = None if probe_due else self.plan_hold.held_ks(self.step, step.ids)
+            held = None if probe_due else self.plan_hold.held_ks(self.step, batch, len(step.ids))
             if held is not None:
                 return self._plan_held(step, held)
             if not self.drafted_last and self._nothing_can_pay(step):
@@ -110,7 +111,7 @@ class GoodputPolicy(Policy):
         plan = self._plan_chains(step)
         self.drafted_last = any(plan.ks)
         if self.shape_probes == shape_probes:  # a shape probe is one step's detour, not what the hold compares
-            self.plan_hold.planned(self.step, step.ids, plan.ks, bool(plan.probes))
+            self.plan_hold.planned(self.step, batch, plan.ks, bool(plan.probes))
         return plan
 
     def _nothing_can_pay(self, step: StepNumbers) -> bool:
