@@ -114,9 +114,9 @@ def random_bound_instances(n: int, seed: int):
 
 
 def test_the_drafting_bound_answers_as_every_plan_priced_at_the_context():
-    """drafting_bound.drafting_pays_above, priced at the layer ends and the cost's kinks alone and turned into a context threshold,
-    says what pricing every plan at the step's context says: random piecewise-linear costs, batches, depths and
-    ceilings, many near the edge between paying and not."""
+    """drafting_bound.drafting_pays_above, priced at the layer ends and the cost's kinks alone and turned into a
+    context threshold, says what pricing every plan at the step's context says: random piecewise-linear costs,
+    batches, depths and ceilings, many near the edge between paying and not."""
     from smartspec.policy.cost_model import SEGMENT_EDGES
     from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 
@@ -148,13 +148,14 @@ def test_where_the_bound_says_no_the_exact_plan_drafts_nothing():
     assert checked > 50
 
 
-def every_priced_plan_can_pay(k_top, rows, held, alpha, cost, step_tokens, step_context, decode_context) -> bool:
-    """The prefill step's bound by its definition: every plan's drafts priced at p = (rows + held) / T_0(C_d), the
-    least price prefill_step_price can set."""
+def every_priced_plan_can_pay(k_top, rows, n_prefilling, alpha, cost, step_tokens, step_context,
+                              decode_context) -> bool:
+    """The prefill step's bound by its definition: every plan's drafts priced at p = (rows + prefilling) / T_0(C_d),
+    the least price prefill_step_price can set."""
     m = np.arange(1, rows * k_top + 1)
     cumulative = np.cumsum(alpha ** ((m - 1) // rows + 1))
     depths = np.arange(1, k_top + 1)[:, None]
-    price = (rows + held) / float(cost(rows, decode_context, 0, 0))
+    price = (rows + n_prefilling) / float(cost(rows, decode_context, 0, 0))
     added = cost(step_tokens + m, step_context + m, depths, m) - float(cost(step_tokens, step_context, 0, 0))
     values = cumulative - price * added
     values[m[None, :] > rows * depths] = -np.inf
@@ -162,20 +163,20 @@ def every_priced_plan_can_pay(k_top, rows, held, alpha, cost, step_tokens, step_
 
 
 def test_the_prefill_bound_answers_as_every_priced_plan():
-    """drafting_pays_above for a step with prefill, priced at layer ends and kinks and turned into a threshold on the decoding
-    requests' context, says what pricing every plan of a step with prefill says."""
+    """drafting_pays_above for a step with prefill, priced at layer ends and kinks and turned into a threshold on the
+    decoding requests' context, says what pricing every plan of a step with prefill says."""
     from smartspec.policy.cost_model import SEGMENT_EDGES
     from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 
     answers, rng = [], np.random.default_rng(5)
     for model, k_top, rows, alpha, base, context in random_bound_instances(3000, 13):
-        held, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
+        n_prefilling, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
         step_tokens, step_context = base + chunk, context + int(rng.integers(chunk, 4 * chunk + 1))
-        every = every_priced_plan_can_pay(k_top, rows, held, alpha, model.predict, step_tokens, step_context,
+        every = every_priced_plan_can_pay(k_top, rows, n_prefilling, alpha, model.predict, step_tokens, step_context,
                                           context)
-        above = drafting_pays_above(BoundShape(k_top, rows, step_tokens, held=held), alpha, model.predict,
-                                    model.v[-1], SEGMENT_EDGES)
-        assert (context > above) == every, (k_top, rows, held, alpha, step_tokens, context, above)
+        shape = BoundShape(k_top, rows, step_tokens, prefilling=n_prefilling)
+        above = drafting_pays_above(shape, alpha, model.predict, model.v[-1], SEGMENT_EDGES)
+        assert (context > above) == every, (k_top, rows, n_prefilling, alpha, step_tokens, context, above)
         answers.append(every)
     assert 0.1 < np.mean(answers) < 0.9
 
@@ -193,13 +194,14 @@ def test_where_the_prefill_bound_says_no_the_priced_plan_drafts_nothing():
     for model, k_top, rows, alpha, base, context in random_bound_instances(2000, 14):
         if rows > 64:
             continue
-        held, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
+        n_prefilling, chunk = int(rng.integers(1, 4)), int(rng.integers(1, 600))
         per_row = max(1, context // rows)
         view = StepView([RequestView(f"r{i}", per_row, 1, 10 ** 6, None, 0.0) for i in range(rows)], k_top,
-                        prefill_tokens=chunk, prefill_context=chunk * 2, prefilling=[PrefillView(f"p{j}", 0.0) for j in range(held)])
+                        prefill_tokens=chunk, prefill_context=chunk * 2,
+                        prefilling=[PrefillView(f"p{j}", 0.0) for j in range(n_prefilling)])
         step = StepNumbers.of(view, 0.0)
-        if step.decode_context > drafting_pays_above(BoundShape(k_top, rows, step.tokens, held=held), alpha,
-                                                     model.predict, model.v[-1], SEGMENT_EDGES):
+        shape = BoundShape(k_top, rows, step.tokens, prefilling=n_prefilling)
+        if step.decode_context > drafting_pays_above(shape, alpha, model.predict, model.v[-1], SEGMENT_EDGES):
             continue
         gains = chain_gains(rng.uniform(0.0, alpha, rows), k_top)
         depth_of = np.arange(1, k_top + 1)

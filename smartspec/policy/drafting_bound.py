@@ -9,10 +9,10 @@ add at most g_i tokens (rows of alpha, then of alpha^2, ...), and:
 
 - a decoding step keeps plan i only where (rows + g_i) T_0(C) > rows T_i(C), i.e. s g_i C > rows A_i - (rows + g_i)
   A_0: past a context of its own;
-- a step that carries prefill keeps drafts worth more than the price p = G (rows + held) / rows tokens a second
+- a step that carries prefill keeps drafts worth more than the price p = G (rows + prefilling) / rows tokens a second
   (chain_plan.prefill_step_price), G the decode batch's best goodput in a step of its own, at least rows / T_0(C_d):
-  only where g_i T_0(C_d) > (rows + held) (T_i - T_0). The drafts' seconds T_i - T_0 are the same at every context,
-  so this is a threshold on the decoding requests' own context C_d.
+  only where g_i T_0(C_d) > (rows + prefilling) (T_i - T_0). The drafts' seconds T_i - T_0 are the same at every
+  context, so this is a threshold on the decoding requests' own context C_d.
 
 Only the plans at the ends of each layer of drafts (m = j * rows and the one after) and at the cost's kinks
 (cost_model.SEGMENT_EDGES) are priced: between two of them both the tokens a plan adds and its cost are affine in m
@@ -33,7 +33,7 @@ class BoundShape:
     k_top: int  # the most any request drafts
     rows: int  # decoding requests
     base_tokens: int  # the step's tokens at k = 0, prefill chunks included
-    held: int = 0  # requests prefilling in the step (0: a decoding step)
+    prefilling: int = 0  # requests prefilling in the step, at least 1 where it carries prefill (0: none)
     tokens_of: Callable | None = None  # a padded runner's cells for (m drafts, depth): StepNumbers.padded_tokens
 
 
@@ -47,15 +47,15 @@ def drafting_pays_above(shape: BoundShape, alpha: float, cost: Callable, context
         return np.inf
     m, cumulative = _candidates(shape.k_top, rows, alpha, shape.base_tokens, kinks)
     depths = np.arange(1, shape.k_top + 1)[:, None]
-    tokens_of = shape.tokens_of if not shape.held else None  # a step with prefill runs unpadded
+    tokens_of = shape.tokens_of if not shape.prefilling else None  # a step with prefill runs unpadded
     if tokens_of is None:
         plain, tokens = float(cost(shape.base_tokens, 0, 0, 0)), shape.base_tokens + m
     else:
         plain = float(cost(tokens_of(0, 0), 0, 0, 0))
         tokens = np.stack([np.broadcast_to(tokens_of(m, d), m.shape) for d in range(1, shape.k_top + 1)])
     drafted = cost(tokens, m, depths, m)  # [depth, m]
-    if shape.held:  # what s g C_d must beat: the drafts' seconds at the price, less the tokens they add
-        need = (rows + shape.held) * (drafted - plain) - cumulative * float(cost(rows, 0, 0, 0))
+    if shape.prefilling:  # what s g C_d must beat: the drafts' seconds at the price, less the tokens they add
+        need = (rows + shape.prefilling) * (drafted - plain) - cumulative * float(cost(rows, 0, 0, 0))
     else:
         need = rows * drafted - (rows + cumulative) * plain
     need[m[None, :] > rows * depths] = np.inf  # more drafts than `depth` a request

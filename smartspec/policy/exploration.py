@@ -62,9 +62,6 @@ class ChainStep:
     price: float | None  # a step with prefill: tokens a second a draft must add (chain_plan.prefill_step_price)
     tokens_of: Callable | None  # a padded runner's cells (StepNumbers.padded_tokens); None: the real tokens
 
-    def forward_tokens(self, m, depth):
-        return self.step.tokens + m if self.tokens_of is None else self.tokens_of(m, depth)
-
 
 def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, max_alpha: float,
                   charge: Callable[[np.ndarray], np.ndarray], cost: Callable) -> set[int]:

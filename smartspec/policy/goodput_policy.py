@@ -127,15 +127,15 @@ class GoodputPolicy(Policy):
         steps differ in their context alone, and between fits (cost_feed) one answer serves them all. Beside
         prefill the step's tokens past the last kink change no answer, and are keyed as one."""
         view = step.view
-        held = max(1, len(view.prefilling)) if view.prefill_tokens else 0
-        tokens = min(step.tokens, int(SEGMENT_EDGES[-1])) if held else step.tokens
-        key = (view.k_max, len(step.ids), held, tokens, view.shapes, alpha, tuple(self.cost.v),
+        prefilling = max(1, len(view.prefilling)) if view.prefill_tokens else 0
+        tokens = min(step.tokens, int(SEGMENT_EDGES[-1])) if prefilling else step.tokens
+        key = (view.k_max, len(step.ids), prefilling, tokens, view.shapes, alpha, tuple(self.cost.v),
                tuple(self.cost.d))
         above = self.pays_above.get(key)
         if above is None:
             if len(self.pays_above) >= 64:  # batch shapes of fits gone by
                 self.pays_above.clear()
-            shape = BoundShape(view.k_max, len(step.ids), tokens, held, step.padded_tokens)
+            shape = BoundShape(view.k_max, len(step.ids), tokens, prefilling, step.padded_tokens)
             above = self.pays_above[key] = drafting_pays_above(shape, alpha, self.cost.predict,
                                                                self.cost.context_slope, SEGMENT_EDGES)
         return above
