@@ -1,8 +1,13 @@
 """Per-step cost of the SmartSpec policy, by batch size: the k selection alone (select_k with a fitted cost model),
 and the policy's whole plan (the step's view built, acceptance estimates for the batch, caps, selection, probes),
-cold (before 8 requests have finished, when each estimate averages over prior strengths) and warm.
+cold (before 8 requests have finished, when each estimate averages over prior strengths) and warm, the same batch
+step after step. Then the policy as an engine runs it (docs/benchmarks.md, "The policy's own cost"): an engine on
+tiny random models (a target and a noisy copy as its draft, smartspec/bench/tiny_models.py) decodes 64 and 256
+requests at once, and its step totals give the policy's planning and observing per step, batches changing as
+requests finish.
 
-    python scripts/bench_select.py            # prints a table; writes results/bench_select.parquet
+    python scripts/bench_select.py            # prints both tables; writes results/bench_select.parquet and
+                                              # results/bench_select_engine.parquet
 """
 from __future__ import annotations
 
@@ -49,6 +54,33 @@ def time_plan(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[fl
     return samples
 
 
+def engine_row(batch: int, k_max: int, target: str, draft: str) -> dict:
+    """An engine with the goodput policy serving `batch` requests at once, from the first step to the last."""
+    from smartspec import LLM
+
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k_max, "policy": "smartspec"}
+    llm = LLM(target, num_kv_blocks=max(16, batch * 12), block_size=16, max_model_len=256, max_num_seqs=batch,
+              max_num_batched_tokens=batch * (k_max + 1) + 256, speculative_config=spec)
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" * 3 for i in range(batch)]
+    llm.generate(prompts, [SamplingParams(max_tokens=64 + i % 64, ignore_eos=True) for i in range(batch)])
+    steps = llm.engine.stats.snapshot()
+    chosen = steps["chosen_k"]
+    llm.engine.close()
+    return {"batch": batch, "k_max": k_max, "steps": steps["steps"], "policy_ms_per_step": steps["policy_ms_per_step"],
+            "mean_k": sum(k * n for k, n in chosen.items()) / max(1, sum(chosen.values()))}
+
+
+def engine_rows() -> list[dict]:
+    import tempfile
+
+    from smartspec.bench.tiny_models import build_noisy_draft, build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = build_tiny_model(Path(tmp) / "target")
+        draft = build_noisy_draft(Path(tmp) / "draft", target, noise=0.1)
+        return [engine_row(batch, 5, target, draft) for batch in (1, 64, 256)]
+
+
 def timing_row(part: str, batch: int, k_max: int, samples: list[float]) -> dict:
     return {"part": part, "batch": batch, "k_max": k_max, "median_ms": 1e3 * statistics.median(samples),
             "p99_ms": 1e3 * sorted(samples)[int(0.99 * len(samples))]}
@@ -79,6 +111,12 @@ def main() -> int:
 
     Path("results").mkdir(exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), "results/bench_select.parquet")
+    engine = engine_rows()
+    print(f"\n{'in the engine':>15s} {'batch':>6s} {'K':>3s} {'steps':>6s} {'policy ms/step':>15s} {'mean k':>7s}")
+    for r in engine:
+        print(f"{'':>15s} {r['batch']:6d} {r['k_max']:3d} {r['steps']:6d} {r['policy_ms_per_step']:15.3f} "
+              f"{r['mean_k']:7.2f}")
+    pq.write_table(pa.Table.from_pylist(engine), "results/bench_select_engine.parquet")
     return 0
 
 

@@ -193,7 +193,7 @@ def test_a_step_of_outcomes_counts_as_its_outcomes_one_at_a_time():
     manual.observe("x", 4, 4)
     for _ in range(3):
         manual.tick()
-    a, r, at = manual.requests["x"]
+    a, r, at = manual.counts("x")
     assert (a * 0.5 ** (manual.clock - at), r) == (0.5, 0.0)
 
 

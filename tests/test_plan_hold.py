@@ -1,16 +1,21 @@
-"""PlanHold: a plan that keeps coming out the same is planned in full less often, never for other requests."""
+"""PlanHold: a plan that keeps coming out the same is planned in full less often; a request that joins is planned by
+the held plan's rule, and a batch of too many newcomers plans in full."""
+import numpy as np
 import pytest
 
-from smartspec.policy.plan_hold import PlanHold
+from smartspec.policy.goodput import chain_gains, plans_by_depth
+from smartspec.policy.plan_hold import NO_DRAFTS, HeldRule, PlanHold
+
+RULE = HeldRule(0.5, 3)
 
 
-def full_plan_steps(hold: PlanHold, plans, batch=("a", "b")) -> list[int]:
+def full_plan_steps(hold: PlanHold, plans, ids=("a", "b")) -> list[int]:
     """The steps that planned in full, given each full plan's draft lengths in turn."""
     full, plans = [], iter(plans)
     for step in range(1, 40):
-        if hold.held_ks(step, batch, 2) is None:
+        if hold.held_plan(step, ids, False) is None:
             full.append(step)
-            hold.planned(step, batch, next(plans), False)
+            hold.planned(step, ids, False, next(plans), RULE)
     return full
 
 
@@ -20,30 +25,71 @@ def test_the_same_plan_is_held_twice_as_long_each_time_up_to_the_cap():
     assert hold.held == 39 - 8
 
 
-def test_a_plan_that_changes_or_probes_plans_every_step_again():
+def test_a_plan_whose_rule_changes_plans_every_step_again_one_that_flips_at_the_threshold_holds():
     hold = PlanHold(max_hold=8)
-    for step, ks in ((1, [3, 2]), (2, [3, 2]), (4, [3, 2])):
-        assert hold.held_ks(step, ("a", "b"), 2) is None
-        hold.planned(step, ("a", "b"), ks, False)
-    assert hold.held_ks(5, ("a", "b"), 2) == [3, 2]
-    hold.planned(8, ("a", "b"), [3, 1], False)  # came out differently
-    assert hold.held_ks(9, ("a", "b"), 2) is None
-    hold.planned(9, ("a", "b"), [3, 1], True)  # the same, but a request probed
-    assert hold.held_ks(10, ("a", "b"), 2) is None
+    for step in (1, 2, 4):
+        assert hold.held_plan(step, ("a", "b"), False) is None
+        hold.planned(step, ("a", "b"), False, [3, 2], RULE)
+    assert hold.held_plan(5, ("a", "b"), False).ks == [3, 2]
+    hold.planned(8, ("a", "b"), False, [3, 3], HeldRule(0.52, 3))  # b sat at the threshold: the same plan
+    assert hold.held_plan(9, ("a", "b"), False).ks == [3, 3]
+    hold.planned(16, ("a", "b"), False, [3, 3], HeldRule(0.7, 3))  # drafts must add more now
+    assert hold.held_plan(17, ("a", "b"), False) is None
+    hold.planned(17, ("a", "b"), False, [2, 2], HeldRule(0.7, 2))  # and no deeper
+    assert hold.held_plan(18, ("a", "b"), False) is None
 
 
-def test_drafts_are_held_only_for_the_same_batch_no_speculation_for_any():
+def test_a_newcomer_is_marked_for_the_rule_and_a_batch_mostly_new_plans_in_full():
+    hold = PlanHold(max_newcomers=0.25)
+    ids = tuple("abcdefgh")
+    for step in (1, 2):
+        hold.planned(step, ids, False, [2] * 8, RULE)
+    held = hold.held_plan(3, ("a", "b", "c", "d", "e", "f", "g", "x"), False)  # h finished, x joined
+    assert held.ks == [2] * 7 + [0] and held.newcomers == [7] and held.rule == RULE
+    assert hold.held_plan(3, ("a", "b", "c", "d", "e", "f", "x", "y", "z"), False) is None  # 3 of 9 new
+    assert hold.held_plan(3, ("x",), False) is None  # nothing the plan planned
+
+
+def test_steps_beside_prefill_hold_a_plan_of_their_own_and_no_speculation_suits_any_batch():
     hold = PlanHold()
-    hold.planned(1, (("a", "b"), False), [2, 2], False)
-    hold.planned(2, (("a", "b"), False), [2, 2], False)
-    assert hold.held_ks(3, (("a", "c"), False), 2) is None  # another request: its drafts were never planned
-    assert hold.held_ks(3, (("a", "b"), True), 2) is None  # now beside a prefill chunk: priced otherwise
-    assert hold.held_ks(3, (("a", "b"), False), 2) == [2, 2]
-    hold.planned(4, (("a", "c"), False), [0, 0], False)
-    hold.planned(5, (("a", "c"), False), [0, 0], False)
-    assert hold.held_ks(6, (("x", "y", "z"), True), 3) == [0, 0, 0]  # no speculation suits any batch
+    for step in (1, 2):
+        hold.planned(step, ("a", "b"), False, [2, 2], RULE)
+    assert hold.held_plan(3, ("a", "b"), True) is None  # beside a prefill chunk: priced otherwise
+    assert hold.held_plan(3, ("a", "b"), False).ks == [2, 2]
+    for step in (4, 5):
+        hold.planned(step, ("a", "c"), True, [0, 0], NO_DRAFTS)
+    held = hold.held_plan(6, ("x", "y", "z"), True)
+    assert held.ks == [0, 0, 0] and held.newcomers == []
 
 
-def test_max_hold_is_checked():
+def test_the_rule_plans_a_newcomer_as_the_full_plan_would():
+    """A request that joins a batch of many, planned by the threshold alone, gets the draft length the exact
+    selection over the whole batch gives it: what HeldRule stands on (GoodputPolicy._held_rule)."""
+    rng = np.random.default_rng(3)
+    agree, tried = 0, 0
+    for _ in range(200):
+        b, k = int(rng.integers(16, 64)), 5
+        alphas = rng.uniform(0.3, 0.95, b)
+        v0, per_token, per_depth = rng.uniform(5e-3, 2e-2), rng.uniform(1e-5, 2e-4), rng.uniform(2e-4, 2e-3)
+
+        def cost(n, c, depth=0, sum_k=0):
+            return v0 + per_token * n + 1e-8 * c + per_depth * depth + 1e-5 * sum_k
+
+        gains = chain_gains(alphas, k)
+        plans = plans_by_depth(gains, [k] * b, np.arange(1, k + 1), cost, b, 500 * b)
+        plan = max(plans, key=lambda p: p.value)
+        if plan.depth == 0:
+            continue
+        m, d = plan.tokens, plan.depth
+        threshold = plan.value * (cost(b + m + 1, 500 * b + m + 1, d, m + 1) - cost(b + m, 500 * b + m, d, m))
+        rule_ks = [int(np.count_nonzero(g[:d] >= threshold)) for g in gains]
+        tried += 1
+        agree += sum(abs(a - e) <= 0 for a, e in zip(rule_ks, plan.ks)) / b
+    assert tried > 100 and agree / tried > 0.99
+
+
+def test_max_hold_and_max_newcomers_are_checked():
     with pytest.raises(ValueError, match="max_hold"):
         PlanHold(max_hold=0)
+    with pytest.raises(ValueError, match="max_newcomers"):
+        PlanHold(max_newcomers=1.0)

@@ -839,6 +839,56 @@ def test_the_only_replica_killed_every_request_ends_answered_or_named(ray_serve,
             assert named in answer.json()["error"]["message"]
 
 
+def test_a_replica_restarted_under_load_speculates_within_its_first_200_steps(ray_serve, tiny_qwen):
+    """A restart must not leave the goodput policy at k = 0 (a warm-up profile taken under load, a draft price
+    never measured again). The only replica, prompt lookup under the goodput policy with its warm-up profile, serves
+    four greedy requests at a time whose answers repeat what they have seen; it is killed (SIGKILL) in the middle of
+    that load and Serve starts it again, under the load still coming. The new replica's own step totals show steps
+    that drafted among its first 200."""
+    import signal
+
+    _BASE[0] = ray_serve
+    url = _deploy_tight(tiny_qwen, "restarted", max_num_seqs=4, warmup_profile=True, controller_interval_s=0.2,
+                        speculation={"method": "ngram", "num_speculative_tokens": 4, "policy": "smartspec"})
+    body = {"model": "tiny", "prompt": "abcabcabc abcabcabc abc", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+
+    async def load(requests: int) -> list:
+        slots = asyncio.Semaphore(4)
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one():
+                async with slots:
+                    try:
+                        return (await client.post(f"{url}/v1/completions", json=body)).status_code
+                    except httpx.HTTPError as e:
+                        return repr(e)
+            return await asyncio.gather(*(one() for _ in range(requests)))
+
+    async def main():
+        first = await asyncio.to_thread(_status_of, url, lambda s: len(s["replicas"]) == 1)
+        (old,) = first["replicas"].values()
+        before = asyncio.create_task(load(8))
+        await asyncio.to_thread(_status_of, url, lambda s: any(r["in_flight"] for r in s["replicas"].values()))
+        os.kill(old["pid"], signal.SIGKILL)
+        after = asyncio.create_task(load(8))  # the load goes on while Serve starts the replica again
+        new = await asyncio.to_thread(_status_of, url, lambda s: [r["pid"] for r in s["replicas"].values()] not in (
+            [], [old["pid"]]), 120)
+        await before
+        await after
+        return old["pid"], await asyncio.to_thread(_status_of, url, lambda s: all(
+            r["pid"] != old["pid"] and r["in_flight"] == 0 for r in s["replicas"].values()), 60), new
+
+    try:
+        old_pid, status, _ = asyncio.run(main())
+    finally:
+        serve.delete("restarted")
+    (replica,) = status["replicas"].values()
+    steps = replica["steps"]
+    assert replica["pid"] != old_pid and steps["steps"] > 0
+    drafted = sum(n for k, n in steps["chosen_k"].items() if int(k) > 0)
+    assert steps["steps"] <= 200 and drafted > 0, steps
+
+
 def _ingress_pid(app_name: str) -> int:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith(f"SERVE_REPLICA::{app_name}#OpenAIIngress#")]

@@ -53,6 +53,7 @@ class StepResult(NamedTuple):
     outputs: list[RequestOutput]
     record: StepRecord | None  # None: nothing was scheduled
     generated: int  # tokens the step yielded (before stops cut them)
+    plan_s: float = 0.0  # host seconds the policy's plan took, its view included (engine/planner.py plan_step)
 
 
 # Where the target runs (the serving layer puts tensor-parallel shards in Ray actors); default: in-process.
@@ -301,13 +302,15 @@ class LLMEngine:
         if record is not None:
             self.num_steps += 1
             self.last_step = record
-            self.stats.add(record, result.generated)
+            began, observe_s = time.perf_counter(), 0.0
             try:  # what the policy learns from a step: a failure costs its learning, never the requests
                 self.speculation.policy.observe(record)
+                observe_s = time.perf_counter() - began
                 if self.trace is not None:
                     self.trace.add(record)
             except Exception:
                 logger.exception("policy %r failed to observe step %d", self.speculation.policy.name, self.num_steps)
+            self.stats.add(record, result.generated, result.plan_s + observe_s)
             if self.kept_check is not None and (stale := self.kept_check.observe(record)) is not None:
                 self.kept_check, self.profile_due = None, stale
         return result.outputs
@@ -326,6 +329,7 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
         hints = (self.hints.step_hints(decoding, self.grammars, spec.k_max)
                  if spec.proposer is not None and self.request_hints else None)
+        t_plan = time.perf_counter()
         view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints,
                                shapes=self.runner.padded_shapes)
         t_draft = time.perf_counter()
@@ -346,7 +350,7 @@ class LLMEngine:
         record = self._record(step_number, items, decoding, lengths, sum(s.num_tokens for s in prefill), plan,
                               drafted, new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
                               self.runner.padded_shapes)
-        return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()))
+        return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()), t_draft - t_plan)
 
     def _verify(self, batch: list[ScheduledRequest], drafted: Drafted) \
             -> tuple[list[ForwardItem], Drafted, torch.Tensor] | None:

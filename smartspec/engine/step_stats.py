@@ -1,5 +1,6 @@
 """Running totals over an engine's steps, for serving metrics: what k was chosen, tokens per second of step time
-(the measured goodput), and how far the policy's predicted step time was from the measured one."""
+(the measured goodput), how far the policy's predicted step time was from the measured one, and the host time the
+policy itself took (planning and observing: on a GPU a share of every step)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -18,9 +19,11 @@ class StepStats:
     chosen_k: Counter = field(default_factory=Counter)  # k -> decoding requests that ran with it
     predicted_steps: int = 0
     prediction_abs_rel_error: float = 0.0  # summed |predicted - measured| / measured
+    policy_s: float = 0.0  # seconds the policy planned (its view included) and observed
 
-    def add(self, record: StepRecord, generated: int) -> None:
+    def add(self, record: StepRecord, generated: int, policy_s: float = 0.0) -> None:
         self.steps += 1
+        self.policy_s += policy_s
         self.busy_s += record.total_s
         self.draft_s += record.draft_s
         self.verify_s += record.verify_s
@@ -36,4 +39,5 @@ class StepStats:
                 "goodput_tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
                 "chosen_k": {int(k): n for k, n in sorted(self.chosen_k.items())},
                 "prediction_mean_abs_rel_error": (self.prediction_abs_rel_error / self.predicted_steps
-                                                  if self.predicted_steps else None)}
+                                                  if self.predicted_steps else None),
+                "policy_ms_per_step": 1e3 * self.policy_s / self.steps if self.steps else 0.0}

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from smartspec.policy.request_slots import RequestSlots
+
 
 def log_gamma(x: np.ndarray) -> np.ndarray:
     """log Gamma(x) for x > 0, elementwise (numpy has none): Gamma(x) = Gamma(x + 6) / (x (x+1) ... (x+5)), and
@@ -85,7 +87,9 @@ class Counts:
         self.rejected += rejected
 
 
-_NO_COUNTS = (0.0, 0.0, 0)  # a request without outcomes
+# a request's columns in the estimator's RequestSlots: accepted and rejected as of step AT (decayed since by
+# request_decay ** (clock - at)), and undecayed totals over its whole life
+ACCEPTED, REJECTED, AT, TOTAL_ACCEPTED, TOTAL_REJECTED = range(5)
 
 
 class AcceptanceEstimator:
@@ -94,14 +98,14 @@ class AcceptanceEstimator:
                  finished_window: int = 64, min_finished: int = 8, min_outcomes: int = 8,
                  cold_strengths: int = 5) -> None:
         self.initial_prior = prior_alpha
+        # an estimator whose prior stands in for initial_prior (ChainAcceptance: later tokens start as first ones)
+        self.follows: AcceptanceEstimator | None = None
         # pseudo-outcomes the prior is worth against a request's own; None: learned from finished requests
         self.fixed_strength = prior_strength
         self.strength_range = strength_range
         self.min_finished = min_finished  # finished requests needed before the strength is learned
         self.min_outcomes = min_outcomes  # a finished request counts toward it with at least this many outcomes
         self.finished: deque[tuple[float, float]] = deque(maxlen=finished_window)  # (accepted, outcomes)
-        # per request, undecayed: accepted and rejected over its whole life
-        self.totals: dict[str, tuple[float, float]] = {}
         self._learned_strength: float | None = None  # relearned when a request finishes, not on every alpha()
         low, high = strength_range
         # before the strength is learned: the strengths a request's estimate is averaged over
@@ -110,21 +114,30 @@ class AcceptanceEstimator:
         self.clock = 0  # steps passed (tick); a request's counts decay by request_decay a step, read lazily
         self.prior_decay = prior_decay
         self.max_alpha = max_alpha  # alpha = 1 would make the goodput of k unbounded in k
-        self.prior_counts = Counts()  # this engine's own evidence (what it exports)
+        self._own_counts = Counts()  # this engine's own evidence (what it exports), as of the last fold
         self.shared_counts = Counts()  # other replicas' evidence, as last received (replaced, never accumulated)
-        # per request: accepted, rejected, as of step `at` (decayed since by request_decay ** (clock - at))
-        self.requests: dict[str, tuple[float, float, int]] = {}
-        # (prior, the terms of _averaged_over_strengths that depend on it alone per strength, the estimate without
-        # outcomes, those terms as arrays)
+        self.slots = RequestSlots(5)  # per request: the columns ACCEPTED .. TOTAL_REJECTED
+        # steps' outcomes not yet counted (_fold): (clock, request ids, accepted, rejected)
+        self._pending: list[tuple[int, list[str], np.ndarray, np.ndarray]] = []
+        # (prior, the terms of _averaged_over_strengths that depend on it alone per strength, those terms as arrays)
         self._prior_terms: tuple | None = None
+        self._unseen_estimate: float | None = None  # _unseen's, for the prior of _prior_terms
+
+    @property
+    def prior_counts(self) -> Counts:
+        """This engine's own evidence for the prior (what it exports)."""
+        self._fold()
+        return self._own_counts
 
     @property
     def prior(self) -> float:
-        accepted = self.prior_counts.accepted + self.shared_counts.accepted
-        rejected = self.prior_counts.rejected + self.shared_counts.rejected
+        own = self.prior_counts
+        accepted = own.accepted + self.shared_counts.accepted
+        rejected = own.rejected + self.shared_counts.rejected
         # the initial prior is itself worth a few observations, so one lucky request cannot swing it
         weight = self.fixed_strength if self.fixed_strength is not None else self.strength_range[0]
-        return min(self.max_alpha, (accepted + self.initial_prior * weight) / (accepted + rejected + weight))
+        initial = self.initial_prior if self.follows is None else self.follows.prior
+        return min(self.max_alpha, (accepted + initial * weight) / (accepted + rejected + weight))
 
     @property
     def prior_strength(self) -> float:
@@ -162,10 +175,10 @@ class AcceptanceEstimator:
 
     def alphas(self, request_ids: list[str]) -> np.ndarray:
         """Each request's estimate (the prior for one without evidence), for a whole batch at once."""
-        get, clock = self.requests.get, self.clock
-        counts = np.array([get(r, _NO_COUNTS) for r in request_ids], dtype=np.float64).reshape(-1, 3)
-        decayed = self.request_decay ** (clock - counts[:, 2])
-        a, r = counts[:, 0] * decayed, counts[:, 1] * decayed
+        self._fold()
+        counts = self.slots.values[self.slots.rows_of(request_ids)]
+        decayed = self.request_decay ** (self.clock - counts[:, AT])
+        a, r = counts[:, ACCEPTED] * decayed, counts[:, REJECTED] * decayed
         prior = self.prior
         if self.fixed_strength is None and self._learned_strength is None:
             return np.minimum(self.max_alpha, self._averaged_over_strengths(a, r, prior))
@@ -178,53 +191,95 @@ class AcceptanceEstimator:
         same for every s and drops out). a, r: [B]."""
         prior = min(max(prior, 1e-3), 1 - 1e-3)
         if self._prior_terms is None or self._prior_terms[0] != prior:  # the prior moves only when outcomes arrive
-            per_strength = tuple((s, prior * s, (1 - prior) * s, _log_gamma_of_a_number(prior * s),
-                                  _log_gamma_of_a_number((1 - prior) * s), _log_gamma_of_a_number(s))
-                                 for s in self.cold_strengths)
-            # the estimate of a request without outcomes (most of a batch the policy keeps at k = 0): once per prior
-            self._prior_terms = (prior, per_strength, _strength_averaged_of_a_request(per_strength, 0.0, 0.0),
-                                 tuple(np.array(column)[None, :] for column in zip(*per_strength)))
-        _, per_strength, unseen_estimate, terms = self._prior_terms
+            # the prior's own terms in the exact log-gamma (C): every path reads these same floats, so a request's
+            # estimate stays the same whatever batch it is in
+            per_strength = tuple((s, prior * s, (1 - prior) * s, math.lgamma(prior * s), math.lgamma((1 - prior) * s),
+                                  math.lgamma(s)) for s in self.cold_strengths)
+            self._prior_terms = (prior, per_strength, tuple(np.array(column)[None, :] for column in zip(*per_strength)))
+            self._unseen_estimate = None
+        _, per_strength, terms = self._prior_terms
         if len(a) <= SCALAR_ROWS:
-            return np.array([_strength_averaged_of_a_request(per_strength, x, y) if x or y else unseen_estimate
+            return np.array([_strength_averaged_of_a_request(per_strength, x, y) if x or y else self._unseen()
                              for x, y in zip(a.tolist(), r.tolist())])
         seen = (a != 0) | (r != 0)
-        out = np.full(len(seen), unseen_estimate)
+        out = np.full(len(seen), self._unseen() if not seen.all() else 0.0)
         if seen.any():
             out[seen] = _strength_averaged(terms, a[seen], r[seen])
         return out
+
+    def _unseen(self) -> float:
+        """The cold estimate of a request without outcomes (most of a batch the policy keeps at k = 0): once per
+        prior, when first asked for."""
+        if self._unseen_estimate is None:
+            self._unseen_estimate = _strength_averaged_of_a_request(self._prior_terms[1], 0.0, 0.0)
+        return self._unseen_estimate
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         if proposed > 0:
             self.observe_many([request_id], np.array([proposed]), np.array([accepted]))
 
     def observe_many(self, request_ids: list[str], proposed: np.ndarray, accepted: np.ndarray) -> None:
-        """A step's outcomes, one per request (proposed > 0 each): each request's own counts, and the prior's."""
-        rejected = (accepted < proposed).astype(np.float64)
-        clock, decay, get, totals = self.clock, self.request_decay, self.requests.get, self.totals
-        for rid, taken, missed in zip(request_ids, accepted.tolist(), rejected.tolist()):
-            a, r, at = get(rid, _NO_COUNTS)
-            decayed = decay ** (clock - at)
-            self.requests[rid] = (a * decayed + taken, r * decayed + missed, clock)
-            total_a, total_r = totals.get(rid, (0.0, 0.0))
-            totals[rid] = (total_a + taken, total_r + missed)
-        self._calibrate_many(accepted.astype(np.float64), rejected)
+        """A step's outcomes, one per request (proposed > 0 each): each request's own counts, and the prior's.
+        Kept until an estimate is next read (_fold): a held plan reads none, and a few steps' outcomes are counted
+        in the array operations of one."""
+        self._pending.append((self.clock, list(request_ids), accepted.astype(np.float64),
+                              (accepted < proposed).astype(np.float64)))
+
+    def _fold(self) -> None:
+        """Counts the steps' outcomes kept since the last fold: each request's counts decayed to the last of those
+        steps, each outcome added decayed from its own step, totals undecayed, the prior's counts outcome by outcome
+        in their order: the sums of counting each step as it came (to rounding)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        last = pending[-1][0]
+        if len(pending) == 1:
+            _, ids, taken, rejected = pending[0]
+            add_taken, add_rejected, total_taken, total_rejected = taken, rejected, taken, rejected
+        else:
+            every = [rid for _, step_ids, _, _ in pending for rid in step_ids]
+            ids = list(dict.fromkeys(every))
+            position = {rid: i for i, rid in enumerate(ids)}
+            index = np.array([position[rid] for rid in every], dtype=np.int64)
+            taken, rejected = (np.concatenate([p[column] for p in pending]) for column in (2, 3))
+            weight = self.request_decay ** (last - np.concatenate([np.full(len(p[1]), float(p[0])) for p in pending]))
+            add_taken, add_rejected, total_taken, total_rejected = (
+                np.bincount(index, values, len(ids)) for values in (taken * weight, rejected * weight, taken, rejected))
+        rows = self.slots.rows_for(ids)
+        counts = self.slots.values[rows]
+        decayed = self.request_decay ** (last - counts[:, AT])
+        counts[:, ACCEPTED] *= decayed
+        counts[:, ACCEPTED] += add_taken
+        counts[:, REJECTED] *= decayed
+        counts[:, REJECTED] += add_rejected
+        counts[:, AT] = last
+        counts[:, TOTAL_ACCEPTED] += total_taken
+        counts[:, TOTAL_REJECTED] += total_rejected
+        self.slots.values[rows] = counts
+        self._calibrate_many(taken, rejected)
+
+    def counts(self, request_id: str) -> tuple[float, float, int]:
+        """The request's accepted and rejected as of the step it last had an outcome, and that step."""
+        self._fold()
+        row = self.slots.values[self.slots.rows_of([request_id])[0]]
+        return float(row[ACCEPTED]), float(row[REJECTED]), int(row[AT])
 
     def _calibrate_many(self, accepted: np.ndarray, rejected: np.ndarray) -> None:
         """The prior's counts after these outcomes in turn, each decaying the ones before by prior_decay: the
         same sums as one calibrate() per outcome, in one array operation."""
         n = len(accepted)
         weights = self.prior_decay ** np.arange(n - 1, -1, -1, dtype=np.float64)
-        self.prior_counts.decay(self.prior_decay ** n)
-        self.prior_counts.add(float(weights @ accepted), float(weights @ rejected))
+        self._own_counts.decay(self.prior_decay ** n)
+        self._own_counts.add(float(weights @ accepted), float(weights @ rejected))
 
     def calibrate(self, proposed: int, accepted: int) -> None:
         """An outcome that is evidence for the prior alone (no request's own): the engine's calibration, and the
         prior's share of every request's outcome."""
         if proposed <= 0:
             return
-        self.prior_counts.decay(self.prior_decay)
-        self.prior_counts.add(accepted, 1.0 if accepted < proposed else 0.0)
+        self._fold()  # the outcomes before it come first
+        self._own_counts.decay(self.prior_decay)
+        self._own_counts.add(accepted, 1.0 if accepted < proposed else 0.0)
 
     def tick(self) -> None:
         """One step passed: every request's older evidence weighs less (with none new, toward the prior). Counted,
@@ -232,10 +287,10 @@ class AcceptanceEstimator:
         self.clock += 1
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        total = self.totals.pop(request_id, None)
-        if total is not None and total[0] + total[1] >= max(1, self.min_outcomes):
-            self.finished.append((total[0], total[0] + total[1]))
+        self._fold()
+        row = self.slots.pop(request_id)
+        if row is not None and row[TOTAL_ACCEPTED] + row[TOTAL_REJECTED] >= max(1, self.min_outcomes):
+            self.finished.append((float(row[TOTAL_ACCEPTED]), float(row[TOTAL_ACCEPTED] + row[TOTAL_REJECTED])))
             self._learned_strength = self._learn_strength()
 
 
@@ -255,22 +310,27 @@ class ChainAcceptance:
     def __init__(self, prior_alpha: float = 0.5) -> None:
         self.first = AcceptanceEstimator(prior_alpha=prior_alpha)
         self.later = AcceptanceEstimator(prior_alpha=prior_alpha)
+        # until later tokens have been tried, guess them as likely accepted as first ones (the single-rate model).
+        # A fixed guess would trap the policy: at k = 1 the later stage hears nothing, and a pessimistic guess
+        # keeps k at 1 (measured: a draft model accepted 100% of its drafts and stayed at k = 1)
+        self.later.follows = self.first
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         self.observe_step([request_id], [proposed], [accepted])
 
     def observe_step(self, request_ids: list[str], proposed: list[int], accepted: list[int]) -> None:
         """A step's outcomes, per request: its drafts proposed and accepted. The first stage hears every chain that
-        proposed; the later stage, those that proposed two or more and had the first accepted (_stages). The later
-        stage's guess follows the first stage's prior once, after them all (nothing reads it in between)."""
+        proposed; the later stage, those that proposed two or more and had the first accepted (_stages)."""
         proposed_a, accepted_a = np.asarray(proposed, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
-        for stage, rows, tried, taken in ((self.first, proposed_a > 0, 1, np.minimum(accepted_a, 1)),
+        for stage, rows, tried, taken in ((self.first, proposed_a > 0, None, np.minimum(accepted_a, 1)),
                                           (self.later, (accepted_a >= 1) & (proposed_a >= 2), proposed_a - 1,
                                            accepted_a - 1)):
-            if rows.any():
-                ids = [rid for rid, row in zip(request_ids, rows.tolist()) if row]
-                stage.observe_many(ids, np.broadcast_to(tried, rows.shape)[rows], taken[rows])
-        self._later_starts_from_first()
+            if rows.all():  # the usual first stage: every request that drafted
+                stage.observe_many(request_ids, np.ones(len(rows)) if tried is None else tried, taken)
+            elif rows.any():
+                index = np.flatnonzero(rows)
+                stage.observe_many([request_ids[i] for i in index.tolist()],
+                                   np.ones(len(index)) if tried is None else tried[index], taken[index])
 
     def calibrate(self, proposed: int, accepted: int) -> None:
         """A calibration draft's outcome (engine/profile.py): evidence for the priors, not for any request."""
@@ -278,7 +338,6 @@ class ChainAcceptance:
             return
         for stage, tried, taken in self._stages(proposed, accepted):
             stage.calibrate(tried, taken)
-        self._later_starts_from_first()
 
     def _stages(self, proposed: int, accepted: int) -> list[tuple[AcceptanceEstimator, int, int]]:
         """A chain's outcome (proposed > 0) per stage: its first token, then the later ones (tried only if the
@@ -287,12 +346,6 @@ class ChainAcceptance:
         if accepted >= 1 and proposed >= 2:
             stages.append((self.later, proposed - 1, accepted - 1))
         return stages
-
-    def _later_starts_from_first(self) -> None:
-        """Until later tokens have been tried, guess them as likely accepted as first ones (the single-rate model).
-        A fixed guess would trap the policy: at k = 1 the later stage hears nothing, and a pessimistic guess
-        keeps k at 1 (measured: a draft model accepted 100% of its drafts and stayed at k = 1)."""
-        self.later.initial_prior = self.first.prior
 
     def tick(self) -> None:
         self.first.tick()
@@ -320,4 +373,3 @@ class ChainAcceptance:
         for stage, e in (("first", self.first), ("later", self.later)):
             if stage in counts:
                 e.shared_counts = Counts(float(counts[stage]["accepted"]), float(counts[stage]["rejected"]))
-        self._later_starts_from_first()

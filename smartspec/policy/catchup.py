@@ -38,12 +38,12 @@ class CatchupLedger:
         self.arrivals.see_each(view.requests)
         self.arrivals.see_each(view.prefilling)
 
-    def tokens(self, step: StepNumbers) -> np.ndarray:
-        """Per request, the tokens a draft model would read before drafting beyond the one it always reads: all of
-        a context it never drafted for, or what the request generated at k = 0 since."""
-        get = self.seen.get
-        seen = np.array([get(rid, 0) for rid in step.ids], dtype=np.float64)
-        return np.maximum(0.0, step.num_tokens - 1 - seen)
+    def tokens(self, step: StepNumbers, rows: np.ndarray | None = None) -> np.ndarray:
+        """Per request (or per row of `rows`), the tokens a draft model would read before drafting beyond the one it
+        always reads: all of a context it never drafted for, or what the request generated at k = 0 since."""
+        get, ids = self.seen.get, step.ids if rows is None else [step.ids[i] for i in rows.tolist()]
+        seen = np.array([get(rid, 0) for rid in ids], dtype=np.float64)
+        return np.maximum(0.0, (step.num_tokens if rows is None else step.num_tokens[rows]) - 1 - seen)
 
     def starts(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> Starts:
         return Starts(cost.predict_draft(0, 0, self.tokens(step)),
@@ -53,20 +53,35 @@ class CatchupLedger:
         """The gains with each request's catch-up charged (goodput.charge_start_costs)."""
         if not starts.seconds.any():
             return gains
-        return charge_start_costs(gains, step.k_max, self._in_tokens(step, gains, starts, cost))
+        return charge_start_costs(gains, step.k_max, self._in_tokens(step, gains, step.k_max, step.remaining,
+                                                                     starts, cost))
 
-    def _in_tokens(self, step: StepNumbers, gains: np.ndarray, starts: Starts, cost: StepCostModel) -> np.ndarray:
+    def charge_rows(self, gains: np.ndarray, step: StepNumbers, rows: list[int], cost: StepCostModel,
+                    depth: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
+        """charge() for some of the step's requests alone (gains [len(rows), K]: theirs), and their catch-ups'
+        seconds: a held plan's newcomers (PlanHold), priced as a full plan would price them."""
+        index = np.asarray(rows, dtype=np.int64)
+        seconds = cost.predict_draft(0, 0, self.tokens(step, index))
+        if not seconds.any():
+            return gains, seconds
+        k_max = [step.k_max[i] for i in rows]
+        starts = Starts(seconds, self._steps_to_next_arrival(step, cost, depth))
+        return charge_start_costs(gains, k_max, self._in_tokens(step, gains, k_max, step.remaining[index],
+                                                                starts, cost)), seconds
+
+    def _in_tokens(self, step: StepNumbers, gains: np.ndarray, k_max: list[int], remaining: np.ndarray,
+                   starts: Starts, cost: StepCostModel) -> np.ndarray:
         """A catch-up spread over the steps the request would take to finish while drafting (at most the horizon,
         since load may turn drafting off again), its seconds priced at the decoding batch's goodput without
-        speculation.
+        speculation. gains, k_max, remaining: the rows charged.
 
         The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
         second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
         worth and let whole batches start drafting in prefill steps (tested:
         test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
-        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(step.k_max)[:, None], gains, 0.0)
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(k_max)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
-        horizon = np.clip(step.remaining / per_step, 1.0, starts.horizon_cap)
+        horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
         b = len(step.ids)
         decode_s = float(cost.predict(b, step.decode_context))
         return starts.seconds / horizon * (b / decode_s)
@@ -85,11 +100,11 @@ class CatchupLedger:
         gap = self.arrivals.expected_gap(step.now, PRIOR_GAP_STEPS * step_s, MEMORY_HORIZONS * self.horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.horizon))
 
-    def observed(self, request_id: str, length: int, proposed: int, accepted: int) -> None:
-        """A draft-model outcome: the draft read the request's context (length tokens when the step was planned),
-        then its drafts up to the last."""
-        if proposed:
-            self.seen[request_id] = length + min(accepted, proposed - 1)
+    def observed(self, request_ids: list[str], lengths: list[int], proposed: list[int], accepted: list[int]) -> None:
+        """A step's draft-model outcomes: the draft read each request's context (its length when the step was
+        planned), then its drafts up to the last."""
+        self.seen.update((rid, n + min(a, p - 1)) for rid, n, p, a in zip(request_ids, lengths, proposed, accepted)
+                         if p)
 
     def release(self, request_id: str) -> None:
         self.seen.pop(request_id, None)

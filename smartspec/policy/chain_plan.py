@@ -19,8 +19,8 @@ def prefill_step_price(gains: np.ndarray, step: StepNumbers, depth_of: np.ndarra
     return expected_tokens(gains, ks) / t * (b + max(1, held)) / b
 
 
-def shape_probe(plans: list[Plan], step: int, interval: int, loss: float) -> tuple[Plan, bool]:
-    """The best plan, or on every interval-th step a plan of another draft length that is predicted to lose at most
+def shape_probe(plans: list[Plan], due: bool, loss: float) -> tuple[Plan, bool]:
+    """The best plan, or where a probe is due a plan of another draft length that is predicted to lose at most
     `loss` of its value; and whether it is such a probe.
 
     The cost model learns only the shapes the policy runs. In steady decoding the context grows with the batch, so a
@@ -29,7 +29,7 @@ def shape_probe(plans: list[Plan], step: int, interval: int, loss: float) -> tup
     the model's optimum is flat, running a nearby plan costs little by the model's own account and gives the fit the
     shape it lacks; where it is sharp, no plan qualifies and none is run."""
     best = best_plan(plans)
-    if not interval or step % interval or best.depth == 0 or best.value <= 0:
+    if not due or best.depth == 0 or best.value <= 0:
         return best, False
     near = [p for p in plans if p.depth > 0 and p.tokens != best.tokens and p.value >= (1.0 - loss) * best.value]
     if not near:

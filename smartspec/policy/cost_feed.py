@@ -5,11 +5,13 @@ alone, fits took 2% of a CPU decode step but 5% of a GPU's (4-5 ms), the host ti
 the gap, one fit serves ~40 such steps and still follows a change of speed within a fifth of a second. Until the
 model has a fit at all, it is refitted after every step.
 
-A fit that predicted every step since it was made within QUIET_ERROR, none of them drafting (a draft's shape is
-news to the fit), waits twice as long for the next, up to MAX_REFIT_GAP_S: a batch in steady decoding teaches it
-nothing new, and on a CPU at a few streams the fits were most of the policy's host time. One step it missed by
-more brings the gap back to REFIT_GAP_S at once, so a change of speed is still followed within a fifth of a
-second of steps; a draft price found wrong is refitted at once (GoodputPolicy.observe)."""
+A fit that predicted every step since it was made within QUIET_ERROR waits twice as long for the next, up to
+MAX_REFIT_GAP_S: a batch in steady decoding, drafting or not, teaches it nothing new, and on a CPU at a few streams
+the fits were most of the policy's host time. One step it missed by more brings the gap back to REFIT_GAP_S at
+once, unless it ran more than STALL_MISS slower: such a stall (a preempted core, 1% of a shared CPU's steps) is
+left out of the fit too. A change of speed is followed within a fifth of a second of steps, or, where every step
+is a stall to the old fit, once SpeedChange has read the change; a drafting step whose draft time the fit missed
+by more than the price check's tolerance is refitted at once (GoodputPolicy.observe)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from smartspec.types.step_record import StepRecord
 REFIT_GAP_S = 0.2  # the least step time between two fits (after refit_every steps)
 MAX_REFIT_GAP_S = 1.6  # ... and the most, while fits keep predicting the steps
 QUIET_ERROR = 0.15  # a step predicted within this relative error taught a fit nothing new
+STALL_MISS = 0.3  # a step that ran this much slower (relative to its time, 1.43x) is a stall to the gap
 
 
 class CostFeed:
@@ -45,9 +48,11 @@ class CostFeed:
         tokens = record.num_batched_tokens if record.forward_tokens is None else record.forward_tokens
         predicted = float(self.cost.predict_draft(depth, sum(proposed), record.draft_catchup_tokens)) \
             if depth and self.cost.ready else 0.0
-        error = self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed), record.draft_s,
-                                  record.total_s - record.draft_s, catchup=record.draft_catchup_tokens, refit=False)
-        self.quiet &= error is not None and error <= QUIET_ERROR
+        changes = self.cost.speed_changes
+        miss = self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed), record.draft_s,
+                                 record.total_s - record.draft_s, catchup=record.draft_catchup_tokens, refit=False)
+        self.quiet &= (miss is not None and (abs(miss) <= QUIET_ERROR or miss > STALL_MISS)
+                       and self.cost.speed_changes == changes)
         self.steps_unfit += 1
         self.seconds_unfit += record.total_s
         self.drafts_unfit |= depth > 0
@@ -64,7 +69,7 @@ class CostFeed:
         self.cost.hold_prior()
 
     def refit(self) -> None:
-        steady = self.quiet and not self.drafts_unfit and self.steps_unfit >= self.refit_every
+        steady = self.quiet and self.steps_unfit >= self.refit_every
         self.gap_s = min(MAX_REFIT_GAP_S, 2 * self.gap_s) if steady else REFIT_GAP_S
         self.cost.refit(draft=self.drafts_unfit)
         self.steps_unfit, self.seconds_unfit, self.drafts_unfit, self.quiet = 0, 0.0, False, True

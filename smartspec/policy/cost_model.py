@@ -163,12 +163,13 @@ class StepCostModel:
     def observe(self, n: int, c: int, depth: int, sum_k: int, draft_s: float, rest_s: float,
                 catchup: int = 0, refit: bool = True) -> float | None:
         """refit=False only records the step (to fit once after many, with refit()). Returns how far the fit before
-        it missed the step, relative to its time (None: no fit yet)."""
-        error = None
+        it missed the step, relative to its time: (measured - predicted) / measured, positive where it ran slower
+        (None: no fit yet)."""
+        miss = None
         if self.v is not None and rest_s + draft_s > 0:  # how well the current fit predicts this step's shape
             predicted = self.predict(n, c, depth, sum_k) + self.d[2] * catchup
-            error = abs(predicted - (rest_s + draft_s)) / (rest_s + draft_s)
-            self.errors.append(error)
+            miss = (rest_s + draft_s - predicted) / (rest_s + draft_s)
+            self.errors.append(abs(miss))
             v, d = self.speed.reference_of((self.v, self.d))
             # in Python floats, as predict does: this runs every step, and numpy on one row costs more than the sum
             expected = float(verify_seconds(v, n, c) + draft_seconds(d, depth, sum_k, catchup))
@@ -181,7 +182,7 @@ class StepCostModel:
             self.draft_samples.append((depth, sum_k, catchup, draft_s, self.steps))
         if refit:
             self.refit(draft=depth > 0)
-        return error
+        return miss
 
     @property
     def speed_changes(self) -> int:

@@ -36,15 +36,16 @@ class Exploration:
         """Whether the shared prior is still a guess."""
         return evidence < self.min_prior_evidence
 
-    def observed(self, request_id: str, k: int, accepted: int, step: int, probed: bool) -> None:
-        """A step's outcome for a request: a probe (SpecPlan.probes) backs off when rejected; a chosen k puts the
-        next probe off."""
-        if probed:
-            wait = self.interval if accepted else min(self.max_interval, 2 * self.wait.get(request_id, self.interval))
-            self.wait[request_id] = wait
-            self.due_at[request_id] = step + wait
-        elif k > 0:
-            self.due_at[request_id] = step + self.wait.get(request_id, self.interval)
+    def observed(self, request_ids: list[str], ks: list[int], accepted: list[int], step: int, probes: set[str]) -> None:
+        """A step's outcomes: a probe (SpecPlan.probes) backs off when rejected; a chosen k puts the next probe
+        off."""
+        wait, due_at = self.wait, self.due_at
+        for rid, k, taken in zip(request_ids, ks, accepted):
+            if rid in probes:
+                wait[rid] = self.interval if taken else min(self.max_interval, 2 * wait.get(rid, self.interval))
+                due_at[rid] = step + wait[rid]
+            elif k > 0:
+                due_at[rid] = step + wait.get(rid, self.interval)
 
     def release(self, request_id: str) -> None:
         self.due_at.pop(request_id, None)

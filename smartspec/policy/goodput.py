@@ -88,7 +88,7 @@ def plans_by_depth(gains: np.ndarray, k_max: list[int], depth_of: np.ndarray, co
     # sorted once, largest gain first: a depth bound's candidates in this order are those of a sort of their own,
     # since a stable sort of a subset keeps the subset's order within the whole's
     order = np.argsort(-g, kind="stable")
-    depths = np.unique(depth_of)
+    depths = np.array(sorted(set(depth_of.tolist())))  # a few numbers: not np.unique, whose first call imports numpy.ma
     within = depth_of[cols[order]][None, :] <= depths[:, None]  # [depth bound, position]: a candidate under it
     m = np.cumsum(within, axis=1)  # draft tokens taken up to each position
     # every depth bound's prefixes priced in one call (adding the excluded positions' zeros changes no sum)

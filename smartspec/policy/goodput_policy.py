@@ -32,7 +32,7 @@ from smartspec.policy.exploration import ChainStep, Exploration, worth_probing
 from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
-from smartspec.policy.plan_hold import PlanHold
+from smartspec.policy.plan_hold import NO_DRAFTS, HeldPlan, HeldRule, PlanHold
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.step_numbers import StepNumbers, shape_of
@@ -61,8 +61,8 @@ class GoodputPolicy(Policy):
                  explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
                  catchup_horizon: float = 32.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
                  shape_probe_loss: float = 0.1, refit_every: int = 4) -> None:
-        # every shape_probe_interval-th decode step, the plan of another draft length whose predicted goodput is
-        # within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
+        # at most once every shape_probe_interval steps, at a full plan of a decode step, the plan of another draft
+        # length whose predicted goodput is within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
         if not (isinstance(shape_probe_interval, int) and shape_probe_interval >= 0 and 0 <= shape_probe_loss < 1):
             raise ValueError(f"shape_probe_interval must be an integer >= 0 and shape_probe_loss in [0, 1): got "
                              f"{shape_probe_interval!r}, {shape_probe_loss!r}")
@@ -78,6 +78,7 @@ class GoodputPolicy(Policy):
         self.exploration = Exploration(explore_interval, explore_fraction, max_explore_interval, min_prior_evidence)
         self.catchup = CatchupLedger(catchup_horizon)
         self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
+        self.last_shape_probe = 0  # the step of the last one
         self.draft_check = DraftPriceCheck()
         self.drafted_last = False  # whether the last chain plan drafted (plan: when the bound is worth trying)
         self.plan_hold = PlanHold()  # a plan that keeps coming out the same is planned in full only now and then
@@ -98,20 +99,20 @@ class GoodputPolicy(Policy):
         step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
         if view.lookups is not None:
             return self._plan_proposers(step)
-        batch = (step.ids, bool(view.prefill_tokens))  # what PlanHold tells batches apart by
+        prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
         if self.tree_depth is None:
-            # a step a shape probe is due at plans in full (the probe's cadence is the fit's, not the hold's)
-            probe_due = self.shape_probe_interval and self.step % self.shape_probe_interval == 0
-            held = None if probe_due else self.plan_hold.held_ks(self.step, batch, len(step.ids))
+            held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:
                 return self._plan_held(step, held)
             if not self.drafted_last and self._nothing_can_pay(step):
+                self.plan_hold.planned(self.step, step.ids, prefilling, [0] * len(step.ids), NO_DRAFTS)
                 return self._plan_none(step)
         shape_probes = self.shape_probes
-        plan = self._plan_chains(step)
+        plan, planned_ks, rule = self._plan_chains(step)
         self.drafted_last = any(plan.ks)
-        if self.shape_probes == shape_probes:  # a shape probe is one step's detour, not what the hold compares
-            self.plan_hold.planned(self.step, batch, plan.ks, bool(plan.probes))
+        if self.tree_depth is None and self.shape_probes == shape_probes:
+            # a shape probe is one step's detour, not what the hold compares
+            self.plan_hold.planned(self.step, step.ids, prefilling, planned_ks, rule)
         return plan
 
     def _nothing_can_pay(self, step: StepNumbers) -> bool:
@@ -149,18 +150,45 @@ class GoodputPolicy(Policy):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
-    def _plan_held(self, step: StepNumbers, ks: list[int]) -> SpecPlan:
-        """The last full plan's draft lengths again, within today's caps (PlanHold); no speculation with the
-        draft's price checked as in _plan_none."""
+    def _plan_held(self, step: StepNumbers, held: HeldPlan) -> SpecPlan:
+        """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule
+        (PlanHold); no speculation with the draft's price checked as in _plan_none."""
+        ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.k_max)], 0.0
+        if held.newcomers:
+            newcomer_ks, seconds = self._newcomer_ks(step, held.newcomers, held.rule)
+            for i, k, s in zip(held.newcomers, newcomer_ks, seconds.tolist()):
+                ks[i] = k
+                start_s += s if k else 0.0
         if not any(ks):
             return self._plan_none(step)
-        ks = [min(k, cap) for k, cap in zip(ks, step.k_max)]
         sum_k, depth = sum(ks), max(ks)
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(sum_k, depth), step.context + sum_k,
-                                                          depth, sum_k)))
+                                                          depth, sum_k)) + start_s)
 
-    def _plan_chains(self, step: StepNumbers) -> SpecPlan:
-        """k per request for one proposer: draft tokens of a chain, or a tree's node budget."""
+    def _newcomer_ks(self, step: StepNumbers, rows: list[int], rule: HeldRule) -> tuple[list[int], np.ndarray]:
+        """The draft lengths of requests a held plan did not plan: of each one's gains, its catch-up charged as in
+        a full plan, the prefix that beats the rule's threshold, no deeper than the plan; and their catch-ups'
+        seconds. (Gains once charged fall with depth within a request's cap: goodput.charge_start_costs.)"""
+        gains, seconds = self.catchup.charge_rows(self.acceptance.gains([step.ids[i] for i in rows], step.view.k_max),
+                                                  step, rows, self.cost, self._depth)
+        caps = [min(step.k_max[i], rule.depth) for i in rows]
+        return [int(np.count_nonzero(g[:cap] >= rule.threshold)) for g, cap in zip(gains, caps)], seconds
+
+    def _held_rule(self, step: StepNumbers, plan: Plan, price: float | None, padded) -> HeldRule:
+        """How `plan` would plan one more request (PlanHold): a draft token is kept where its gain beats the
+        plan's rate (its goodput, or the price of a step beside prefill) times the seconds one more draft token
+        adds to the plan's step."""
+        if plan.depth == 0:
+            return NO_DRAFTS
+        m, depth = plan.tokens, plan.depth
+        tokens = (lambda n: step.tokens + n) if padded is None else (lambda n: padded(n, depth))
+        added = float(self.cost.predict(tokens(m + 1), step.context + m + 1, depth, m + 1)) - float(
+            self.cost.predict(tokens(m), step.context + m, depth, m))
+        return HeldRule((plan.value if price is None else price) * added, depth)
+
+    def _plan_chains(self, step: StepNumbers) -> tuple[SpecPlan, list[int], HeldRule]:
+        """k per request for one proposer: draft tokens of a chain, or a tree's node budget; the plan's draft
+        lengths before learning probes, and how it would plan a request that joins while it is held."""
         k_max = step.view.k_max
         if self.tree_depth is None:
             raw_gains = self.acceptance.gains(step.ids, k_max)
@@ -179,8 +207,10 @@ class GoodputPolicy(Policy):
         if price is not None:
             plan = best_plan(plans)
         else:
-            plan, probed = shape_probe(plans, self.step, self.shape_probe_interval, self.shape_probe_loss)
-            self.shape_probes += probed
+            due = self.shape_probe_interval and self.step - self.last_shape_probe >= self.shape_probe_interval
+            plan, probed = shape_probe(plans, due, self.shape_probe_loss)
+            if probed:
+                self.shape_probes, self.last_shape_probe = self.shape_probes + 1, self.step
         ks, probes = self._probe_chains(ChainStep(step, raw_gains, gains, depth_of, starts, price, padded),
                                         list(plan.ks), plan)
         checked = not any(ks) and self._check_draft_price(step, ks, starts.seconds)
@@ -189,7 +219,9 @@ class GoodputPolicy(Policy):
             sum_k = sum(ks)
             tokens = step.forward_tokens(sum_k, max(ks)) if self.tree_depth is None else step.tokens + sum_k
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
-        return SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes)
+        rule = self._held_rule(step, plan, price, padded) if self.tree_depth is None else NO_DRAFTS
+        return (SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes),
+                plan.ks, rule)
 
     def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan) -> tuple[list[int], list[str]]:
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
@@ -295,22 +327,17 @@ class GoodputPolicy(Policy):
         if len(record.num_tokens) != len(record.request_ids):
             raise ValueError(f"StepRecord.num_tokens holds {len(record.num_tokens)} lengths for "
                              f"{len(record.request_ids)} decoding requests")
-        methods = record.methods if record.methods is not None else [DRAFT] * len(record.request_ids)
-        probes = set(record.probes)
-        drafted: tuple[list, list, list] = ([], [], [])  # request ids, proposed, accepted
-        for rid, k, proposed, accepted, length, method in zip(record.request_ids, record.ks, record.proposed,
-                                                              record.accepted, record.num_tokens, methods):
-            # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no
-            # outcome (most of a loaded batch: skipped, not walked through three no-ops)
-            if method != DRAFT or not (k or proposed or rid in probes):
-                continue
-            drafted[0].append(rid)
-            drafted[1].append(proposed)
-            drafted[2].append(accepted)
-            self.catchup.observed(rid, length, proposed, accepted)
-            self.exploration.observed(rid, k, accepted, self.step, rid in probes)
-        if drafted[0]:
-            self.acceptance.observe_step(*drafted)
+        probes, methods = set(record.probes), record.methods
+        # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no outcome
+        # (most of a loaded batch: left out before anything is done per request)
+        rows = [i for i, (rid, k, proposed) in enumerate(zip(record.request_ids, record.ks, record.proposed))
+                if (k or proposed or rid in probes) and (methods is None or methods[i] == DRAFT)]
+        if rows:
+            ids = [record.request_ids[i] for i in rows]
+            proposed, accepted = [record.proposed[i] for i in rows], [record.accepted[i] for i in rows]
+            self.catchup.observed(ids, [record.num_tokens[i] for i in rows], proposed, accepted)
+            self.exploration.observed(ids, [record.ks[i] for i in rows], accepted, self.step, probes)
+            self.acceptance.observe_step(ids, proposed, accepted)
         draft_ratio = self.cost_feed.observe(record)
         if draft_ratio is not None and not self.draft_check.measured(self.step, draft_ratio):
             self.cost_feed.refit()  # the draft's price was wrong: plan the next step on the step just measured

@@ -4,43 +4,92 @@ A full plan (estimates, catch-ups, every depth, probes) costs the host from a fr
 request to a millisecond or more at hundreds, which on a GPU is a sizeable share of a step, and in steady decoding it
 keeps coming out the same: the same draft lengths for the same requests, or no speculation for a loaded batch. So a
 plan that comes out as the last one did is held for twice as many steps as the last (1, 2, 4, up to `max_hold`), the
-steps in between running it again; one that comes out differently, or probes, plans every step again. No
-speculation is held whatever requests come and go (a request that joins drafts nothing until the next full plan);
-a plan that drafts is held only for the same batch: the same requests in the same order, and a prefill chunk beside
-them or none as before (such a step prices drafts otherwise). What holding can cost is bounded: a change
+steps in between running it again; one that comes out differently plans every step again. Learning probes
+(exploration, shape probes) run in full plans alone, so a held batch probes at most `max_hold` steps late.
+
+A loaded batch changes nearly every step (a request finishes, another joins), so a plan is held for the requests it
+planned, and a request that joined since (a newcomer) is planned alone by the held plan's rule (`HeldRule`): the
+exact selection keeps a draft token where its gain beats the plan's rate times what one more token adds to the step,
+and a newcomer gets the draft tokens that beat that threshold, no deeper than the plan. A batch in which more than
+`max_newcomers` of the requests are new plans in full. Steps that carry a prefill chunk price drafts otherwise
+(chain_plan.prefill_step_price), so they keep a held plan of their own. What holding can cost is bounded: a change
 that would make another plan pay (a request's acceptance drifts, the load falls) is acted on at most `max_hold`
 steps late."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HeldRule:
+    """What a newcomer's draft tokens must beat: `threshold`, in expected tokens a draft token adds; and the depth
+    of the plan, which no newcomer exceeds (a deeper draft would lengthen every request's step)."""
+    threshold: float
+    depth: int
+
+
+NO_DRAFTS = HeldRule(float("inf"), 0)
+RULE_TOLERANCE = 0.1  # thresholds this close (relative) make the same plan (PlanHold.planned)
+
+
+@dataclass(frozen=True)
+class HeldPlan:
+    """A step's draft lengths from a held plan: every row's k (newcomers' 0), the rows that are newcomers, and the
+    rule that plans them."""
+    ks: list[int]
+    newcomers: list[int]
+    rule: HeldRule
+
+
+@dataclass
+class _Held:
+    hold: int = 0  # steps the last full plan holds for (0: plan every step)
+    next_plan: int = 0  # the step of the next full plan
+    ks: dict[str, int] = field(default_factory=dict)  # the last full plan's draft length per request
+    rule: HeldRule = NO_DRAFTS
+
+    @property
+    def drafts(self) -> bool:
+        return self.rule.depth > 0
+
 
 class PlanHold:
-    def __init__(self, max_hold: int = 8) -> None:
-        if not (isinstance(max_hold, int) and max_hold >= 1):
-            raise ValueError(f"max_hold must be an integer >= 1, got {max_hold!r}")
-        self.max_hold = max_hold
-        self.hold = 0  # steps the last full plan holds for (0: plan every step)
-        self.next_plan = 0  # the step of the next full plan
-        self.batch: tuple = ()  # the last full plan's batch (its requests' ids, whether prefill rode along)
-        self.ks: list[int] = []  # and its draft lengths
+    def __init__(self, max_hold: int = 8, max_newcomers: float = 0.25) -> None:
+        if not (isinstance(max_hold, int) and max_hold >= 1 and 0 <= max_newcomers < 1):
+            raise ValueError(f"max_hold must be an integer >= 1 and max_newcomers in [0, 1): got {max_hold!r}, "
+                             f"{max_newcomers!r}")
+        self.max_hold, self.max_newcomers = max_hold, max_newcomers
+        self._by_prefill = {False: _Held(), True: _Held()}  # steps beside a prefill chunk apart
         self.held = 0  # steps held, in all (stats)
 
-    def held_ks(self, step: int, batch: tuple, rows: int) -> list[int] | None:
-        """The draft lengths this step's `rows` requests keep from the last full plan, or None where it plans in
-        full. batch: what tells batches apart (GoodputPolicy: the requests' ids and whether prefill rides along)."""
-        if step >= self.next_plan:
+    def held_plan(self, step: int, ids: tuple[str, ...], prefilling: bool) -> HeldPlan | None:
+        """The draft lengths this step's requests keep from the last full plan of a step like it (beside prefill
+        or not), or None where it plans in full."""
+        last = self._by_prefill[prefilling]
+        if step >= last.next_plan:
             return None
-        if not any(self.ks):
-            ks = [0] * rows
-        elif batch == self.batch:
-            ks = self.ks
+        if not last.drafts:
+            ks, newcomers = [0] * len(ids), []  # no speculation suits any batch
         else:
-            return None
+            get = last.ks.get
+            ks = [get(rid, -1) for rid in ids]
+            newcomers = [i for i, k in enumerate(ks) if k < 0]
+            if newcomers and (len(newcomers) == len(ids) or len(newcomers) > self.max_newcomers * len(ids)):
+                return None
+            for i in newcomers:
+                ks[i] = 0
         self.held += 1
-        return ks
+        return HeldPlan(ks, newcomers, last.rule)
 
-    def planned(self, step: int, batch: tuple, ks: list[int], probed: bool) -> None:
-        """A full plan ran at `step`."""
-        same = not any(ks) and not any(self.ks) or (batch == self.batch and ks == self.ks)
-        self.hold = min(self.max_hold, 2 * self.hold if self.hold else 1) if same and not probed else 0
-        self.next_plan = step + 1 + self.hold
-        self.batch, self.ks = batch, list(ks)
+    def planned(self, step: int, ids: tuple[str, ...], prefilling: bool, ks: list[int], rule: HeldRule) -> None:
+        """A full plan ran at `step` for requests `ids`: ks, each one's draft length as planned (a learning probe
+        is that step's detour, left out); rule: how it would plan a newcomer (NO_DRAFTS where it drafts nothing).
+        It counts as the last one again where both draft nothing, or both draft as deep and their thresholds differ
+        by at most `RULE_TOLERANCE`: a request whose draft length flips between the two sits at the threshold, where
+        either length is worth about the same."""
+        last = self._by_prefill[prefilling]
+        same = rule.depth == last.rule.depth and (
+            rule.depth == 0 or abs(rule.threshold - last.rule.threshold) <= RULE_TOLERANCE * last.rule.threshold)
+        last.hold = min(self.max_hold, 2 * last.hold if last.hold else 1) if same else 0
+        last.next_plan = step + 1 + last.hold
+        last.ks, last.rule = dict(zip(ids, ks)), rule
