@@ -60,6 +60,8 @@ def test_steps_beside_prefill_hold_a_plan_of_their_own_and_no_speculation_suits_
         hold.planned(step, ("a", "c"), True, [0, 0], NO_DRAFTS)
     held = hold.held_plan(6, ("x", "y", "z"), True)
     assert held.ks == [0, 0, 0] and held.newcomers == []
+    assert hold.holds_no_drafts(6, True, 3) and not hold.holds_no_drafts(3, False, 2)  # the other kind drafts
+    assert hold.holds_no_drafts(7, True, 2) and not hold.holds_no_drafts(8, True, 2)  # held 2 steps after step 5
 
 
 def test_the_rule_plans_a_newcomer_as_the_full_plan_would():
@@ -93,3 +95,22 @@ def test_max_hold_and_max_newcomers_are_checked():
         PlanHold(max_hold=0)
     with pytest.raises(ValueError, match="max_newcomers"):
         PlanHold(max_newcomers=1.0)
+
+
+def test_no_speculation_holds_longer_while_the_batch_does_not_shrink():
+    """Once no speculation has come out the same up to max_hold, it holds up to IDLE_HOLDS times as long while the
+    batch keeps as many requests: a batch that shrinks (the load falling, where drafting may start to pay) plans in
+    full once the usual hold is over."""
+    from smartspec.policy.plan_hold import IDLE_HOLDS
+
+    hold, ids = PlanHold(max_hold=4), tuple("abcd")
+    step = 0
+    while hold._by_prefill[False].hold < 4:
+        step += 1
+        if not hold.holds_no_drafts(step, False, 4):
+            hold.planned(step, ids, False, [0] * 4, NO_DRAFTS)
+    planned = step
+    assert all(hold.holds_no_drafts(s, False, 5) for s in range(planned + 1, planned + 1 + IDLE_HOLDS * 4))
+    assert not hold.holds_no_drafts(planned + 1 + IDLE_HOLDS * 4, False, 5)
+    assert hold.holds_no_drafts(planned + 4, False, 3)  # within the usual hold, whatever the batch
+    assert not hold.holds_no_drafts(planned + 5, False, 3)  # past it, a smaller batch plans in full

@@ -101,6 +101,8 @@ class GoodputPolicy(Policy):
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
         if self.tree_depth is None:
+            if self.plan_hold.holds_no_drafts(self.step, prefilling, len(view.requests)):
+                return self._plan_none(step)
             held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:
                 return self._plan_held(step, held)
@@ -130,13 +132,13 @@ class GoodputPolicy(Policy):
         view = step.view
         prefilling = max(1, len(view.prefilling)) if view.prefill_tokens else 0
         tokens = min(step.tokens, int(SEGMENT_EDGES[-1])) if prefilling else step.tokens
-        key = (view.k_max, len(step.ids), prefilling, tokens, view.shapes, alpha, tuple(self.cost.v),
+        key = (view.k_max, len(view.requests), prefilling, tokens, view.shapes, alpha, tuple(self.cost.v),
                tuple(self.cost.d))
         above = self.pays_above.get(key)
         if above is None:
             if len(self.pays_above) >= 64:  # batch shapes of fits gone by
                 self.pays_above.clear()
-            shape = BoundShape(view.k_max, len(step.ids), tokens, prefilling, step.padded_tokens)
+            shape = BoundShape(view.k_max, len(view.requests), tokens, prefilling, step.padded_tokens)
             above = self.pays_above[key] = drafting_pays_above(shape, alpha, self.cost.predict,
                                                                self.cost.context_slope, SEGMENT_EDGES)
         return above

@@ -14,7 +14,10 @@ and a newcomer gets the draft tokens that beat that threshold, no deeper than th
 `max_newcomers` of the requests are new plans in full. Steps that carry a prefill chunk price drafts otherwise
 (chain_plan.prefill_step_price), so they keep a held plan of their own. What holding can cost is bounded: a change
 that would make another plan pay (a request's acceptance drifts, the load falls) is acted on at most `max_hold`
-steps late."""
+steps late. No speculation is held up to `IDLE_HOLDS` times longer, while the batch keeps as many requests as it was
+planned for: what would make a loaded batch draft is mostly the load falling, and that shows at once in the batch;
+a loaded GPU's batch, kept at k = 0 by its requests' catch-ups where the cheap bound cannot see them
+(drafting_bound), was otherwise planned in full every few steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ class HeldRule:
 
 NO_DRAFTS = HeldRule(float("inf"), 0)
 RULE_TOLERANCE = 0.1  # thresholds this close (relative) make the same plan (PlanHold.planned)
+IDLE_HOLDS = 4  # no speculation is held up to this many times max_hold, while the batch does not shrink
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class _Held:
     next_plan: int = 0  # the step of the next full plan
     ks: dict[str, int] = field(default_factory=dict)  # the last full plan's draft length per request
     rule: HeldRule = NO_DRAFTS
+    rows: int = 0  # the requests it planned
+    planned_at: int = 0  # its step
 
     @property
     def drafts(self) -> bool:
@@ -61,6 +67,18 @@ class PlanHold:
         self.max_hold, self.max_newcomers = max_hold, max_newcomers
         self._by_prefill = {False: _Held(), True: _Held()}  # steps beside a prefill chunk apart
         self.held = 0  # steps held, in all (stats)
+
+    def holds_no_drafts(self, step: int, prefilling: bool, rows: int) -> bool:
+        """Whether this step of `rows` requests keeps the last full plan of a step like it, and that plan drafts
+        nothing (no speculation suits any batch: the step's requests need not be read). Such a plan holds while
+        its hold lasts, and while the batch has not shrunk, up to IDLE_HOLDS times as long."""
+        last = self._by_prefill[prefilling]
+        if last.drafts or not (step < last.next_plan or (
+                rows >= last.rows and last.hold == self.max_hold and step < last.planned_at + 1 + IDLE_HOLDS
+                * self.max_hold)):
+            return False
+        self.held += 1
+        return True
 
     def held_plan(self, step: int, ids: tuple[str, ...], prefilling: bool) -> HeldPlan | None:
         """The draft lengths this step's requests keep from the last full plan of a step like it (beside prefill
@@ -92,4 +110,4 @@ class PlanHold:
             rule.depth == 0 or abs(rule.threshold - last.rule.threshold) <= RULE_TOLERANCE * last.rule.threshold)
         last.hold = min(self.max_hold, 2 * last.hold if last.hold else 1) if same else 0
         last.next_plan = step + 1 + last.hold
-        last.ks, last.rule = dict(zip(ids, ks)), rule
+        last.ks, last.rule, last.rows, last.planned_at = dict(zip(ids, ks)), rule, len(ids), step

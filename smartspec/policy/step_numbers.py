@@ -3,6 +3,7 @@ context at k = 0, and the clock."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -11,29 +12,52 @@ from smartspec.types.plan import RequestView, StepView
 
 @dataclass
 class StepNumbers:
+    """The step's tokens and context come with it; its per-request columns are taken from the view when first read
+    (a step whose plan is held as no speculation reads none of them: at 256 requests the columns were most of such
+    a step's host time)."""
     view: StepView
-    k_max: list[int]  # the most each request may draft
     tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
     context: int  # and the context they attend over
     now: float  # the clock of arrival_time
-    ids: tuple[str, ...]  # the decoding requests' ids, in the view's order
-    num_tokens: np.ndarray  # [B] each one's context (RequestView.num_tokens)
-    remaining: np.ndarray  # [B] the tokens each may still generate (at least 1)
 
     @classmethod
     def of(cls, view: StepView, now: float) -> StepNumbers:
-        """The view's columns taken once (a transpose of its rows), the rest computed on them as arrays."""
         rows = view.requests
-        if not rows:
-            empty = np.zeros(0)
-            return cls(view, [], view.prefill_tokens, view.prefill_context, now, (), empty, empty)
-        ids, num_tokens, num_output, max_tokens, caps, _ = zip(*rows)
-        left = np.array(max_tokens, dtype=np.float64) - np.array(num_output, dtype=np.float64)
-        own = np.array(caps, dtype=np.float64)  # a request without a cap of its own: NaN, which fmin passes over
-        k_max = np.maximum(0, np.fmin(np.fmin(left - 1, own), view.k_max)).astype(np.int64).tolist()
-        context = view.prefill_context + sum(num_tokens)
-        return cls(view, k_max, view.prefill_tokens + len(rows), context, now, ids,
-                   np.array(num_tokens, dtype=np.float64), np.maximum(1.0, left))
+        return cls(view, view.prefill_tokens + len(rows), view.prefill_context + sum(r.num_tokens for r in rows), now)
+
+    @cached_property
+    def _columns(self) -> tuple:
+        """The view's columns taken once (a transpose of its rows): ids, contexts, outputs, max tokens, caps."""
+        rows = self.view.requests
+        return tuple(zip(*rows))[:5] if rows else ((), (), (), (), ())
+
+    @cached_property
+    def ids(self) -> tuple[str, ...]:
+        """The decoding requests' ids, in the view's order."""
+        return self._columns[0]
+
+    @cached_property
+    def num_tokens(self) -> np.ndarray:
+        """[B] each one's context (RequestView.num_tokens)."""
+        return np.array(self._columns[1], dtype=np.float64)
+
+    @cached_property
+    def _left(self) -> np.ndarray:
+        _, _, num_output, max_tokens, _ = self._columns
+        return np.array(max_tokens, dtype=np.float64) - np.array(num_output, dtype=np.float64)
+
+    @cached_property
+    def remaining(self) -> np.ndarray:
+        """[B] the tokens each may still generate (at least 1)."""
+        return np.maximum(1.0, self._left)
+
+    @cached_property
+    def k_max(self) -> list[int]:
+        """The most each request may draft: the engine's K, its own cap, and one less than the tokens it has left."""
+        if not self.view.requests:
+            return []
+        own = np.array(self._columns[4], dtype=np.float64)  # a request without a cap of its own: NaN, which fmin skips
+        return np.maximum(0, np.fmin(np.fmin(self._left - 1, own), self.view.k_max)).astype(np.int64).tolist()
 
     @property
     def requests(self) -> list[RequestView]:
