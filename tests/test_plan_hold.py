@@ -60,8 +60,8 @@ def test_steps_beside_prefill_hold_a_plan_of_their_own_and_no_speculation_suits_
         hold.planned(step, ("a", "c"), True, [0, 0], NO_DRAFTS)
     held = hold.held_plan(6, ("x", "y", "z"), True)
     assert held.ks == [0, 0, 0] and held.newcomers == []
-    assert hold.holds_no_drafts(6, True, 3) and not hold.holds_no_drafts(3, False, 2)  # the other kind drafts
-    assert hold.holds_no_drafts(7, True, 2) and not hold.holds_no_drafts(8, True, 2)  # held 2 steps after step 5
+    assert hold.holds_no_drafts(6, True, "xyz", 3) and not hold.holds_no_drafts(3, False, "ab", 2)  # that drafts
+    assert hold.holds_no_drafts(7, True, "ac", 2) and not hold.holds_no_drafts(8, True, "ac", 2)  # 2 after step 5
 
 
 def test_the_rule_plans_a_newcomer_as_the_full_plan_would():
@@ -97,20 +97,21 @@ def test_max_hold_and_max_newcomers_are_checked():
         PlanHold(max_newcomers=1.0)
 
 
-def test_no_speculation_holds_longer_while_the_batch_does_not_shrink():
+def test_no_speculation_holds_longer_while_the_batch_does_not_shrink_nor_turn_new():
     """Once no speculation has come out the same up to max_hold, it holds up to IDLE_HOLDS times as long while the
-    batch keeps as many requests: a batch that shrinks (the load falling, where drafting may start to pay) plans in
-    full once the usual hold is over."""
+    batch keeps as many requests, few of them new: a batch that shrinks (the load falling, where drafting may start
+    to pay), or one mostly of requests the plan never saw, plans in full once the usual hold is over."""
     from smartspec.policy.plan_hold import IDLE_HOLDS
 
-    hold, ids = PlanHold(max_hold=4), tuple("abcd")
+    hold, ids = PlanHold(max_hold=4), tuple("abcdefgh")
     step = 0
     while hold._by_prefill[False].hold < 4:
         step += 1
-        if not hold.holds_no_drafts(step, False, 4):
-            hold.planned(step, ids, False, [0] * 4, NO_DRAFTS)
-    planned = step
-    assert all(hold.holds_no_drafts(s, False, 5) for s in range(planned + 1, planned + 1 + IDLE_HOLDS * 4))
-    assert not hold.holds_no_drafts(planned + 1 + IDLE_HOLDS * 4, False, 5)
-    assert hold.holds_no_drafts(planned + 4, False, 3)  # within the usual hold, whatever the batch
-    assert not hold.holds_no_drafts(planned + 5, False, 3)  # past it, a smaller batch plans in full
+        if not hold.holds_no_drafts(step, False, ids, 8):
+            hold.planned(step, ids, False, [0] * 8, NO_DRAFTS)
+    planned, joined = step, tuple("abcdefgz")  # h finished, z joined: one in eight new
+    assert all(hold.holds_no_drafts(s, False, joined, 8) for s in range(planned + 1, planned + 1 + IDLE_HOLDS * 4))
+    assert not hold.holds_no_drafts(planned + 1 + IDLE_HOLDS * 4, False, joined, 8)
+    assert hold.holds_no_drafts(planned + 4, False, ids[:3], 3)  # within the usual hold, whatever the batch
+    assert not hold.holds_no_drafts(planned + 5, False, ids[:3], 3)  # past it, a smaller batch plans in full
+    assert not hold.holds_no_drafts(planned + 5, False, tuple("stuvwxyz"), 8)  # and so does a new one

@@ -101,7 +101,8 @@ class GoodputPolicy(Policy):
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
         if self.tree_depth is None:
-            if self.plan_hold.holds_no_drafts(self.step, prefilling, len(view.requests)):
+            if self.plan_hold.holds_no_drafts(self.step, prefilling, (r.request_id for r in view.requests),
+                                              len(view.requests)):
                 return self._plan_none(step)
             held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:

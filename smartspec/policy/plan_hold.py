@@ -15,11 +15,13 @@ and a newcomer gets the draft tokens that beat that threshold, no deeper than th
 (chain_plan.prefill_step_price), so they keep a held plan of their own. What holding can cost is bounded: a change
 that would make another plan pay (a request's acceptance drifts, the load falls) is acted on at most `max_hold`
 steps late. No speculation is held up to `IDLE_HOLDS` times longer, while the batch keeps as many requests as it was
-planned for: what would make a loaded batch draft is mostly the load falling, and that shows at once in the batch;
+planned for and few of them are new: what would make a loaded batch draft is mostly the load falling, and that
+shows at once in the batch;
 a loaded GPU's batch, kept at k = 0 by its requests' catch-ups where the cheap bound cannot see them
 (drafting_bound), was otherwise planned in full every few steps."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -68,15 +70,21 @@ class PlanHold:
         self._by_prefill = {False: _Held(), True: _Held()}  # steps beside a prefill chunk apart
         self.held = 0  # steps held, in all (stats)
 
-    def holds_no_drafts(self, step: int, prefilling: bool, rows: int) -> bool:
-        """Whether this step of `rows` requests keeps the last full plan of a step like it, and that plan drafts
-        nothing (no speculation suits any batch: the step's requests need not be read). Such a plan holds while
-        its hold lasts, and while the batch has not shrunk, up to IDLE_HOLDS times as long."""
+    def holds_no_drafts(self, step: int, prefilling: bool, ids: Iterable[str], rows: int) -> bool:
+        """Whether this step of `rows` requests (`ids`, read only if need be) keeps the last full plan of a step
+        like it, and that plan drafts nothing (no speculation suits any batch: within its hold the step's requests
+        need not be read). Past its hold, such a plan that had held max_hold steps holds on, up to IDLE_HOLDS times
+        as long, while the batch has not shrunk and no more than `max_newcomers` of it is new."""
         last = self._by_prefill[prefilling]
-        if last.drafts or not (step < last.next_plan or (
-                rows >= last.rows and last.hold == self.max_hold and step < last.planned_at + 1 + IDLE_HOLDS
-                * self.max_hold)):
+        if last.drafts:
             return False
+        if step >= last.next_plan:
+            if not (rows >= last.rows and last.hold == self.max_hold
+                    and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
+                return False
+            planned = last.ks
+            if sum(rid not in planned for rid in ids) > self.max_newcomers * rows:
+                return False
         self.held += 1
         return True
 
