@@ -1,4 +1,4 @@
-"""The expected gap to the next arrival."""
+"""The expected gap to the batch's next growth: arrivals less departures."""
 
 import pytest
 
@@ -31,3 +31,32 @@ def test_expected_gap_to_the_next_arrival():
 
 
 # ---- baselines, state, engine ----------------------------------------------------------------------------------
+
+
+def test_an_arrival_that_replaces_a_departure_does_not_grow_the_batch():
+    """A closed loop: each request leaves as the next arrives (its departure timed at the next step's clock). The
+    batch holds its size, so the expected gap is the whole span and the prior, not the arrivals' own gap; where
+    fewer left than came, the gap is the span over the growth."""
+    class Arrival:
+        def __init__(self, rid, at):
+            self.request_id, self.arrival_time = rid, at
+
+    closed, growing = ArrivalGaps(window=4), ArrivalGaps(window=4)
+    for i in range(8):
+        for gaps in (closed, growing):
+            gaps.see_each([Arrival(f"r{i}", float(i))], now=float(i))
+        if i >= 2:  # in the closed loop the batch keeps two requests
+            closed.release(f"r{i - 2}")
+    closed.see_each([], now=8.0)  # the step after the last release times it
+    assert growing.expected_gap(now=8.0, prior_gap=2.0) == pytest.approx((8.0 - 4.0 + 2.0) / 4)
+    assert closed.expected_gap(now=8.0, prior_gap=2.0) == pytest.approx(8.0 - 4.0 + 2.0)
+    closed.release("never seen")  # a request the gaps never counted is no departure
+    closed.see_each([], now=8.5)
+    assert closed.expected_gap(now=8.5, prior_gap=2.0) == pytest.approx(8.5 - 4.0 + 2.0)
+    half = ArrivalGaps(window=4)  # four arrivals, two of which left: the batch grew by two over the span
+    for i in range(4):
+        half.see_each([Arrival(f"h{i}", float(i))], now=float(i))
+    half.release("h0")
+    half.release("h1")
+    half.see_each([], now=4.0)
+    assert half.expected_gap(now=4.0, prior_gap=2.0) == pytest.approx((4.0 + 2.0) / 2)

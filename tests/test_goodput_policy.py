@@ -62,7 +62,8 @@ def test_shape_probes_teach_the_cost_model_what_one_draft_length_cannot():
 def test_the_cost_model_keeps_every_step_and_is_refitted_every_refit_every_steps():
     """A fit is a few robust least-squares solves, about 2% of a CPU decode step: the policy records every step and
     refits once every refit_every of them (and after each step until the model has a fit at all), where the fits
-    keep missing steps (every other one runs 1.5x: cost_feed stretches the gap only while fits predict)."""
+    keep missing steps (each runs 20% faster than the one before: cost_feed stretches the gap only while fits
+    predict)."""
     with pytest.raises(ValueError, match="refit_every"):
         GoodputPolicy(refit_every=0)
     policy = GoodputPolicy(key="t", refit_every=4)
@@ -71,7 +72,7 @@ def test_the_cost_model_keeps_every_step_and_is_refitted_every_refit_every_steps
     for step in range(1, 17):
         ks = [step % 3, 0]  # shapes vary, so every fit differs from the one before
         n, c = 2 + sum(ks), 200 + 7 * step + sum(ks)
-        verify, drafting = true_verify(n, c) * (1.5 if step % 2 else 1.0), draft_cost(max(ks), sum(ks))
+        verify, drafting = true_verify(n, c) * 0.8 ** step, draft_cost(max(ks), sum(ks))
         policy.observe(StepRecord(step, 2, ks, ks, ks, [r.request_id for r in requests], n, 0, c, drafting,
                                   verify, verify + drafting, num_tokens=[r.num_tokens for r in requests]))
         assert len(policy.cost.verify_samples) == step
@@ -208,28 +209,35 @@ def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cos
     assert len(probes(60.0)) == 1
 
 
-def test_a_catch_up_is_priced_over_the_steps_before_the_next_arrival_is_expected():
+def test_a_catch_up_is_priced_over_the_steps_before_the_batch_is_expected_to_grow():
     """A learned, near-perfect draft model; two requests decode, one of which has read its context, the other not
-    its 300-token prompt (1.3 s). Spread over the catch-up horizon (8 steps) that read pays; over the one or two
-    steps before the next arrival, when requests arrive every half second, it does not: arrivals bring prefill
-    steps and a larger batch, so drafting would not last long enough to pay it back."""
-    def choose(arrival_gap):
+    its 300-token prompt (1.3 s). Spread over the request's drafting steps that read pays; over the one or two steps
+    before the batch is expected to grow, when requests arrive every half second and none leaves, it does not: each
+    request more lowers what drafting adds, so drafting would not last long enough to pay it back. In a closed loop
+    at the same rate, where each arrival takes the place of a request that left, the batch holds its size and the
+    read pays again."""
+    def choose(arrival_gap, closed=False):
         p = cpu_draft_model_costs(GoodputPolicy(key="t"))
         p.shared.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
                                               "later": {"accepted": 800, "rejected": 8}}})
         params = SamplingParams(max_tokens=64)
         earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
-        p.plan(view(earlier, 5, now=6 * arrival_gap))
-        for r in earlier:
-            p.release(r.request_id)
+        for i, r in enumerate(earlier):  # the policy sees each arrive; in the closed loop the one before it left
+            if closed and i:
+                p.release(earlier[i - 1].request_id)
+            p.plan(view([r], 5, now=i * arrival_gap))
+        if closed:
+            p.release(earlier[-1].request_id)
         seen = Request("seen", list(range(300)), params, arrival_time=6 * arrival_gap)
+        p.plan(view([seen], 5, now=6 * arrival_gap))
         fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
         p.catchup.seen["seen"] = seen.num_tokens - 1
         return p.plan(view([seen, fresh], 5, now=7 * arrival_gap + 0.1)).ks
 
-    sparse, dense = choose(60.0), choose(0.5)
+    sparse, dense, closed = choose(60.0), choose(0.5), choose(0.5, closed=True)
     assert sparse[0] > 0 and sparse[1] > 0
     assert dense[0] > 0 and dense[1] == 0
+    assert closed[0] > 0 and closed[1] > 0
 
 
 def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():
@@ -274,11 +282,12 @@ def loaded_draft(depth, sum_k):
     return 3 * quiet_draft(depth, sum_k)
 
 
-def ks_through_a_load(profile_loaded, quiet_steps, loaded_steps=200, b=4, seed=0):
+def goodput_through_a_load(profile_loaded, quiet_steps, loaded_steps=200, b=4, seed=0):
     """A policy profiled (as the engine's warm-up does: batch 1 and 4 at k 0/1/2/5) quiet or under a load that
     makes every step 3x slower, then run loaded_steps steps under the load and quiet_steps quiet ones: b requests
     of 100-token prompts whose drafts are accepted at 0.8 a token, each replaced by a new one after 64 tokens,
-    every step 3% noisy. The mean k of each quiet step."""
+    every step 3% noisy. The goodput each quiet step's choice is worth on the quiet machine: tokens expected from
+    its drafts over its exact time."""
     rng = random.Random(seed)
     policy = GoodputPolicy(key="t")
     verify, drafting = (loaded_verify, loaded_draft) if profile_loaded else (quiet_verify, quiet_draft)
@@ -314,7 +323,8 @@ def ks_through_a_load(profile_loaded, quiet_steps, loaded_steps=200, b=4, seed=0
                 policy.release(r.request_id)
                 requests[i] = new_request()
         if step >= loaded_steps:
-            chosen.append(float(np.mean(ks)))
+            tokens = sum((1 - 0.8 ** (k + 1)) / 0.2 for k in ks)
+            chosen.append(tokens / (quiet_verify(n, c) + (quiet_draft(max(ks), sum(ks)) if max(ks) else 0.0)))
     return chosen
 
 
@@ -323,13 +333,14 @@ def test_a_fit_made_under_a_passing_load_returns_to_the_quiet_choice(profile_loa
     """A replica restarted on a loaded box profiles and runs its first steps 3x slower; the load passes. Its cost
     fit mixed the loaded past with the quiet present, told apart only by the shapes each ran: drafts that ran under
     the load looked dear, the policy left them (k = 0 for a hundred steps and more), or ran only what looked cheap
-    (k = 6). From 100 quiet steps on, the policy drafts as one that never saw the load does."""
-    quiet = np.mean(ks_through_a_load(False, 400, loaded_steps=0)[100:])
-    assert quiet > 1.5  # drafting pays on the quiet machine
-    after = ks_through_a_load(profile_loaded, 500)[100:]
-    windows = [np.mean(after[i:i + 25]) for i in range(0, len(after), 25)]
-    # a steady policy's mean k varies by up to 0.6 over 25 steps, by 0.2 over 400
-    assert abs(np.mean(after) - quiet) < 0.3 and max(abs(w - quiet) for w in windows) < 1.0, (quiet, windows)
+    (k = 6). From 100 quiet steps on, the policy's choices are worth what those of one that never saw the load are:
+    judged on goodput, since k = 2 and k = 3 are worth within 1% of each other here and either is a fair choice."""
+    quiet = np.mean(goodput_through_a_load(False, 400, loaded_steps=0)[100:])
+    no_drafts = 4 / (quiet_verify(4, 4 * 130))
+    assert quiet > 1.3 * no_drafts  # drafting pays on the quiet machine
+    after = goodput_through_a_load(profile_loaded, 500)[100:]
+    windows = [np.mean(after[i:i + 25]) / quiet for i in range(0, len(after), 25)]
+    assert np.mean(after) > 0.98 * quiet and min(windows) > 0.95, (quiet, windows)
 
 
 def test_state_export_merge_import():

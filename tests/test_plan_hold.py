@@ -99,9 +99,10 @@ def test_max_hold_and_max_newcomers_are_checked():
 
 def test_no_speculation_holds_longer_while_the_batch_does_not_shrink_nor_turn_new():
     """Once no speculation has come out the same up to max_hold, it holds up to IDLE_HOLDS times as long while the
-    batch keeps as many requests, few of them new: a batch that shrinks (the load falling, where drafting may start
-    to pay), or one mostly of requests the plan never saw, plans in full once the usual hold is over."""
-    from smartspec.policy.plan_hold import IDLE_HOLDS
+    batch keeps all but IDLE_SHRINK of its requests, few of them new: a batch that shrinks more (the load falling,
+    where drafting may start to pay), or one mostly of requests the plan never saw, plans in full once the usual hold
+    is over."""
+    from smartspec.policy.plan_hold import IDLE_HOLDS, IDLE_SHRINK
 
     hold, ids = PlanHold(max_hold=4), tuple("abcdefgh")
     step = 0
@@ -113,5 +114,7 @@ def test_no_speculation_holds_longer_while_the_batch_does_not_shrink_nor_turn_ne
     assert all(hold.holds_no_drafts(s, False, joined, 8) for s in range(planned + 1, planned + 1 + IDLE_HOLDS * 4))
     assert not hold.holds_no_drafts(planned + 1 + IDLE_HOLDS * 4, False, joined, 8)
     assert hold.holds_no_drafts(planned + 4, False, ids[:3], 3)  # within the usual hold, whatever the batch
-    assert not hold.holds_no_drafts(planned + 5, False, ids[:3], 3)  # past it, a smaller batch plans in full
+    assert IDLE_SHRINK == 1 / 8 and hold.holds_no_drafts(planned + 5, False, ids[:7], 7)  # one finished: held
+    assert not hold.holds_no_drafts(planned + 5, False, ids[:6], 6)  # past it, a smaller batch plans in full
+    assert not hold.holds_no_drafts(planned + 5, False, ids[:3], 3)
     assert not hold.holds_no_drafts(planned + 5, False, tuple("stuvwxyz"), 8)  # and so does a new one

@@ -1,7 +1,7 @@
 """A draft model's catch-up: before it drafts for a request it reads every token of it that it has not seen (a whole
 prompt, the first time; what the request made at k = 0 since). The cost is paid once and serves the steps that
-follow, so the policy charges it once, spread over at most `horizon` steps, or fewer where the next arrival is
-expected sooner (arrivals.py). The ledger keeps what the draft has read per request. (For prompt lookup the fitted
+follow, so the policy charges it once, spread over at most `horizon` steps, or fewer where the batch is expected to
+grow sooner (arrivals.py). The ledger keeps what the draft has read per request. (For prompt lookup the fitted
 cost of catch-up tokens is zero, and so is every charge.)"""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from smartspec.policy.step_numbers import StepNumbers
 from smartspec.types.plan import StepView
 
 
-PRIOR_GAP_STEPS = 8.0  # the expected gap to the next arrival before any is seen, in drafting steps
+PRIOR_GAP_STEPS = 8.0  # the expected gap to the batch's growth before any arrival is seen, in drafting steps
 MEMORY_HORIZONS = 4.0  # arrivals older than this many horizons are forgotten
 
 
@@ -31,12 +31,12 @@ class Starts:
 class CatchupLedger:
     def __init__(self, horizon: float) -> None:
         self.horizon = horizon  # the most steps one catch-up is spread over when choosing k
-        self.arrivals = ArrivalGaps()  # ... and the steps to the next arrival bound them
+        self.arrivals = ArrivalGaps()  # ... and the steps to the batch's next growth bound them
         self.seen: dict[str, int] = {}  # request -> tokens the draft has read
 
-    def see(self, view: StepView) -> None:
+    def see(self, view: StepView, now: float) -> None:
         self.arrivals.see_each(view.requests)
-        self.arrivals.see_each(view.prefilling)
+        self.arrivals.see_each(view.prefilling, now)
 
     def tokens(self, step: StepNumbers, rows: np.ndarray | None = None) -> np.ndarray:
         """Per request (or per row of `rows`), the tokens a draft model would read before drafting beyond the one it
@@ -47,7 +47,7 @@ class CatchupLedger:
 
     def starts(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> Starts:
         return Starts(cost.predict_draft(0, 0, self.tokens(step)),
-                      self._steps_to_next_arrival(step, cost, depth))
+                      self._steps_to_growth(step, cost, depth))
 
     def charge(self, gains: np.ndarray, step: StepNumbers, starts: Starts, cost: StepCostModel) -> np.ndarray:
         """The gains with each request's catch-up charged (goodput.charge_start_costs)."""
@@ -65,7 +65,7 @@ class CatchupLedger:
         if not seconds.any():
             return gains, seconds
         k_max = [step.k_max[i] for i in rows]
-        starts = Starts(seconds, self._steps_to_next_arrival(step, cost, depth))
+        starts = Starts(seconds, self._steps_to_growth(step, cost, depth))
         return charge_start_costs(gains, k_max, self._in_tokens(step, gains, k_max, step.remaining[index],
                                                                 starts, cost)), seconds
 
@@ -86,14 +86,14 @@ class CatchupLedger:
         decode_s = float(cost.predict(b, step.decode_context))
         return starts.seconds / horizon * (b / decode_s)
 
-    def _steps_to_next_arrival(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> float:
-        """The most steps a catch-up is spread over: the horizon, or fewer where the next arrival is expected
-        sooner. Steps are counted at the length of one in which every request drafts its cap (drafting steps are
-        the ones a catch-up pays back in). The prior is one gap of PRIOR_GAP_STEPS such steps, and arrivals are
-        remembered over `MEMORY_HORIZONS` horizons: one stream sent request after request (each a few dozen steps)
-        remembers the last few and spreads a catch-up over about a request's length; with none seen, the bound is
-        the prior. (A prior of the whole horizon outweighed a few arrivals 2 s apart; arrivals remembered over a
-        few prior gaps were forgotten between one stream's requests, which then never paid a catch-up on a CPU.)"""
+    def _steps_to_growth(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int]) -> float:
+        """The most steps a catch-up is spread over: the horizon, or fewer where the batch is expected to grow
+        sooner (an arrival no departure made room for). Steps are counted at the length of one in which every
+        request drafts its cap (drafting steps are the ones a catch-up pays back in). The prior is one gap of
+        PRIOR_GAP_STEPS such steps, and arrivals are remembered over `MEMORY_HORIZONS` horizons; with none seen,
+        the bound is the prior. One stream sending request after request, or a closed loop of many, replaces each
+        request that leaves: the batch holds its size, and a catch-up is spread over the request's own drafting
+        steps up to the horizon (_in_tokens)."""
         sum_k = sum(step.k_max)
         step_s = max(1e-9, float(cost.predict(step.tokens + sum_k, step.context + sum_k,
                                               depth(max(step.k_max, default=0)), sum_k)))

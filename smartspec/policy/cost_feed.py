@@ -5,13 +5,17 @@ alone, fits took 2% of a CPU decode step but 5% of a GPU's (4-5 ms), the host ti
 the gap, one fit serves ~40 such steps and still follows a change of speed within a fifth of a second. Until the
 model has a fit at all, it is refitted after every step.
 
-A fit that predicted every step since it was made within QUIET_ERROR waits twice as long for the next, up to
-MAX_REFIT_GAP_S: a batch in steady decoding, drafting or not, teaches it nothing new, and on a CPU at a few streams
-the fits were most of the policy's host time. One step it missed by more brings the gap back to REFIT_GAP_S at
-once, unless it ran more than STALL_MISS slower: such a stall (a preempted core, 1% of a shared CPU's steps) is
-left out of the fit too. A change of speed is followed within a fifth of a second of steps, or, where every step
-is a stall to the old fit, once SpeedChange has read the change; a drafting step whose draft time the fit missed
-by more than the price check's tolerance is refitted at once (GoodputPolicy.observe)."""
+A fit that keeps predicting the steps waits twice as long for the next, up to MAX_REFIT_GAP_S: a batch in steady
+decoding, drafting or not, teaches it nothing new, and on a CPU at a few streams the fits were most of the policy's
+host time. "Keeps predicting" is judged on the fit's bias, not step by step: `drift`, the signed misses averaged over
+the last steps (weight DRIFT_WEIGHT each), stays within QUIET_ERROR. Step times on a shared CPU scatter widely
+around any fit (one step off tells nothing; refitted on such noise, the fit does not predict the next step better),
+while steps that run slower or faster than the fit, one after another, move the average within a few steps and
+bring the gap back to REFIT_GAP_S at once. A step that ran more
+than STALL_MISS slower (a preempted core, 1% of a shared CPU's steps) is left out of the average, as the robust fit
+leaves it out. A change of speed is followed within a fifth of a second of steps, or, where every step is a stall to
+the old fit, once SpeedChange has read the change; a drafting step whose draft time the fit missed by more than the
+price check's tolerance is refitted at once (GoodputPolicy.observe)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +27,9 @@ from smartspec.types.step_record import StepRecord
 
 REFIT_GAP_S = 0.2  # the least step time between two fits (after refit_every steps)
 MAX_REFIT_GAP_S = 1.6  # ... and the most, while fits keep predicting the steps
-QUIET_ERROR = 0.15  # a step predicted within this relative error taught a fit nothing new
-STALL_MISS = 0.3  # a step that ran this much slower (relative to its time, 1.43x) is a stall to the gap
+QUIET_ERROR = 0.15  # a fit whose misses average within this (relative) teaches the next nothing new
+DRIFT_WEIGHT = 0.125  # each step's miss in that average: noise of 0.2 a step averages to 0.05, a bias of 0.3 shows in 5
+STALL_MISS = 0.3  # a step that ran this much slower (relative to its time, 1.43x) is a stall, left out
 
 
 class CostFeed:
@@ -35,7 +40,8 @@ class CostFeed:
         self.steps_unfit = 0  # steps observed since the last fit
         self.seconds_unfit = 0.0  # and their measured time
         self.drafts_unfit = False  # whether one of them ran draft forwards
-        self.quiet = True  # whether the fit predicted each of them within QUIET_ERROR
+        self.drift = 0.0  # the fit's signed misses, averaged over the last steps (DRIFT_WEIGHT)
+        self.quiet = True  # whether drift stayed within QUIET_ERROR since the last fit
         self.gap_s = REFIT_GAP_S  # the step time the next fit waits for
 
     def observe(self, record: StepRecord) -> float | None:
@@ -51,12 +57,13 @@ class CostFeed:
         changes = self.cost.speed_changes
         miss = self.cost.observe(tokens, record.num_context_tokens, depth, sum(proposed), record.draft_s,
                                  record.total_s - record.draft_s, catchup=record.draft_catchup_tokens, refit=False)
-        self.quiet &= (miss is not None and (abs(miss) <= QUIET_ERROR or miss > STALL_MISS)
-                       and self.cost.speed_changes == changes)
+        if miss is not None and miss <= STALL_MISS:
+            self.drift += DRIFT_WEIGHT * (miss - self.drift)
+        self.quiet &= miss is not None and abs(self.drift) <= QUIET_ERROR and self.cost.speed_changes == changes
         self.steps_unfit += 1
         self.seconds_unfit += record.total_s
         self.drafts_unfit |= depth > 0
-        gap_s = self.gap_s if self.quiet else REFIT_GAP_S  # a step it missed: the usual gap, at once
+        gap_s = self.gap_s if self.quiet else REFIT_GAP_S  # a fit gone off: the usual gap, at once
         if not self.cost.ready or (self.steps_unfit >= self.refit_every and self.seconds_unfit >= gap_s):
             self.refit()
         return record.draft_s / predicted if predicted > 0 else None
@@ -72,4 +79,4 @@ class CostFeed:
         steady = self.quiet and self.steps_unfit >= self.refit_every
         self.gap_s = min(MAX_REFIT_GAP_S, 2 * self.gap_s) if steady else REFIT_GAP_S
         self.cost.refit(draft=self.drafts_unfit)
-        self.steps_unfit, self.seconds_unfit, self.drafts_unfit, self.quiet = 0, 0.0, False, True
+        self.steps_unfit, self.seconds_unfit, self.drafts_unfit, self.quiet, self.drift = 0, 0.0, False, True, 0.0

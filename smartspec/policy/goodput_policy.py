@@ -92,11 +92,12 @@ class GoodputPolicy(Policy):
         """One entry point: chains and trees of one proposer (a k per request), or, where the view holds lookups,
         the proposer and k per request."""
         self.step += 1
-        self.catchup.see(view)
+        now = time.monotonic() if view.now is None else view.now
+        self.catchup.see(view, now)
         self.acceptance.tick()
         if not self.cost.ready:  # nothing measured yet: plain decoding is the one safe plan
             return SpecPlan.none(view)
-        step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
+        step = StepNumbers.of(view, now)
         if view.lookups is not None:
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart

@@ -14,11 +14,10 @@ and a newcomer gets the draft tokens that beat that threshold, no deeper than th
 `max_newcomers` of the requests are new plans in full. Steps that carry a prefill chunk price drafts otherwise
 (chain_plan.prefill_step_price), so they keep a held plan of their own. What holding can cost is bounded: a change
 that would make another plan pay (a request's acceptance drifts, the load falls) is acted on at most `max_hold`
-steps late. No speculation is held up to `IDLE_HOLDS` times longer, while the batch keeps as many requests as it was
-planned for and few of them are new: what would make a loaded batch draft is mostly the load falling, and that
-shows at once in the batch;
-a loaded GPU's batch, kept at k = 0 by its requests' catch-ups where the cheap bound cannot see them
-(drafting_bound), was otherwise planned in full every few steps."""
+steps late. No speculation is held up to `IDLE_HOLDS` times longer, while the batch keeps all but `IDLE_SHRINK` of
+the requests it was planned for and few of them are new: what would make a loaded batch draft is mostly the load
+falling, and that shows at once in the batch; a loaded GPU's batch, kept at k = 0 by its requests' catch-ups where
+the cheap bound cannot see them (drafting_bound), was otherwise planned in full every few steps."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -35,7 +34,8 @@ class HeldRule:
 
 NO_DRAFTS = HeldRule(float("inf"), 0)
 RULE_TOLERANCE = 0.1  # thresholds this close (relative) make the same plan (PlanHold.planned)
-IDLE_HOLDS = 4  # no speculation is held up to this many times max_hold, while the batch does not shrink
+IDLE_HOLDS = 4  # no speculation is held up to this many times max_hold, while the batch does not shrink ...
+IDLE_SHRINK = 1 / 8  # ... by more than this share: a loaded batch loses a request or two between arrivals
 
 
 @dataclass(frozen=True)
@@ -74,12 +74,12 @@ class PlanHold:
         """Whether this step of `rows` requests (`ids`, read only if need be) keeps the last full plan of a step
         like it, and that plan drafts nothing (no speculation suits any batch: within its hold the step's requests
         need not be read). Past its hold, such a plan that had held max_hold steps holds on, up to IDLE_HOLDS times
-        as long, while the batch has not shrunk and no more than `max_newcomers` of it is new."""
+        as long, while the batch has not shrunk by more than IDLE_SHRINK and no more than `max_newcomers` of it is new."""
         last = self._by_prefill[prefilling]
         if last.drafts:
             return False
         if step >= last.next_plan:
-            if not (rows >= last.rows and last.hold == self.max_hold
+            if not (rows >= (1 - IDLE_SHRINK) * last.rows and last.hold == self.max_hold
                     and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
                 return False
             planned = last.ks
