@@ -337,3 +337,27 @@ def test_a_grammar_that_refuses_a_committed_token_ends_its_request_alone(plain, 
     assert finished[ids[0]].finish_reason == "error" and len(finished[ids[0]].token_ids) == 1
     assert finished[ids[1]].token_ids == alone[1].token_ids and finished[ids[1]].finish_reason == "length"
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("vocab", [64, 257, 300])
+def test_masks_applied_eagerly_match_llguidance_kernel(vocab):
+    """apply_masks unpacks the bitmask itself (llguidance's kernel compiles on first use): the same logits, for
+    every row or some, and for logits wider than the mask's vocabulary (those tokens disallowed)."""
+    import llguidance.torch
+
+    from smartspec.structured.matcher import apply_masks
+
+    torch.manual_seed(vocab)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    for width in (vocab, vocab + 40):
+        logits = torch.randn(3, width)
+        expected, ours = logits.clone(), logits.clone()
+        llguidance.torch.apply_token_bitmask_inplace(expected, mask)
+        apply_masks(ours, mask, [True] * 3)
+        assert torch.equal(ours, expected) and torch.isinf(ours).any() and torch.isfinite(ours).any()
+        expected, ours = logits.clone(), logits.clone()
+        some = expected[[0, 2]]
+        llguidance.torch.apply_token_bitmask_inplace(some, mask[[0, 2]])
+        expected[[0, 2]] = some
+        apply_masks(ours, mask, [True, False, True])
+        assert torch.equal(ours, expected)

@@ -21,6 +21,9 @@ after it (release carries no clock).
 from __future__ import annotations
 
 import bisect
+from operator import attrgetter
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 class ArrivalGaps:
@@ -45,10 +48,9 @@ class ArrivalGaps:
 
     def see_each(self, requests, now: float | None = None) -> None:
         """see() for each of these (views with request_id and arrival_time): the ones already counted, most of a
-        step's, skipped by a set lookup alone. now: the step's clock, which times the departures since the last."""
-        seen = self._seen
-        for r in requests:
-            if r.request_id not in seen:
+        step's, skipped by one set test in C (a loop in Python was a tenth of the policy's time at 256 requests). now: the step's clock, which times the departures since the last."""
+        if not self._seen.issuperset(map(_REQUEST_ID, requests)):
+            for r in requests:
                 self.see(r.request_id, r.arrival_time)
         if now is not None and self._untimed:
             self._departures.extend([now] * self._untimed)

@@ -35,7 +35,7 @@ from smartspec.policy.load_model import FittedLoad
 from smartspec.policy.plan_hold import NO_DRAFTS, HeldPlan, HeldRule, PlanHold
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
-from smartspec.policy.step_numbers import StepNumbers, shape_of
+from smartspec.policy.step_numbers import REQUEST_ID, StepNumbers, shape_of
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 from smartspec.types.plan import DRAFT, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
@@ -102,7 +102,7 @@ class GoodputPolicy(Policy):
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
         if self.tree_depth is None:
-            if self.plan_hold.holds_no_drafts(self.step, prefilling, (r.request_id for r in view.requests),
+            if self.plan_hold.holds_no_drafts(self.step, prefilling, map(REQUEST_ID, view.requests),
                                               len(view.requests)):
                 return self._plan_none(step)
             held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
@@ -333,9 +333,10 @@ class GoodputPolicy(Policy):
                              f"{len(record.request_ids)} decoding requests")
         probes, methods = set(record.probes), record.methods
         # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no outcome
-        # (most of a loaded batch: left out before anything is done per request)
+        # (most of a loaded batch: left out before anything is done per request, all of it where none drafted)
         rows = [i for i, (rid, k, proposed) in enumerate(zip(record.request_ids, record.ks, record.proposed))
-                if (k or proposed or rid in probes) and (methods is None or methods[i] == DRAFT)]
+                if (k or proposed or rid in probes) and (methods is None or methods[i] == DRAFT)] \
+            if probes or any(record.ks) or any(record.proposed) else []
         if rows:
             ids = [record.request_ids[i] for i in rows]
             proposed, accepted = [record.proposed[i] for i in rows], [record.accepted[i] for i in rows]

@@ -83,7 +83,7 @@ class PlanHold:
                     and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
                 return False
             planned = last.ks
-            if sum(rid not in planned for rid in ids) > self.max_newcomers * rows:
+            if rows - sum(map(planned.__contains__, ids)) > self.max_newcomers * rows:  # newcomers, counted in C
                 return False
         self.held += 1
         return True

@@ -121,8 +121,7 @@ class RequestGrammar:
         """The tokens the grammar allows next, from the committed state: a bool tensor [V]."""
         bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
-        bits = (bitmask[0].view(-1, 1) >> torch.arange(32, dtype=bitmask.dtype)) & 1
-        return bits.flatten()[:self.vocab_size].bool()
+        return allowed_tokens(bitmask, self.vocab_size)[0]
 
     def commit(self, tokens: list[int]) -> None:
         """The request took these tokens (each one its masked distribution allowed)."""
@@ -130,14 +129,28 @@ class RequestGrammar:
             raise GrammarRefusedToken(f"grammar refused committed tokens {tokens}: {self.matcher.get_error()[:500]}")
 
 
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, vocab_size] bool: bit j of word w of each row's bitmask allows token 32 w + j (none past the mask's
+    32 W tokens: logits wider than the tokenizer's vocabulary)."""
+    bits = ((bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1).flatten(1).bool()
+    if bits.shape[1] < vocab_size:
+        return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, valid: list[bool]) -> None:
-    """Disallowed tokens' logits to -inf, in place, on the rows with a valid prefix."""
+    """Disallowed tokens' logits to -inf, in place, on the rows with a valid prefix. Unpacked eagerly, not by
+    llguidance's torch.compile'd kernel: that compiled on a process's first structured request and again on its
+    first with another row count (0.2-2 s on a CPU, the whole batch's step stalled), for no gain at a few rows."""
     rows = [i for i, ok in enumerate(valid) if ok]
     if not rows:
         return
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
     if len(rows) == len(valid):
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        logits.masked_fill_(~allowed, float("-inf"))
         return
-    sub = logits[rows]
-    llguidance.torch.apply_token_bitmask_inplace(sub, bitmask[rows].to(logits.device))
-    logits[rows] = sub
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[index], float("-inf"))

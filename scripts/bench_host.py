@@ -1,0 +1,191 @@
+"""The engine's own host time per step, by stage (docs/benchmarks.md, "The engine's host time"): an engine whose
+target forward returns its logits at once (smartspec/bench/instant_runner.py; a tiny random model's config and
+byte-level tokenizer) decodes 1, 64 and 256 requests at once, with prompt lookup drafting chains or token trees
+of K (fixed k = K by default, the same shapes every run; the goodput policy's own time is bench_select's); in the
+mix, an eighth of the requests each use penalties, logprobs, a grammar (regex) or temperature sampling. Each row times `--steps` decoding steps after every prompt is in, stage by stage.
+
+    python scripts/bench_host.py                    # ~2 min on 2 cores
+    python scripts/bench_host.py --rows 64 --steps 20 --drafts chain
+
+Prints a table (ms per step by stage) and writes results/bench_host/{stages.parquet, host.png}; the last line:
+`host ms per step: 1 row A; 64 rows B; 256 rows C`, each the slower of chains and trees."""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from smartspec.bench.instant_runner import InstantRunner
+from smartspec.bench.tiny_models import build_tiny_model
+from smartspec.config import EngineConfig
+from smartspec.engine import llm_engine
+from smartspec.engine.llm_engine import LLMEngine
+from smartspec.types.sampling_params import SamplingParams, StructuredOutput
+
+CYCLE_TEXT = "abcdefghijklmnop"  # the stand-in continues this cycle (one byte-level token a letter)
+PROMPT_TOKENS = 48
+WARM_STEPS = 3  # decoding steps run before the timed ones
+STAGES = ["schedule", "plan", "propose", "prepare inputs", "forward (stand-in)", "accept", "commit", "record",
+          "observe"]
+
+
+def params_of(i: int, max_tokens: int) -> SamplingParams:
+    """The mix: of every 8 requests, one with penalties, one with logprobs, one under a grammar, one sampled at
+    temperature 0.8 (seeded); the rest greedy."""
+    kind = i % 8
+    extra = {1: {"repetition_penalty": 1.1, "presence_penalty": 0.2},
+             2: {"logprobs": 3},
+             3: {"structured": StructuredOutput(regex=f"[{CYCLE_TEXT[0]}-{CYCLE_TEXT[-1]}]+")},
+             4: {"temperature": 0.8, "seed": i}}.get(kind, {})
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+class StageClock:
+    """Seconds per stage of the engine's step, taken by wrapping the calls the step is made of."""
+
+    def __init__(self, engine: LLMEngine, runner: InstantRunner) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.runner = runner
+        for name, stage in (("plan_step", "plan"), ("propose", "propose"), ("cut_to_grammars", "propose"),
+                            ("take_prompt_logprobs", "accept"), ("accept_drafts", "accept")):
+            setattr(llm_engine, name, self._timed(getattr(llm_engine, name), stage))
+        engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "schedule")
+        engine._commit = self._timed(engine._commit, "commit")
+        engine._record = self._timed(engine._record, "record")
+        policy = engine.speculation.policy
+        policy.observe = self._timed(policy.observe, "observe")
+
+    def _timed(self, call, stage: str):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[stage] += time.perf_counter() - began
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.runner.prepare_s = self.runner.execute_s = 0.0
+
+    def per_step(self, steps: int, total_s: float) -> dict[str, float]:
+        """ms per step by stage; the runner's two parts apart; what no stage holds as "other"."""
+        ms = {stage: 1e3 * self.seconds.get(stage, 0.0) / steps for stage in STAGES}
+        ms["prepare inputs"] = 1e3 * self.runner.prepare_s / steps
+        ms["forward (stand-in)"] = 1e3 * self.runner.execute_s / steps
+        ms["other"] = max(0.0, 1e3 * total_s / steps - sum(ms.values()))
+        return ms
+
+
+def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed") \
+        -> tuple[LLMEngine, InstantRunner]:
+    """An engine over the stand-in for `rows` requests at once: prompt lookup drafting chains or trees of k."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "policy": policy}
+    if drafts == "tree":
+        spec["tree"] = {"max_nodes": k, "max_depth": k, "branching": 2}
+    made: list[InstantRunner] = []
+
+    def runner_factory(loaded, blocks):
+        cycle = loaded.tokenizer.convert_tokens_to_ids(list(CYCLE_TEXT))
+        made.append(InstantRunner(loaded.config.vocab_size, blocks, cycle))
+        return made[0]
+
+    config = EngineConfig(model=model, num_kv_blocks=rows * 32 + 64, block_size=16, max_num_seqs=rows,
+                          max_num_batched_tokens=max(512, rows * (k + 1) + PROMPT_TOKENS), max_model_len=512,
+                          quantization=None, use_kernels=False, cuda_graphs=False, speculative_config=spec)
+    return LLMEngine(config, runner_factory=runner_factory), made[0]
+
+
+def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed") -> dict:
+    """ms per step by stage over `steps` decoding steps of `rows` requests, after every prompt is in."""
+    engine, runner = engine_for(model, rows, drafts, k, policy)
+    prompt = (CYCLE_TEXT * (PROMPT_TOKENS // len(CYCLE_TEXT) + 1))[:PROMPT_TOKENS]
+    ids = engine.tokenizer(prompt)["input_ids"]
+    max_tokens = 512 - len(ids) - 1  # enough for every measured step at the deepest draft
+    for i in range(rows):
+        engine.add_request(list(ids), params_of(i, max_tokens), request_id=f"r{i}")
+    clock = StageClock(engine, runner)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
+        engine.step()
+    clock.reset()
+    ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
+    drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
+    for _ in range(steps):
+        engine.step()
+    total_s = time.perf_counter() - began
+    if len(engine.requests) != rows:
+        raise RuntimeError(f"{rows - len(engine.requests)} requests finished inside the measured steps")
+    chosen = engine.stats.chosen_k
+    mean_k = (sum(k * n for k, n in chosen.items()) - drafted_before) / max(1, sum(chosen.values()) - ks_before)
+    engine.close()
+    return {"rows": rows, "drafts": drafts, "k": k, "steps": steps, "mean_k": mean_k,
+            "host_ms": 1e3 * total_s / steps, **clock.per_step(steps, total_s)}
+
+
+def print_table(results: list[dict]) -> None:
+    columns = ["host_ms", *STAGES, "other"]
+    print(f"{'rows':>5s} {'drafts':>6s} {'mean k':>6s} " + " ".join(f"{c[:12]:>12s}" for c in columns))
+    for r in results:
+        print(f"{r['rows']:5d} {r['drafts']:>6s} {r['mean_k']:6.2f} " + " ".join(f"{r[c]:12.3f}" for c in columns))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['rows']} {r['drafts']}" for r in results]
+    bottom = [0.0] * len(results)
+    for stage in [*STAGES, "other"]:
+        values = [r[stage] for r in results]
+        ax.bar(labels, values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("host ms per step")
+    ax.set_title("The engine's host time per step, by stage (target forward returns at once)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256], help="decoding requests at once")
+    ap.add_argument("--drafts", nargs="+", choices=["chain", "tree"], default=["chain", "tree"])
+    ap.add_argument("--k", type=int, default=4, help="K: draft tokens of a chain, nodes of a tree")
+    ap.add_argument("--steps", type=int, default=40, help="decoding steps timed per row")
+    ap.add_argument("--policy", default="fixed", help="the speculation policy (fixed: k = K; smartspec, off, ...)")
+    ap.add_argument("--out", default="results/bench_host")
+    args = ap.parse_args(argv)
+    if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or args.k * (args.steps + WARM_STEPS + 1) > 400:
+        ap.error("--rows, --steps and --k must be >= 1, and k x (steps + 4) at most 400 (the context's room)")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(Path(tmp) / "tiny"))
+        for rows in args.rows:
+            for drafts in args.drafts:
+                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy))
+                print(f"[{len(results)}/{len(args.rows) * len(args.drafts)}] {rows} rows, {drafts}s: "
+                      f"{results[-1]['host_ms']:.2f} ms per step", file=sys.stderr, flush=True)
+    print_table(results)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(results), out / "stages.parquet")
+    plot(results, out / "host.png")
+    worst = {rows: max(r["host_ms"] for r in results if r["rows"] == rows) for rows in args.rows}
+    print("host ms per step: " + "; ".join(f"{rows} row{'s' if rows > 1 else ''} {ms:.2f}"
+                                           for rows, ms in worst.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
