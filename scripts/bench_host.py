@@ -32,10 +32,10 @@ STAGES = ["schedule", "plan", "propose", "prepare inputs", "forward (stand-in)",
           "observe"]
 
 
-def params_of(i: int, max_tokens: int) -> SamplingParams:
+def params_of(i: int, max_tokens: int, mix: bool = True) -> SamplingParams:
     """The mix: of every 8 requests, one with penalties, one with logprobs, one under a grammar, one sampled at
-    temperature 0.8 (seeded); the rest greedy."""
-    kind = i % 8
+    temperature 0.8 (seeded); the rest greedy. Without the mix, every one greedy."""
+    kind = i % 8 if mix else 0
     extra = {1: {"repetition_penalty": 1.1, "presence_penalty": 0.2},
              2: {"logprobs": 3},
              3: {"structured": StructuredOutput(regex=f"[{CYCLE_TEXT[0]}-{CYCLE_TEXT[-1]}]+")},
@@ -99,14 +99,14 @@ def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed"
     return LLMEngine(config, runner_factory=runner_factory), made[0]
 
 
-def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed") -> dict:
+def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed", mix: bool = True) -> dict:
     """ms per step by stage over `steps` decoding steps of `rows` requests, after every prompt is in."""
     engine, runner = engine_for(model, rows, drafts, k, policy)
     prompt = (CYCLE_TEXT * (PROMPT_TOKENS // len(CYCLE_TEXT) + 1))[:PROMPT_TOKENS]
     ids = engine.tokenizer(prompt)["input_ids"]
     max_tokens = 512 - len(ids) - 1  # enough for every measured step at the deepest draft
     for i in range(rows):
-        engine.add_request(list(ids), params_of(i, max_tokens), request_id=f"r{i}")
+        engine.add_request(list(ids), params_of(i, max_tokens, mix), request_id=f"r{i}")
     clock = StageClock(engine, runner)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
@@ -123,7 +123,7 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
     chosen = engine.stats.chosen_k
     mean_k = (sum(k * n for k, n in chosen.items()) - drafted_before) / max(1, sum(chosen.values()) - ks_before)
     engine.close()
-    return {"rows": rows, "drafts": drafts, "k": k, "steps": steps, "mean_k": mean_k,
+    return {"rows": rows, "drafts": drafts, "mix": mix, "k": k, "steps": steps, "mean_k": mean_k,
             "host_ms": 1e3 * total_s / steps, **clock.per_step(steps, total_s)}
 
 
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="K: draft tokens of a chain, nodes of a tree")
     ap.add_argument("--steps", type=int, default=40, help="decoding steps timed per row")
     ap.add_argument("--policy", default="fixed", help="the speculation policy (fixed: k = K; smartspec, off, ...)")
+    ap.add_argument("--plain", action="store_true", help="every request greedy, no controls (the base the mix adds to)")
     ap.add_argument("--out", default="results/bench_host")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or args.k * (args.steps + WARM_STEPS + 1) > 400:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_tiny_model(Path(tmp) / "tiny"))
         for rows in args.rows:
             for drafts in args.drafts:
-                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy))
+                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy, not args.plain))
                 print(f"[{len(results)}/{len(args.rows) * len(args.drafts)}] {rows} rows, {drafts}s: "
                       f"{results[-1]['host_ms']:.2f} ms per step", file=sys.stderr, flush=True)
     print_table(results)

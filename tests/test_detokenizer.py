@@ -28,3 +28,26 @@ def test_append_text_yields_whole_characters_that_add_up_to_the_decoded_output()
         deltas.append(append_text(tokenizer, req))
     assert "".join(deltas) == req.text == text and not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # a token that ends inside a character waits for the rest
+
+
+def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives():
+    """A request without stop strings decodes a step's tokens at once: the same text after every step as one
+    decoded token by token, a character split across steps or inside one included."""
+    from smartspec.engine.detokenizer import append_step_text
+
+    tokenizer = byte_tokenizer()
+    rng = random.Random(1)
+    ids = tokenizer("naïve café — 東京 🙂🙂 ok, ß!")["input_ids"]
+    for _ in range(20):
+        by_token, at_once = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in ("a", "b"))
+        at = 0
+        while at < len(ids):
+            step = ids[at:at + rng.randint(1, 5)]
+            at += len(step)
+            for token in step:
+                by_token.token_ids.append(token)
+                append_text(tokenizer, by_token)
+            at_once.token_ids.extend(step)
+            append_step_text(tokenizer, at_once, len(step))
+            assert at_once.text == by_token.text, (at, step)
+        assert at_once.text == tokenizer.decode(ids)

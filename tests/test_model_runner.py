@@ -46,6 +46,66 @@ def test_prepare_step_packs_ragged_items_with_their_slots_and_rows():
     assert x.block_tables.shape == (2, 2) and x.tree_base is None
 
 
+def packed_token_by_token(items, blocks):
+    """prepare_step's inputs spelled out token by token: what its array operations must equal."""
+    ids, positions, slots, seq_of, kv_len, keep, bases, masks, offset = [], [], [], [], [], [], [], [], 0
+    for row, item in enumerate(items):
+        n = len(item.tokens)
+        for j in range(n):
+            p = item.start + j
+            ids.append(item.tokens[j])
+            positions.append(item.positions[j] if item.positions is not None else p)
+            slots.append(blocks.slot(item.request, p))
+            seq_of.append(row)
+            kv_len.append(p + 1)
+            if j >= n - item.num_logits:
+                keep.append(offset + j)
+            bases.append(NO_TREE if item.tree_masks is None else item.tree_base)
+            masks.append(0 if item.tree_masks is None else item.tree_masks[j])
+        offset += n
+    return ids, positions, slots, seq_of, kv_len, keep, bases, masks
+
+
+def test_prepare_step_equals_its_inputs_spelled_out_token_by_token():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(30):
+        blocks = BlockManager(256, 4)
+        items = []
+        for i in range(rng.randint(1, 6)):
+            start, n = rng.randint(0, 20), rng.randint(1, 9)
+            r = request(f"r{i}", range(start + 1), blocks, n=start + n)
+            kind = rng.choice(["chain", "prefill", "tree"]) if trial % 3 else "chain"
+            if kind == "tree":
+                masks = [1] + [rng.getrandbits(n) | 1 for _ in range(n - 1)]
+                items.append(ForwardItem(r, [rng.randrange(99) for _ in range(n)], start, n,
+                                         positions=[start + rng.randint(0, j) for j in range(n)], tree_base=start,
+                                         tree_masks=masks))
+            else:
+                items.append(ForwardItem(r, [rng.randrange(99) for _ in range(n)], start,
+                                         rng.choice([0, 1, n]) if kind == "prefill" else n))
+        x = prepare_step(items, blocks)
+        ids, positions, slots, seq_of, kv_len, keep, bases, masks = packed_token_by_token(items, blocks)
+        assert (x.ids.tolist(), x.positions.tolist(), x.slots.tolist(), x.seq_of.tolist(), x.kv_len.tolist(),
+                x.keep.tolist()) == (ids, positions, slots, seq_of, kv_len, keep)
+        assert (x.ids.dtype, x.positions.dtype, x.slots.dtype, x.seq_of.dtype, x.kv_len.dtype, x.keep.dtype,
+                x.block_tables.dtype) == (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64, torch.int32)
+        for row, item in enumerate(items):
+            width = len(item.request.block_table)
+            assert x.block_tables[row, :width].tolist() == item.request.block_table
+            assert not x.block_tables[row, width:].any()
+        trees = any(item.tree_masks is not None for item in items)
+        assert (x.tree_base is not None) == trees
+        if trees:
+            assert x.tree_base.tolist() == bases and x.tree_mask.tolist() == masks
+            assert (x.tree_base.dtype, x.tree_mask.dtype) == (torch.int32, torch.int64)
+    blocks = BlockManager(8, 4)
+    short = request("short", range(3), blocks)  # one block: positions 0-3
+    with pytest.raises(IndexError):  # a token past the request's blocks
+        prepare_step([ForwardItem(short, [1, 2], 3, 1)], blocks)
+
+
 def test_prepare_step_places_tree_nodes_at_their_depth():
     blocks = BlockManager(16, 4)
     r = request("r", range(4), blocks, n=8)

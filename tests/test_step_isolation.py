@@ -100,7 +100,8 @@ FAULTS = {
     "sampling": [(accept_module, "target_probs", params_owner), (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
     "commit": [(engine_module, "commit_tokens", lambda engine: lambda req, *a: req)],
-    "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req: req)],
+    "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req, *end: req),
+                     (commit_module, "append_step_text", lambda engine: lambda tokenizer, req, count: req)],
     "logprobs": [(engine_module, "token_logprob", lambda engine: lambda row, token, n: engine.requests.get(VICTIM))],
     "output": [(engine_module, "take_text", lambda engine: lambda req: req)],
 }
@@ -233,13 +234,13 @@ def test_a_policy_that_fails_to_observe_costs_no_request(llm, clean, monkeypatch
 
 
 def test_the_offline_api_reports_an_error_it_ended(llm, monkeypatch):
-    real = commit_module.append_text
+    real = commit_module.append_step_text  # requests without stop strings: a step's tokens decoded at once
 
-    def append_text(tokenizer, req):
+    def append_step_text(tokenizer, req, count):
         if req.params.max_tokens == 7:
             raise RuntimeError("injected fault")
-        return real(tokenizer, req)
-    monkeypatch.setattr(commit_module, "append_text", append_text)
+        return real(tokenizer, req, count)
+    monkeypatch.setattr(commit_module, "append_step_text", append_step_text)
     outs = llm.generate(["hello", "world"], [SamplingParams(max_tokens=7), SamplingParams(max_tokens=5)])
     assert outs[0].finish_reason == "error" and "detokenizing" in outs[0].error
     assert outs[1].finish_reason == "length" and outs[1].error is None and len(outs[1].token_ids) == 5

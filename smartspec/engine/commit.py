@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smartspec.engine.detokenizer import append_text, find_stop
+from smartspec.engine.detokenizer import append_step_text, append_text, find_stop
 from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
@@ -40,11 +40,14 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
     if req.first_token_time is None:
         req.first_token_time = now
     added, reason = [], None
+    each_text = tokenizer is not None and bool(req.params.stop)  # stop strings are looked for in each token's text
     for tok in new:
         req.token_ids.append(tok)
         added.append(tok)
-        with stage("detokenizing"):
-            delta = append_text(tokenizer, req) if tokenizer is not None else ""
+        delta = ""
+        if each_text:
+            with stage("detokenizing"):
+                delta = append_text(tokenizer, req)
         if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in stop_token_ids):
             reason = "stop"
         elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:
@@ -58,6 +61,9 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
             reason = "stop" if grammar.finished else reason
         if reason:
             break
+    if tokenizer is not None and not each_text:
+        with stage("detokenizing"):
+            append_step_text(tokenizer, req, len(added))
     if reason is None:
         blocks.register(req)  # committed tokens are final: their full blocks can be shared
     return Committed(added, reason)

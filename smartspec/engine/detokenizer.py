@@ -4,20 +4,33 @@ from __future__ import annotations
 from smartspec.types.request import Request
 
 
-def append_text(tokenizer, req: Request) -> str:
-    """Decode the request's newest output tokens into req.text; return the new text.
+def append_text(tokenizer, req: Request, end: int | None = None) -> str:
+    """Decode the request's newest output tokens (up to output token `end`, default all) into req.text; return the
+    new text.
 
     Only the tokens since the last complete character are decoded again (a token may end inside a UTF-8
     sequence, which decodes to U+FFFD until the rest arrives)."""
     out = req.output_token_ids
+    end = len(out) if end is None else end
     prefix = decode(tokenizer, out[req.detok_prefix_offset:req.detok_read_offset])
-    full = decode(tokenizer, out[req.detok_prefix_offset:])
+    full = decode(tokenizer, out[req.detok_prefix_offset:end])
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix):]
-    req.detok_prefix_offset, req.detok_read_offset = req.detok_read_offset, len(out)
+    req.detok_prefix_offset, req.detok_read_offset = req.detok_read_offset, end
     req.text += delta
     return delta
+
+
+def append_step_text(tokenizer, req: Request, count: int) -> None:
+    """append_text after each of the request's last `count` tokens, for a request whose text no stop string is
+    looked for in: all of them in one decode where that ends on a whole character (two decodes a step, not two a
+    token), else token by token, so that the text of the tokens before a split character is not held back."""
+    if append_text(tokenizer, req) or count <= 1:
+        return
+    total = len(req.output_token_ids)
+    for end in range(total - count + 1, total + 1):
+        append_text(tokenizer, req, end)
 
 
 def decode(tokenizer, token_ids: list[int]) -> str:

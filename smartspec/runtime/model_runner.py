@@ -1,9 +1,11 @@
 """One packed, ragged forward of the target model per step, attention through the paged KV cache."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from smartspec.runtime.attention import NO_TREE
@@ -49,31 +51,42 @@ class ForwardItem:
 
 
 def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
-    ids, positions, slots, seq_of, kv_len, keep, tree_base, tree_mask = [], [], [], [], [], [], [], []
-    offset = 0
-    trees = any(item.tree_masks is not None for item in items)
+    """The step's packed inputs, built over the step's tokens at once (numpy), not token by token: at 256 requests
+    drafting 4 tokens, a Python loop over the tokens was most of the engine's host time outside the commit."""
+    rows = len(items)
+    counts = np.fromiter((len(item.tokens) for item in items), np.int64, rows)
+    starts = np.fromiter((item.start for item in items), np.int64, rows)
+    num_logits = np.fromiter((item.num_logits for item in items), np.int64, rows)
+    total = int(counts.sum())
+    seq_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+    within = np.arange(total, dtype=np.int64) - (np.cumsum(counts) - counts)[seq_of]  # each token's place in its item
+    stored = starts[seq_of] + within  # where its k/v is stored
+    widths = [len(item.request.block_table) for item in items]
+    tables = np.zeros((rows, max(widths)), dtype=np.int32)
     for row, item in enumerate(items):
-        n = len(item.tokens)
-        ids.extend(item.tokens)
-        stored = range(item.start, item.start + n)
-        positions.extend(item.positions if item.positions is not None else stored)
-        slots.extend(blocks.slot(item.request, p) for p in stored)
-        seq_of.extend([row] * n)
-        kv_len.extend(p + 1 for p in stored)
-        keep.extend(range(offset + n - item.num_logits, offset + n))
-        if trees:
-            tree_base.extend([NO_TREE if item.tree_masks is None else item.tree_base] * n)
-            tree_mask.extend(item.tree_masks if item.tree_masks is not None else [0] * n)
-        offset += n
-    max_blocks = max(len(item.request.block_table) for item in items)
-    tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-    for row, item in enumerate(items):
-        tables[row, : len(item.request.block_table)] = torch.tensor(item.request.block_table, dtype=torch.int32)
-    return StepInputs(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots, dtype=torch.int64), tables,
-                      torch.tensor(seq_of, dtype=torch.int32), torch.tensor(kv_len, dtype=torch.int32),
-                      torch.tensor(keep, dtype=torch.long),
-                      torch.tensor(tree_base, dtype=torch.int32) if trees else None,
-                      torch.tensor(tree_mask, dtype=torch.int64) if trees else None)
+        tables[row, :widths[row]] = item.request.block_table
+    block = stored // blocks.block_size
+    if (block >= np.asarray(widths, dtype=np.int64)[seq_of]).any():
+        raise IndexError("a token is stored past its request's block table")
+    slots = tables[seq_of, block].astype(np.int64) * blocks.block_size + stored % blocks.block_size
+    positions = stored
+    if any(item.positions is not None for item in items):
+        positions = np.fromiter(itertools.chain.from_iterable(
+            item.positions if item.positions is not None else range(item.start, item.start + len(item.tokens))
+            for item in items), np.int64, total)
+    tree_base = tree_mask = None
+    if any(item.tree_masks is not None for item in items):
+        bases = [NO_TREE if item.tree_masks is None else item.tree_base for item in items]
+        tree_base = torch.from_numpy(np.repeat(np.asarray(bases, dtype=np.int32), counts))
+        tree_mask = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(
+            item.tree_masks if item.tree_masks is not None else [0] * len(item.tokens) for item in items),
+            np.int64, total))
+    ids = np.fromiter(itertools.chain.from_iterable(item.tokens for item in items), np.int64, total)
+    keep = np.flatnonzero(within >= (counts - num_logits)[seq_of])
+    return StepInputs(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(slots),
+                      torch.from_numpy(tables), torch.from_numpy(seq_of.astype(np.int32)),
+                      torch.from_numpy((stored + 1).astype(np.int32)), torch.from_numpy(keep.astype(np.int64)),
+                      tree_base, tree_mask)
 
 
 class ModelRunner:
