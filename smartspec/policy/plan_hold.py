@@ -34,7 +34,7 @@ class HeldRule:
 
 NO_DRAFTS = HeldRule(float("inf"), 0)
 RULE_TOLERANCE = 0.1  # thresholds this close (relative) make the same plan (PlanHold.planned)
-IDLE_HOLDS = 4  # no speculation is held up to this many times max_hold, while the batch does not shrink ...
+IDLE_HOLDS = 2  # no speculation is held up to this many times max_hold, while the batch does not shrink ...
 IDLE_SHRINK = 1 / 8  # ... by more than this share: a loaded batch loses a request or two between arrivals
 
 
@@ -62,7 +62,7 @@ class _Held:
 
 
 class PlanHold:
-    def __init__(self, max_hold: int = 8, max_newcomers: float = 0.25) -> None:
+    def __init__(self, max_hold: int = 16, max_newcomers: float = 0.25) -> None:
         if not (isinstance(max_hold, int) and max_hold >= 1 and 0 <= max_newcomers < 1):
             raise ValueError(f"max_hold must be an integer >= 1 and max_newcomers in [0, 1): got {max_hold!r}, "
                              f"{max_newcomers!r}")
