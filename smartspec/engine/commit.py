@@ -25,8 +25,8 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
                   stop_token_ids, max_model_len: int, now: float, tokenizer=None,
                   grammar: RequestGrammar | None = None, source: str | None = None) -> Committed:
     """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
-    source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the simulator's token ids stand
-    for lengths only). grammar: a structured request's, advanced over the tokens taken; once it is complete the
+    source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the
+    simulator's token ids stand for lengths only). grammar: a structured request's, advanced over the tokens taken; once it is complete the
     request stops. What fails in here escapes labelled by its stage (types/faults.py: commit, detokenizing,
     grammar); the step ends that request alone."""
     # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did

@@ -48,7 +48,8 @@ class ArrivalGaps:
 
     def see_each(self, requests, now: float | None = None) -> None:
         """see() for each of these (views with request_id and arrival_time): the ones already counted, most of a
-        step's, skipped by one set test in C (a loop in Python was a tenth of the policy's time at 256 requests). now: the step's clock, which times the departures since the last."""
+        step's, skipped by one set test in C (a loop in Python was a tenth of the policy's time at 256 requests).
+        now: the step's clock, which times the departures since the last."""
         if not self._seen.issuperset(map(_REQUEST_ID, requests)):
             for r in requests:
                 self.see(r.request_id, r.arrival_time)

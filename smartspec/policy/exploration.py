@@ -75,13 +75,17 @@ def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, 
     more than they add, a catch-up that does not pay), no outcome of the probe could. Without this check, probes in
     large batches on a CPU (where one draft forward is a sizeable share of a step) cost more than speculation ever
     gained there.
-    together: while the prior is unlearned, what a probe tests is the proposer, so the due requests are optimistic
-    together, in one plan: a draft forward serves the whole batch, so requests that could not pay for a depth alone
-    may together (tried one at a time, a fresh policy in a small batch may never probe, and never learn that a good
-    pair agrees on almost every token). What runs is still one request's probe, so it is run only where it costs
-    less than what that plan would add over the steps the batch is expected to hold (probe_pays). Once the prior is
+    together: while the prior is unlearned (or where the plan drafts nothing, below), what a probe tests is the
+    proposer, so the due requests are optimistic together, in one plan: a draft forward serves the whole batch, so
+    requests that could not pay for a depth alone may together (tried one at a time, a fresh policy in a small
+    batch may never probe, and never learn that a good pair agrees on almost every token). What runs is still one
+    request's probe, so it is run only where it costs less than what that plan would add over the steps the batch
+    is expected to hold (probe_pays). Once the prior is
     learned, the plan already drafts wherever requests like the rest would pay together, and a probe tests one
-    request: it is tried alone on top of the chosen plan, at every draft length up to its cap."""
+    request: it is tried alone on top of the chosen plan, at every draft length up to its cap. Where that plan
+    drafts nothing, one request alone would pay a whole draft forward, which in a large batch it never earns back,
+    and a prior below the batch's acceptance (a calibration on a few questions) would never be corrected: there
+    the due requests are judged together as well."""
     if not due:
         return set()
     step, raw_gains, price = chain.step, chain.raw_gains, chain.price

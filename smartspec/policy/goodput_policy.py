@@ -230,12 +230,13 @@ class GoodputPolicy(Policy):
     def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan) -> tuple[list[int], list[str]]:
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
         within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
-        more than a small share of the step (the prior speaks for it)."""
+        more than a small share of the step (the prior speaks for it). Judged together (worth_probing) while the
+        prior is learned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
         due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.k_max))
                if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
         learning = explore.learning(self.acceptance.evidence)
-        worth = worth_probing(chain, due, plan, learning, self.acceptance.first.max_alpha,
+        worth = worth_probing(chain, due, plan, learning or plan.depth == 0, self.acceptance.first.max_alpha,
                               lambda g: self.catchup.charge(g, step, chain.starts, self.cost), self.cost.predict)
         budget = explore.budget(len(step.ids))
         for i in sorted(due, key=lambda i: start_s[i]):

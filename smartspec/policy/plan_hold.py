@@ -74,7 +74,8 @@ class PlanHold:
         """Whether this step of `rows` requests (`ids`, read only if need be) keeps the last full plan of a step
         like it, and that plan drafts nothing (no speculation suits any batch: within its hold the step's requests
         need not be read). Past its hold, such a plan that had held max_hold steps holds on, up to IDLE_HOLDS times
-        as long, while the batch has not shrunk by more than IDLE_SHRINK and no more than `max_newcomers` of it is new."""
+        as long, while the batch has not shrunk by more than IDLE_SHRINK and no more than `max_newcomers` of it is
+        new."""
         last = self._by_prefill[prefilling]
         if last.drafts:
             return False
