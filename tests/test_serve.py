@@ -864,12 +864,26 @@ def test_a_replica_restarted_under_load_speculates_within_its_first_200_steps(ra
                         return repr(e)
             return await asyncio.gather(*(one() for _ in range(requests)))
 
+    async def load_until(killed: asyncio.Event) -> None:
+        """Four clients sending request after request until the replica is killed: in flight whenever it is
+        looked at, however fast the replica serves."""
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def client_loop():
+                while not killed.is_set():
+                    try:
+                        await client.post(f"{url}/v1/completions", json=body)
+                    except httpx.HTTPError:
+                        pass
+            await asyncio.gather(*(client_loop() for _ in range(4)))
+
     async def main():
         first = await asyncio.to_thread(_status_of, url, lambda s: len(s["replicas"]) == 1)
         (old,) = first["replicas"].values()
-        before = asyncio.create_task(load(8))
+        killed = asyncio.Event()
+        before = asyncio.create_task(load_until(killed))
         await asyncio.to_thread(_status_of, url, lambda s: any(r["in_flight"] for r in s["replicas"].values()))
         os.kill(old["pid"], signal.SIGKILL)
+        killed.set()
         after = asyncio.create_task(load(8))  # the load goes on while Serve starts the replica again
         new = await asyncio.to_thread(_status_of, url, lambda s: [r["pid"] for r in s["replicas"].values()] not in (
             [], [old["pid"]]), 120)
