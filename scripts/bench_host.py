@@ -29,6 +29,9 @@ from smartspec.types.sampling_params import SamplingParams, StructuredOutput
 CYCLE_TEXT = "abcdefghijklmnop"  # the stand-in continues this cycle (one byte-level token a letter)
 PROMPT_TOKENS = 48
 WARM_STEPS = 3  # decoding steps run before the timed ones
+# engine/llm_engine.py's functions the step calls, by stage
+MODULE_STAGES = {"plan_step": "plan", "propose": "propose", "cut_to_grammars": "propose",
+                 "take_prompt_logprobs": "accept", "accept_drafts": "accept"}
 STAGES = ["schedule", "plan", "propose", "prepare inputs", "forward (stand-in)", "accept", "commit", "record",
           "observe"]
 
@@ -45,14 +48,15 @@ def params_of(i: int, max_tokens: int, mix: bool = True) -> SamplingParams:
 
 
 class StageClock:
-    """Seconds per stage of the engine's step, taken by wrapping the calls the step is made of."""
+    """Seconds per stage of the engine's step, taken by wrapping the calls the step is made of: the engine's own
+    methods, and the module functions its step calls, put back by close()."""
 
     def __init__(self, engine: LLMEngine, runner: InstantRunner) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.runner = runner
-        for name, stage in (("plan_step", "plan"), ("propose", "propose"), ("cut_to_grammars", "propose"),
-                            ("take_prompt_logprobs", "accept"), ("accept_drafts", "accept")):
-            setattr(llm_engine, name, self._timed(getattr(llm_engine, name), stage))
+        self.unwrapped = {name: getattr(llm_engine, name) for name in MODULE_STAGES}
+        for name, stage in MODULE_STAGES.items():
+            setattr(llm_engine, name, self._timed(self.unwrapped[name], stage))
         engine.scheduler.schedule = self._timed(engine.scheduler.schedule, "schedule")
         engine._commit = self._timed(engine._commit, "commit")
         engine._record = self._timed(engine._record, "record")
@@ -67,6 +71,10 @@ class StageClock:
             finally:
                 self.seconds[stage] += time.perf_counter() - began
         return timed
+
+    def close(self) -> None:
+        for name, call in self.unwrapped.items():
+            setattr(llm_engine, name, call)
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -109,16 +117,19 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
     for i in range(rows):
         engine.add_request(list(ids), params_of(i, max_tokens, mix), request_id=f"r{i}")
     clock = StageClock(engine, runner)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
-        engine.step()
-    clock.reset()
-    ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
-    drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
-    for _ in range(steps):
-        engine.step()
-    total_s = time.perf_counter() - began
+    try:
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
+        for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
+            engine.step()
+        clock.reset()
+        ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
+        drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
+        for _ in range(steps):
+            engine.step()
+        total_s = time.perf_counter() - began
+    finally:
+        clock.close()
     if len(engine.requests) != rows:
         raise RuntimeError(f"{rows - len(engine.requests)} requests finished inside the measured steps")
     chosen = engine.stats.chosen_k

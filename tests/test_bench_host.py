@@ -63,3 +63,11 @@ def test_bench_host_prints_its_stages_and_writes_them(tmp_path, capsys):
     assert (tmp_path / "host.png").stat().st_size > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("host ms per step: 1 row ") and "; 8 rows " in last
+
+
+def test_the_stage_clock_puts_the_engines_functions_back(tiny_qwen):
+    from smartspec.engine import llm_engine
+
+    before = {name: getattr(llm_engine, name) for name in bench_host.MODULE_STAGES}
+    bench_host.measure(tiny_qwen, 2, "chain", 4, 2)
+    assert {name: getattr(llm_engine, name) for name in bench_host.MODULE_STAGES} == before

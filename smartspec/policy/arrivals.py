@@ -21,9 +21,8 @@ after it (release carries no clock).
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
 
-_REQUEST_ID = attrgetter("request_id")
+from smartspec.policy.step_numbers import REQUEST_ID
 
 
 class ArrivalGaps:
@@ -50,7 +49,7 @@ class ArrivalGaps:
         """see() for each of these (views with request_id and arrival_time): the ones already counted, most of a
         step's, skipped by one set test in C (a loop in Python was a tenth of the policy's time at 256 requests).
         now: the step's clock, which times the departures since the last."""
-        if not self._seen.issuperset(map(_REQUEST_ID, requests)):
+        if not self._seen.issuperset(map(REQUEST_ID, requests)):
             for r in requests:
                 self.see(r.request_id, r.arrival_time)
         if now is not None and self._untimed:

@@ -59,7 +59,8 @@ def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
     num_logits = np.fromiter((item.num_logits for item in items), np.int64, rows)
     total = int(counts.sum())
     seq_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
-    within = np.arange(total, dtype=np.int64) - (np.cumsum(counts) - counts)[seq_of]  # each token's place in its item
+    first = np.cumsum(counts) - counts  # each item's first token in the step
+    within = np.arange(total, dtype=np.int64) - first[seq_of]  # each token's place in its item
     stored = starts[seq_of] + within  # where its k/v is stored
     widths = [len(item.request.block_table) for item in items]
     tables = np.zeros((rows, max(widths)), dtype=np.int32)
@@ -70,10 +71,11 @@ def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
         raise IndexError("a token is stored past its request's block table")
     slots = tables[seq_of, block].astype(np.int64) * blocks.block_size + stored % blocks.block_size
     positions = stored
-    if any(item.positions is not None for item in items):
-        positions = np.fromiter(itertools.chain.from_iterable(
-            item.positions if item.positions is not None else range(item.start, item.start + len(item.tokens))
-            for item in items), np.int64, total)
+    placed = [row for row, item in enumerate(items) if item.positions is not None]  # a tree's nodes sit at depth
+    if placed:
+        positions = stored.copy()
+        for row in placed:
+            positions[first[row]:first[row] + counts[row]] = items[row].positions
     tree_base = tree_mask = None
     if any(item.tree_masks is not None for item in items):
         bases = [NO_TREE if item.tree_masks is None else item.tree_base for item in items]
