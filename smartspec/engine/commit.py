@@ -26,9 +26,9 @@ def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockMana
                   grammar: RequestGrammar | None = None, source: str | None = None) -> Committed:
     """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
     source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the
-    simulator's token ids stand for lengths only). grammar: a structured request's, advanced over the tokens taken; once it is complete the
-    request stops. What fails in here escapes labelled by its stage (types/faults.py: commit, detokenizing,
-    grammar); the step ends that request alone."""
+    simulator's token ids stand for lengths only). grammar: a structured request's, advanced over the tokens
+    taken; once it is complete the request stops. What fails in here escapes labelled by its stage
+    (types/faults.py: commit, detokenizing, grammar); the step ends that request alone."""
     # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
     # not make, go back
     with stage("commit"):

@@ -11,11 +11,11 @@ host time. "Keeps predicting" is judged on the fit's bias, not step by step: `dr
 the last steps (weight DRIFT_WEIGHT each), stays within QUIET_ERROR. Step times on a shared CPU scatter widely
 around any fit (one step off tells nothing; refitted on such noise, the fit does not predict the next step better),
 while steps that run slower or faster than the fit, one after another, move the average within a few steps and
-bring the gap back to REFIT_GAP_S at once. A step that ran more
-than STALL_MISS slower (a preempted core, 1% of a shared CPU's steps) is left out of the average, as the robust fit
-leaves it out. A change of speed is followed within a fifth of a second of steps, or, where every step is a stall to
-the old fit, once SpeedChange has read the change; a drafting step whose draft time the fit missed by more than the
-price check's tolerance is refitted at once (GoodputPolicy.observe)."""
+bring the gap back to REFIT_GAP_S at once. A step that ran more than STALL_MISS slower (a preempted core, 1% of a
+shared CPU's steps) is left out of the average, as the robust fit leaves it out. A change of speed is followed
+within a fifth of a second of steps, or, where every step is a stall to the old fit, once SpeedChange has read the
+change; a drafting step whose draft time the fit missed by more than the price check's tolerance is refitted at
+once (GoodputPolicy.observe)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -80,12 +80,11 @@ def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, 
     requests that could not pay for a depth alone may together (tried one at a time, a fresh policy in a small
     batch may never probe, and never learn that a good pair agrees on almost every token). What runs is still one
     request's probe, so it is run only where it costs less than what that plan would add over the steps the batch
-    is expected to hold (probe_pays). Once the prior is
-    learned, the plan already drafts wherever requests like the rest would pay together, and a probe tests one
-    request: it is tried alone on top of the chosen plan, at every draft length up to its cap. Where that plan
-    drafts nothing, one request alone would pay a whole draft forward, which in a large batch it never earns back,
-    and a prior below the batch's acceptance (a calibration on a few questions) would never be corrected: there
-    the due requests are judged together as well."""
+    is expected to hold (probe_pays). Once the prior is learned, the plan already drafts wherever requests like the
+    rest would pay together, and a probe tests one request: it is tried alone on top of the chosen plan, at every
+    draft length up to its cap. Where that plan drafts nothing, one request alone would pay a whole draft forward,
+    which in a large batch it never earns back, and a prior below the batch's acceptance (a calibration on a few
+    questions) would never be corrected: there the due requests are judged together as well."""
     if not due:
         return set()
     step, raw_gains, price = chain.step, chain.raw_gains, chain.price

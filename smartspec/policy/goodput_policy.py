@@ -231,7 +231,7 @@ class GoodputPolicy(Policy):
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
         within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
         more than a small share of the step (the prior speaks for it). Judged together (worth_probing) while the
-        prior is learned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
+        prior is unlearned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
         due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.k_max))
                if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
