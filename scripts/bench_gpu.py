@@ -205,7 +205,7 @@ def step_cost(engine, device: str, context: int, reps: int) -> dict:
     try:
         engine.runner.forward([ForwardItem(r, r.token_ids[:context], 0, 1)])
         out = {}
-        for n in (1, K + 1, 1, K + 1):  # each shape twice: the first pass captures its graph
+        for n in (1, K + 1, 1, K + 1):  # each shape twice: the first pass warms it up
             samples = []
             for _ in range(reps):
                 sync(device)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     results["backend"] = engine.runner.backend.name
     spec = SpeculativeConfig.parse({"method": "draft_model", "model": built["draft"], "num_speculative_tokens": K})
     blocks = draft_blocks(spec, engine.blocks.num_blocks, engine.config.max_num_seqs, engine.blocks.blocks_for)
-    proposer = make_draft_proposer(spec, engine.draft_runtime(blocks))
+    proposer = make_draft_proposer(spec, engine.draft_runtime(blocks, spec))
     gen = torch.Generator().manual_seed(args.seed)
     greedy = SamplingParams(max_tokens=args.max_new, ignore_eos=True)
 
@@ -374,7 +374,7 @@ def main(argv=None) -> int:
                                          "tree": {"max_nodes": 8, "max_depth": 3, "branching": 2}})
     tree_blocks = draft_blocks(tree_spec, engine.blocks.num_blocks, engine.config.max_num_seqs,
                                engine.blocks.blocks_for)
-    engine.set_speculation(make_draft_proposer(tree_spec, engine.draft_runtime(tree_blocks)),
+    engine.set_speculation(make_draft_proposer(tree_spec, engine.draft_runtime(tree_blocks, tree_spec)),
                            make_policy("fixed:8", 8), 8)
     trees = [outputs(engine, make_policy("fixed:8", 8), check[:2], sampled, k_max=8) for _ in range(2)]
     results["sampled"] = {"chain_repeats": chains[0] == chains[1], "tree_repeats": trees[0] == trees[1],
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     if results["dtype"] != "float32":  # fp32 on the same device: the contract there is bitwise
         del engine, proposer
         fp32 = engine_for("float32")
-        fp32.set_speculation(make_draft_proposer(spec, fp32.draft_runtime(blocks)), make_policy("off", K), K)
+        fp32.set_speculation(make_draft_proposer(spec, fp32.draft_runtime(blocks, spec)), make_policy("off", K), K)
         plain = outputs(fp32, make_policy("off", K), check, short)
         spec_out = outputs(fp32, make_policy(f"fixed:{K}", K), check, short)
         results["lossless"]["float32"] = lossless(built["target"], args.device, "float32", check, plain, spec_out)

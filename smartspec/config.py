@@ -27,9 +27,12 @@ class EngineConfig:
     # "auto": bfloat16 on a GPU, float32 on the CPU (the CPU kernels compute in fp32); or float32, bfloat16, float16
     dtype: str = "auto"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    # On a GPU, replay decode and verify steps as CUDA graphs in padded buckets (runtime/cuda_graphs.py); a bucket
-    # whose capture fails turns them off with a warning. Ignored on the CPU.
+    # On a GPU, replay decode and verify steps as CUDA graphs in padded buckets (runtime/cuda_graphs.py), every
+    # bucket captured at start; a bucket whose capture fails turns them off with a warning. Ignored on the CPU.
     cuda_graphs: bool = True
+    # The most buckets (graphs) a model's runner captures: the planned set covers every decode and verify step
+    # within it, coarser where the cap is lower (runtime/graph_buckets.py)
+    max_cuda_graphs: int = 96
     # "auto": "gguf" for a model folder that holds a GGUF file (the bundled models), else None. "gguf": the
     # weights stay in the GGUF block formats and linears compute from them with int8 activations (llama.cpp's
     # numerics, AVX-512 VNNI); "gguf_exact": the same weights with fp32 activations, outputs bit for bit those of
@@ -58,7 +61,7 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must be a non-empty string (a bundled name, a directory or a hub id)")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graphs"):
             positive(name)
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:

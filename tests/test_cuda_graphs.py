@@ -1,7 +1,8 @@
 """Decode and verify steps in padded buckets (runtime/cuda_graphs.py), run eagerly on the CPU: everything a CUDA
 graph replays except the capture itself. The padded steps give the eager steps' logits and greedy output (plain,
-draft chains, token trees), read nothing back to the host inside a step (a capture would fail there), and a failed
-capture turns graphs off without failing the step."""
+draft chains, token trees), every decode and verify step runs in a bucket laid out at start (none is added while
+serving), a step reads nothing back to the host (a capture would fail there), and a failed capture turns graphs off
+at start without failing a step."""
 import logging
 
 import pytest
@@ -14,7 +15,8 @@ from host_reads import HostReads
 from smartspec import LLM
 from smartspec.engine import profile
 from smartspec.runtime.block_manager import BlockManager
-from smartspec.runtime.cuda_graphs import GRAPH_SHAPES, Bucket, GraphBackend, bucket_for
+from smartspec.runtime.cuda_graphs import GraphBackend, bucket_for
+from smartspec.runtime.graph_buckets import Bucket, BucketLimits, plan_buckets
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner, prepare_step
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
@@ -27,14 +29,33 @@ def make(path, spec=None):
                warmup_profile=False)
 
 
+# the steps of a_step below: up to 16 rows, 8 tokens a row, 256 cache positions, trees
+LIMITS = BucketLimits(max_rows=16, max_width=8, max_kv=256, block_size=4, trees=True)
+
+
 def padded(llm):
-    """The engine's runners (the target's and a draft model's) swapped for runners of padded steps, before any step."""
+    """The engine's runners (the target's and a draft model's) swapped for runners of padded steps, before any step,
+    their buckets planned as the engine plans them."""
     eng = llm.engine
-    eng.runner = ModelRunner(eng.model, eng.blocks, False, "cpu", step_graphs="padded")
+    eng.runner = ModelRunner(eng.model, eng.blocks, False, "cpu", step_graphs="padded",
+                             bucket_limits=eng.bucket_limits())
     proposer = eng.speculation.proposer
     if hasattr(proposer, "runner"):
-        proposer.runner = ModelRunner(proposer.model, proposer.blocks, False, "cpu", step_graphs="padded")
+        proposer.runner = ModelRunner(proposer.model, proposer.blocks, False, "cpu", step_graphs="padded",
+                                      bucket_limits=eng.bucket_limits(draft=True))
     return llm
+
+
+def eager_widths(runner: ModelRunner) -> list[int]:
+    """Records, from now on, the widest row of every step the runner's padded backend hands to its eager one."""
+    backend, widths = runner.backend, []
+    execute = backend.eager.execute
+
+    def recorded(inputs, kv_caches):
+        widths.append(int(torch.bincount(inputs.seq_of).max()))
+        return execute(inputs, kv_caches)
+    backend.eager.execute = recorded
+    return widths
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +73,14 @@ def test_padded_steps_give_the_eager_greedy_output(method, tiny_qwen, tiny_qwen_
     if method == "self-tree":
         spec["tree"] = {"max_nodes": 8, "max_depth": 3, "branching": 2}
     llm = padded(make(tiny_qwen, spec))
+    backend = llm.engine.runner.backend
+    laid_out, eager = dict(backend.steps), eager_widths(llm.engine.runner)
+    assert set(laid_out) == set(backend.plan.buckets())
     got = run_staggered(llm, PROMPTS, PARAMS)
-    buckets = llm.engine.runner.backend.steps
-    assert buckets and all(b.rows * b.width <= GRAPH_SHAPES.max_cells for b in buckets)
+    assert backend.steps == laid_out  # nothing added while serving
+    # every step ran in a bucket but those with a row wider than the widest (a prefill chunk)
+    assert eager and min(eager) > backend.plan.widths[-1]
+    buckets = backend.uses
     if method == "self-tree":
         assert any(b.trees for b in buckets)
         assert llm.engine.speculation.metrics.accepted_per_position[2] > 0  # deep tree paths were verified
@@ -88,12 +114,13 @@ def a_step(runner: ModelRunner, with_tree: bool) -> list[ForwardItem]:
 def test_a_padded_step_gives_the_eager_logits(tiny_qwen, with_tree):
     llm = make(tiny_qwen)
     eager = llm.engine.runner
-    padded_runner = ModelRunner(llm.engine.model, eager.blocks, False, "cpu", step_graphs="padded")
+    padded_runner = ModelRunner(llm.engine.model, eager.blocks, False, "cpu", step_graphs="padded",
+                                bucket_limits=LIMITS)
     for runner in (eager, padded_runner):  # the same requests, prefilled in each runner's cache
         runner.blocks = BlockManager(eager.blocks.num_blocks, eager.blocks.block_size)
     want = eager.forward(a_step(eager, with_tree))
     got = padded_runner.forward(a_step(padded_runner, with_tree))
-    assert Bucket(rows=4, width=8 if with_tree else 4, kv_width=128, trees=with_tree) in padded_runner.backend.steps
+    assert Bucket(rows=4, width=8 if with_tree else 4, kv_width=128, trees=with_tree) in padded_runner.backend.uses
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -108,7 +135,8 @@ def test_the_detector_sees_host_reads():
 @pytest.mark.parametrize("with_tree", [False, True])
 def test_a_padded_step_reads_nothing_back_to_the_host(tiny_qwen, with_tree):
     llm = make(tiny_qwen)
-    runner = ModelRunner(llm.engine.model, llm.engine.blocks, False, "cpu", step_graphs="padded")
+    runner = ModelRunner(llm.engine.model, llm.engine.blocks, False, "cpu", step_graphs="padded",
+                         bucket_limits=LIMITS)
     runner.forward(a_step(runner, with_tree))
     step = runner.backend.steps[Bucket(rows=4, width=8 if with_tree else 4, kv_width=128, trees=with_tree)]
     with torch.inference_mode(), HostReads() as reads:
@@ -126,73 +154,33 @@ def test_buckets():
             items.append(ForwardItem(r, r.token_ids[20:], 20, n))
         return prepare_step(items, bm)
 
-    assert bucket_for(inputs([1, 1, 1]), 4, 256) == Bucket(4, 1, 128, False)
-    assert bucket_for(inputs([5, 1]), 4, 256) == Bucket(2, 8, 128, False)
-    assert bucket_for(inputs([65]), 4, 256) is None  # a prefill chunk runs eagerly
-    assert bucket_for(inputs([40] * 33), 4, 256) is None  # 48 rows x 64 wide: past the largest bucket's cells
-    assert bucket_for(inputs([1]), 4, 16) is None  # past the cache the runner holds
+    plan = plan_buckets(LIMITS)
+    assert plan.rows == (1, 2, 4, 8, 12, 16) and plan.widths == (1, 2, 4, 8) and plan.kv_widths == (128, 256)
+    assert bucket_for(inputs([1, 1, 1]), plan) == Bucket(4, 1, 128, False)
+    assert bucket_for(inputs([5, 1]), plan) == Bucket(2, 8, 128, False)
+    assert bucket_for(inputs([9]), plan) is None  # a row wider than a verify step's: a prefill chunk, run eagerly
+    assert bucket_for(inputs([1] * 17), plan) is None  # more rows than the scheduler runs
+    long = BlockManager(1024, 4)
+    r = Request("long", list(range(300)), SamplingParams())
+    long.allocate(r, 300)
+    assert bucket_for(prepare_step([ForwardItem(r, [7], 299, 1)], long), plan) is None  # past max_model_len
 
 
-def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_qwen, caplog):
-    """On a CPU build, capture fails at its first CUDA call: the step still gets the eager logits, and later steps
-    do not try again."""
+def test_a_failed_capture_turns_graphs_off_at_start_and_steps_run_eagerly(tiny_qwen, caplog):
+    """On a CPU build, capture fails at its first CUDA call, at start: graphs are off before any step, and steps get
+    the eager logits."""
     llm = make(tiny_qwen)
     eager = llm.engine.runner
-    runner = ModelRunner(llm.engine.model, eager.blocks, False, "cpu", step_graphs="padded")
-    runner.backend = GraphBackend(runner.backend.eager, eager.blocks.block_size, scratch_block=eager.blocks.num_blocks,
-                                  max_kv_width=eager.blocks.num_blocks * eager.blocks.block_size, capture=True)
+    runner = ModelRunner(llm.engine.model, eager.blocks, False, "cpu", step_graphs="padded", bucket_limits=LIMITS)
+    runner.backend = GraphBackend(runner.backend.eager, plan_buckets(LIMITS), eager.blocks.block_size,
+                                  scratch_block=eager.blocks.num_blocks, capture=True)
+    with caplog.at_level(logging.WARNING):
+        runner.backend.warm_up(runner.kv_caches)
+    assert "CUDA graphs turned off" in caplog.text
+    assert not runner.backend.enabled and not runner.backend.steps and runner.padded_shapes is None
     items = a_step(runner, with_tree=False)
     want = runner.backend.eager.execute(prepare_step(items, runner.blocks), runner.kv_caches)
-    with caplog.at_level(logging.WARNING):
-        got = runner.forward(items)
-    assert "CUDA graphs turned off" in caplog.text
-    assert not runner.backend.enabled and not runner.backend.steps
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-class CountingRunner(ModelRunner):
-    """A CPU runner that says it captures graphs (or not), and counts its forwards."""
-
-    def __init__(self, *args, captures: bool, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.captures, self.forwards = captures, 0
-
-    @property
-    def captures_graphs(self) -> bool:
-        return self.captures
-
-    def forward(self, items):
-        self.forwards += 1
-        return super().forward(items)
-
-
-def test_the_warm_up_profile_measures_a_capturing_runner_on_its_second_pass(tiny_qwen, monkeypatch):
-    """A shape's first step on a capturing runner includes its capture: the profile runs every shape twice there,
-    and hands the cost model the second pass only (as many records as one pass, twice the forwards). The warm-up
-    request before the shapes is not counted: its steps depend on what its prompt's drafts happen to accept."""
-    warm_up = profile.warm_up_forwards
-
-    def profiled(captures: bool):
-        llm = LLM(tiny_qwen, num_kv_blocks=128, block_size=4, max_model_len=256, warmup_profile=False,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 2, "policy": "smartspec"})
-        eng = llm.engine
-        eng.runner = CountingRunner(eng.model, eng.blocks, True, "cpu", captures=captures)
-        warm_up_forwards = []
-
-        def counted_warm_up(engine, context=64):
-            before = engine.runner.forwards
-            steps = warm_up(engine, context)
-            warm_up_forwards.append(engine.runner.forwards - before)
-            return steps
-        monkeypatch.setattr(profile, "warm_up_forwards", counted_warm_up)
-        records = eng.profile_steps(batches=(1, 2))
-        assert len(warm_up_forwards) == 1
-        return records, eng.runner.forwards - warm_up_forwards[0]
-
-    once, forwards_once = profiled(False)
-    twice, forwards_twice = profiled(True)
-    assert len(once) == len(twice) > 0
-    assert forwards_twice == 2 * forwards_once
+    torch.testing.assert_close(runner.forward(items), want, rtol=0, atol=0)
 
 
 def test_a_padded_runner_is_profiled_up_to_the_batch_it_serves(tiny_qwen):
@@ -214,5 +202,5 @@ def test_a_padded_runner_is_profiled_up_to_the_batch_it_serves(tiny_qwen):
     assert batches == (1, 4, 16)
     served = [r for r in records if r.batch_size == 16]
     assert {max(r.ks) for r in served} == {0, 1, 2}  # every profiled k at the served batch
-    # fed to the fit as the buckets' cells: 16 x 1, 16 x 2, and 16 x 4 for a row of 3 tokens
-    assert {(max(r.ks), r.forward_tokens) for r in served} == {(0, 16), (1, 32), (2, 64)}
+    # fed to the fit as the buckets' cells: 16 x 1, 16 x 2 and 16 x 3 (the widest rung is 1 + k_max, not a power of 2)
+    assert {(max(r.ks), r.forward_tokens) for r in served} == {(0, 16), (1, 32), (2, 48)}

@@ -392,7 +392,7 @@ def test_on_a_padded_runner_one_request_does_not_widen_every_row():
     """Steps padded to buckets (CUDA graphs) cost their cells: a chain of 5 for one request of 64 makes every row 8
     wide. Where a cell costs what a token costs, the plan that pays on real tokens (k = 5 for the one request that
     accepts everything) is not chosen once the view says how steps are padded."""
-    from smartspec.runtime.cuda_graphs import GRAPH_SHAPES
+    from smartspec.types.padding import PaddedShapes
 
     def plan(shapes):
         p = drafting_policy(0.0)
@@ -406,7 +406,7 @@ def test_on_a_padded_runner_one_request_does_not_widen_every_row():
         return p.plan(dataclasses.replace(view(requests, 5), shapes=shapes)).ks
 
     assert plan(None)[0] == 5  # on real tokens the long chain pays
-    padded = plan(GRAPH_SHAPES)
+    padded = plan(PaddedShapes(rows=(1, 2, 4, 8, 16, 32, 64), widths=(1, 2, 4, 8), max_cells=512))
     assert max(padded) <= 1  # no row wider than 2: 128 cells, not 512
 
 

@@ -59,6 +59,7 @@ class AppConfig(Strict):
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: torch attention, no CPU kernels
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
     cuda_graphs: bool = True  # on a GPU: decode and verify steps replayed as CUDA graphs
+    max_cuda_graphs: int = Field(96, ge=1)  # buckets a model's runner captures at start (runtime/graph_buckets.py)
     replica_num_gpus: float = Field(0, ge=0)
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None  # set: replicas scale by ongoing requests, num_replicas ignored
@@ -142,7 +143,8 @@ class AppConfig(Strict):
         return EngineConfig(model=self.model, kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             num_threads=self.threads, use_kernels=self.use_kernels, device=self.device,
-                            dtype=self.dtype, cuda_graphs=self.cuda_graphs, quantization=self.quantization,
+                            dtype=self.dtype, cuda_graphs=self.cuda_graphs,
+                            max_cuda_graphs=self.max_cuda_graphs, quantization=self.quantization,
                             speculative_config=self.speculation, warmup_profile=self.warmup_profile,
                             profile_cache=self.profile_cache,
                             trace_path=trace, enable_prefix_caching=self.enable_prefix_caching)

@@ -75,7 +75,6 @@ class TPWorker:
 
 class TPModelRunner:
     """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
-    captures_graphs = False  # the ranks run every step eagerly
     padded_shapes = None  # and unpadded
 
     def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,

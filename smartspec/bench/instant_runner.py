@@ -24,7 +24,6 @@ class InstantRunner:
     its input preparation and its stand-in forward took. vocab_size: the logits' width (the model config's)."""
 
     padded_shapes: PaddedShapes | None = None  # every step runs as it comes, as on a CPU
-    captures_graphs = False
 
     def __init__(self, vocab_size: int, blocks: BlockManager, cycle: list[int]) -> None:
         vocab = self.vocab_size = vocab_size

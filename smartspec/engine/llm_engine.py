@@ -28,9 +28,11 @@ from smartspec.models import load_model
 from smartspec.models.loader import LoadedModel
 from smartspec.policy import Policy
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.graph_buckets import BucketLimits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.page_arena import release_freed_memory
 from smartspec.spec_decode.accept import Verdicts, accept_drafts
+from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
 from smartspec.spec_decode.hints import RequestHints
 from smartspec.spec_decode.proposer import Draft, Proposer
@@ -85,7 +87,8 @@ class LLMEngine:
         with phases.phase("model runner"):
             self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
                            else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
-                                            step_graphs="cuda" if config.cuda_graphs else "off"))
+                                            step_graphs="cuda" if config.cuda_graphs else "off",
+                                            bucket_limits=self.bucket_limits()))
         spec = config.speculative_config
         with phases.phase("proposer"):
             self.speculation = self._start_speculation(num_blocks, draft_factory)
@@ -130,11 +133,26 @@ class LLMEngine:
                 f"{self.max_model_len} tokens; raise kv_cache_gib / num_kv_blocks or lower max_model_len")
         return num_blocks
 
-    def draft_runtime(self, num_blocks: int) -> DraftRuntime:
-        """How a draft model for this target is built: its vocabulary and this engine's runtime options."""
+    def draft_runtime(self, num_blocks: int, spec: SpeculativeConfig | None = None) -> DraftRuntime:
+        """How a draft model for this target is built: its vocabulary and this engine's runtime options. spec: the
+        speculation it drafts for (default: the configured one), which sets the steps its runner's graphs cover."""
         c = self.config
         return DraftRuntime(self.tokenizer, self.vocab_size, num_blocks, c.block_size, c.use_kernels, c.dtype,
-                            c.device, c.quantization, c.enable_prefix_caching, c.cuda_graphs)
+                            c.device, c.quantization, c.enable_prefix_caching,
+                            self.bucket_limits(spec, draft=True) if c.cuda_graphs else None)
+
+    def bucket_limits(self, spec: SpeculativeConfig | None = None, draft: bool = False) -> BucketLimits:
+        """The decode and verify steps this engine can form, which a runner's padded buckets cover: up to
+        max_num_seqs rows of 1 + k_max tokens within max_model_len, token-tree masks where trees or request hints
+        (verified as trees) can come. The draft model's: its own trees only, and a tree's fed levels past the
+        target's context end (spec_decode/draft_tree.py holds room for them). spec: default, the configured one."""
+        c = self.config
+        spec = spec or c.speculative_config
+        k_max = spec.k_max if spec else 0
+        trees = spec is not None and (spec.tree is not None or (spec.request_hints and not draft))
+        fed = spec.tree.branching * (spec.tree.max_depth - 1) if draft and spec and spec.tree else 0
+        return BucketLimits(c.max_num_seqs, 1 + k_max, self.max_model_len + fed, c.block_size, trees,
+                            c.max_cuda_graphs)
 
     def set_speculation(self, proposer: Proposer | None = None, policy: Policy | None = None,
                         k_max: int | None = None) -> None:
@@ -148,6 +166,12 @@ class LLMEngine:
         sp = self.speculation
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
+        # wider steps than the target's buckets were planned for (a larger k_max, trees): planned again now, idle,
+        # so that no step runs eagerly for want of a bucket
+        limits = getattr(self.runner, "bucket_limits", None)
+        if limits is not None and (self.speculation.k_max + 1 > limits.max_width or not limits.trees):
+            self.runner.plan_buckets(replace(limits, max_width=max(limits.max_width, self.speculation.k_max + 1),
+                                             trees=True))
 
     def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64,
                         kept_ok: bool = True) -> KeptProfile:

@@ -58,14 +58,12 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
     """Measure a few step shapes (batch x k, through the real step) and hand them to the policy's cost model
     only: a learning policy then starts from measured costs, not guesses. The profile's steps are not observed,
     counted or traced. Both models first run one warm-up request (warm_up_forwards): unwarmed, the first shape's
-    first drafting step is the draft model's first forward in the process. A runner that captures CUDA graphs spends
-    a shape's first step capturing it, so there each shape is run twice and only the second run measured."""
+    first drafting step is the draft model's first forward in the process."""
     warm_up_forwards(engine, context)
     spec = engine.speculation
     padded = _PaddedProposer(spec.proposer)
     records = []
-    passes = (False, True) if engine.runner.captures_graphs else (True,)
-    for batch, k, measured in itertools.product(batches, sorted({0, 1, 2, spec.k_max}), passes):
+    for batch, k in itertools.product(batches, sorted({0, 1, 2, spec.k_max})):
         fixed = Speculation(padded, FixedPolicy(k), max(spec.k_max, 1))
         # max_tokens: one token from the prefill, then at least two full-k steps with the whole batch decoding: the
         # first drafts after the draft's catch-up of the prompt, the second after none, so the fit tells a draft
@@ -89,8 +87,7 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
             record = engine.run_step(fixed).record
             if record is not None and record.num_prefill_tokens == 0:
                 full_steps += record.batch_size == batch
-                if measured:
-                    records.append(record)
+                records.append(record)
         _end(engine, fixed, [f"__profile-{batch}-{k}-{i}" for i in range(batch)])
     spec.policy.observe_profile(records)
     return records

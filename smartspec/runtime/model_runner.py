@@ -12,6 +12,7 @@ from smartspec.runtime.attention import NO_TREE
 from smartspec.runtime.backends import ModulesBackend, select_backend
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.cuda_graphs import GraphBackend, graphable
+from smartspec.runtime.graph_buckets import BucketLimits, plan_buckets
 from smartspec.runtime.page_arena import PageArena
 from smartspec.runtime.step_inputs import StepInputs
 from smartspec.types.padding import PaddedShapes
@@ -96,10 +97,11 @@ class ModelRunner:
 
     step_graphs: "cuda" replays decode and verify steps as CUDA graphs where the model runs on a GPU through the
     torch attention path, unsharded (cuda_graphs.py); "padded" runs those steps in the same padded buckets eagerly
-    (what the CPU tests check); "off" runs every step as it comes."""
+    (what the CPU tests check); "off" runs every step as it comes. bucket_limits: the steps the scheduler can form,
+    which the buckets cover (runtime/graph_buckets.py); needed where step_graphs is not "off"."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockManager, use_kernels: bool, device: str,
-                 tp_size: int = 1, step_graphs: str = "off") -> None:
+                 tp_size: int = 1, step_graphs: str = "off", bucket_limits: BucketLimits | None = None) -> None:
         self.model = model
         self.blocks = blocks
         self.device = torch.device(device)
@@ -109,6 +111,8 @@ class ModelRunner:
         self.backend = select_backend(model, self.device, use_kernels, tp_size)
         if step_graphs not in ("off", "cuda", "padded"):
             raise ValueError(f"step_graphs must be off, cuda or padded, got {step_graphs!r}")
+        if step_graphs != "off" and bucket_limits is None:
+            raise ValueError(f"step_graphs={step_graphs!r} needs bucket_limits")
         graphs = (step_graphs != "off" and tp_size == 1 and isinstance(self.backend, ModulesBackend)
                   and not self.backend.uses_kernels and (step_graphs == "padded" or self.device.type == "cuda")
                   and graphable(model))
@@ -120,10 +124,20 @@ class ModelRunner:
             def zeros(shape, dtype):
                 return torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(zeros(shape, self.dtype), zeros(shape, self.dtype)) for _ in range(self.num_layers)]
+        self.bucket_limits = bucket_limits if graphs else None  # None: steps run as they come
         if graphs:
-            self.backend = GraphBackend(self.backend, blocks.block_size, scratch_block=blocks.num_blocks,
-                                        max_kv_width=blocks.num_blocks * blocks.block_size,
-                                        capture=step_graphs == "cuda")
+            self.backend = GraphBackend(self.backend, plan_buckets(bucket_limits), blocks.block_size,
+                                        scratch_block=blocks.num_blocks, capture=step_graphs == "cuda")
+            self.backend.warm_up(self.kv_caches)
+
+    def plan_buckets(self, limits: BucketLimits) -> None:
+        """Plan (and capture, on a GPU) the padded buckets again, for other limits: only between runs, with no step
+        in flight (a benchmark that swaps in a wider speculation)."""
+        if isinstance(self.backend, GraphBackend) and self.backend.enabled:
+            b = self.backend
+            self.backend = GraphBackend(b.eager, plan_buckets(limits), b.block_size, b.scratch_block, b.capture)
+            self.backend.warm_up(self.kv_caches)
+            self.bucket_limits = limits
 
     @staticmethod
     def bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
@@ -169,8 +183,3 @@ class ModelRunner:
     @property
     def use_kernels(self) -> bool:
         return self.backend.uses_kernels
-
-    @property
-    def captures_graphs(self) -> bool:
-        """Whether a step of a shape not seen before may include capturing its CUDA graph (a slow first step)."""
-        return isinstance(self.backend, GraphBackend) and self.backend.capture and self.backend.enabled

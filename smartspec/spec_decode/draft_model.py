@@ -12,6 +12,7 @@ import torch
 
 from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
+from smartspec.runtime.graph_buckets import BucketLimits
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import seeded_tokens, target_probs
@@ -39,7 +40,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
                  use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
-                 enable_prefix_caching: bool = False, cuda_graphs: bool = False) -> None:
+                 enable_prefix_caching: bool = False, bucket_limits: BucketLimits | None = None) -> None:
         loaded = load_model(model, dtype, device, quantization=quantization)
         if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
@@ -48,7 +49,8 @@ class DraftModelProposer(Proposer):
         self.target_vocab_size = target_vocab_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.blocks, use_kernels, device,
-                                  step_graphs="cuda" if cuda_graphs else "off")
+                                  step_graphs="cuda" if bucket_limits is not None else "off",
+                                  bucket_limits=bucket_limits)
         self.state: dict[str, Request] = {}
 
     @property

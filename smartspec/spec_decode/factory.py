@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from smartspec.runtime.graph_buckets import BucketLimits
 from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.spec_decode.proposer import Proposer
 
@@ -22,7 +23,7 @@ class DraftRuntime:
     device: str = "cpu"
     quantization: str | None = None
     enable_prefix_caching: bool = False
-    cuda_graphs: bool = False
+    bucket_limits: BucketLimits | None = None  # the steps a draft runner's CUDA graphs cover; None: no graphs
 
 
 # builds the draft model's proposer for a single-method draft_model config: in-process by default; the serving
@@ -34,8 +35,7 @@ def make_draft_proposer(spec: SpeculativeConfig, runtime: DraftRuntime) -> Propo
     """The draft model in this process: chains, or token trees when the config asks for them."""
     args = (spec.model, runtime.target_tokenizer, runtime.target_vocab_size, runtime.num_blocks, runtime.block_size,
             runtime.use_kernels, runtime.dtype, runtime.device, spec.draft_quantization or runtime.quantization,
-            runtime.enable_prefix_caching,
-            runtime.cuda_graphs)
+            runtime.enable_prefix_caching, runtime.bucket_limits)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
         return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)
