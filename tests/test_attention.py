@@ -56,7 +56,7 @@ def test_the_torch_path_is_the_definition(with_tree, heads, kv_heads, window):
     k_cache = torch.randn(blocks.num_blocks, BLOCK, kv_heads, d)
     v_cache = torch.randn(blocks.num_blocks, BLOCK, kv_heads, d)
     q = torch.randn(len(x.ids), heads, d)
-    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask, "cpu")
+    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask)
     assert len(groups) == 2 and groups[1].rows == 1  # the short sequences together, the long chunk alone
     layouts = [attention.lay_out(g, BLOCK, heads // kv_heads) for g in groups]
     got = attention._torch_paged_attention(q, k_cache, v_cache, layouts, d ** -0.5, window)
@@ -72,7 +72,7 @@ def test_a_tree_node_does_not_see_its_siblings():
     x = prepare_step(items, blocks)
     k_cache, v_cache = torch.randn(blocks.num_blocks, BLOCK, 2, 8), torch.randn(blocks.num_blocks, BLOCK, 2, 8)
     q = torch.randn(len(x.ids), 2, 8)
-    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask, "cpu")
+    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask)
     layouts = [attention.lay_out(g, BLOCK, 1) for g in groups]
     before = attention._torch_paged_attention(q, k_cache, v_cache, layouts, 0.3, 0)
     tree_item = items[-1]
@@ -118,13 +118,13 @@ def test_every_step_kind_mixed_at_long_contexts(context, dtype, tol):
     q = torch.randn(len(x.ids), heads, d)
     want = reference_paged_attention(q, k_cache, v_cache, x.block_tables, x.seq_of, x.kv_len, d ** -0.5, 0,
                                      x.tree_base, x.tree_mask)
-    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask, "cpu")
+    groups = group_queries(x.seq_of, x.kv_len, x.block_tables, x.tree_base, x.tree_mask)
     layouts = [attention.lay_out(g, 16, heads // kv_heads) for g in groups]
     got = attention._torch_paged_attention(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), layouts, d ** -0.5, 0)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     decodes = [items[0], ForwardItem(items[1].request, items[1].tokens[:1], context, 1)]
     y = prepare_step(decodes, blocks)
-    (alone,) = group_queries(y.seq_of, y.kv_len, y.block_tables, None, None, "cpu")
+    (alone,) = group_queries(y.seq_of, y.kv_len, y.block_tables, None, None)
     assert alone.token_index is None  # every row one token wide: the grid is the step itself
     got = attention._torch_paged_attention(q[:2], k_cache, v_cache, [attention.lay_out(alone, 16, 3)], d ** -0.5, 0)
     torch.testing.assert_close(got, reference_paged_attention(q[:2], k_cache, v_cache, y.block_tables, y.seq_of,

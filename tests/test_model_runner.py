@@ -1,6 +1,9 @@
 """The model runner: a step's items packed into one ragged forward through the paged cache. A row of logits is the
 same bits however the step around it is packed (prefill in chunks or whole, alone or beside other requests, a
 draft chain or a token tree), which is what makes speculation lossless bitwise on the CPU kernels."""
+import os
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -181,3 +184,76 @@ def test_score_holds_cache_blocks_only_for_the_call(tiny_qwen):
     runner = runner_for(tiny_qwen, use_kernels=False)
     assert runner.score(TOKENS).shape == (len(TOKENS), load_model(tiny_qwen, weights=False).config.vocab_size)
     assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+class Transfers:
+    """Counts, while active, every way the engine's code can send a tensor to a device: the runner's upload,
+    `Tensor.to`, `.cuda` and `torch.tensor` naming a device, and `Tensor.copy_` (a padded step's staging copy).
+    Nothing is exempt; only calls from the model's own code (transformers' same-device `.to`) are not the engine's."""
+
+    def __init__(self, monkeypatch):
+        from smartspec.runtime import backends
+        self.seen: list[str] = []
+        upload, to, copy, tensor = backends.upload, torch.Tensor.to, torch.Tensor.copy_, torch.tensor
+
+        def note(what):
+            if f"{os.sep}smartspec{os.sep}" in sys._getframe(2).f_code.co_filename:
+                self.seen.append(what)
+
+        def named_device(args, kwargs):
+            return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+
+        def counted_upload(arrays, device):
+            note("upload")
+            return upload(arrays, device)
+
+        def counted_to(t, *args, **kwargs):
+            if named_device(args, kwargs):
+                note("Tensor.to")
+            return to(t, *args, **kwargs)
+
+        def counted_copy(t, src, *args, **kwargs):
+            note("Tensor.copy_")
+            return copy(t, src, *args, **kwargs)
+
+        def counted_tensor(*args, **kwargs):
+            if "device" in kwargs:
+                note("torch.tensor(device=)")
+            return tensor(*args, **kwargs)
+
+        def counted_cuda(t, *args, **kwargs):
+            note("Tensor.cuda")
+            return t
+
+        monkeypatch.setattr(backends, "upload", counted_upload)
+        monkeypatch.setattr(torch.Tensor, "to", counted_to)
+        monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+        monkeypatch.setattr(torch.Tensor, "cuda", counted_cuda)
+        monkeypatch.setattr(torch, "tensor", counted_tensor)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_forward_sends_its_inputs_to_the_device_in_one_copy(tiny_qwen, padded, monkeypatch):
+    """The torch path (a GPU's) and its padded steps: a step of a prefill, decodes, a draft chain and a token tree
+    crosses to the device once, however many arrays it reads (on a GPU: one non-blocking copy from pinned memory,
+    runtime/upload.py)."""
+    from smartspec.runtime.graph_buckets import BucketLimits
+    loaded = load_model(tiny_qwen, quantization=None)
+    limits = BucketLimits(max_rows=8, max_width=8, max_kv=64, block_size=4, trees=True)
+    runner = ModelRunner(loaded.model, BlockManager(64, 4), False, "cpu", step_graphs="padded" if padded else "off",
+                         bucket_limits=limits if padded else None)
+    blocks = runner.blocks
+    done = [request(f"r{i}", TOKENS, blocks, n=len(TOKENS) + 6) for i in range(3)]
+    runner.forward([ForwardItem(r, TOKENS, 0, 1) for r in done])
+    tree = TokenTree([50, 51, 52], [-1, -1, 0], [0.5] * 3)
+    n = len(TOKENS)
+    decodes = [ForwardItem(done[0], [7], n, 1), ForwardItem(done[1], [7, 40, 41, 42], n, 4),
+               ForwardItem(done[2], [7, *tree.tokens], n, 4, positions=[n] + [n + d for d in tree.depths()],
+                           tree_base=n, tree_masks=tree.ancestor_masks())]
+    prefill = request("p", TOKENS, blocks)
+    for step in (decodes, [ForwardItem(prefill, TOKENS, 0, 1)]):
+        transfers = Transfers(monkeypatch)
+        runner.forward(step)
+        monkeypatch.undo()
+        in_bucket = padded and step is decodes  # a prefill wider than a verify row runs eagerly
+        assert transfers.seen == (["Tensor.copy_"] if in_bucket else ["upload"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,15 @@ class QueryGroup:
     kv_len: torch.Tensor  # [rows, width, 1] int64: a slot sees its sequence's positions [0, kv_len); padding: 1
     tree_base: torch.Tensor | None  # [rows, width, 1] int64 (NO_TREE outside trees); None: no trees
     tree_mask: torch.Tensor | None  # [rows, width, 1] int64
+
+    def arrays(self) -> list[torch.Tensor | None]:
+        """Its tensors, in the order with_arrays takes them (what a step uploads)."""
+        return [self.token_index, self.slot_index, self.block_tables, self.kv_len, self.tree_base, self.tree_mask]
+
+    def with_arrays(self, arrays: list[torch.Tensor | None]) -> QueryGroup:
+        token_index, slot_index, block_tables, kv_len, tree_base, tree_mask = arrays
+        return replace(self, token_index=token_index, slot_index=slot_index, block_tables=block_tables,
+                       kv_len=kv_len, tree_base=tree_base, tree_mask=tree_mask)
 
 
 @dataclass
@@ -75,20 +84,20 @@ def set_step(step: StepAttention | None) -> None:
 
 
 def group_queries(seq_of: torch.Tensor, kv_len: torch.Tensor, block_tables: torch.Tensor,
-                  tree_base: torch.Tensor | None, tree_mask: torch.Tensor | None, device) -> list[QueryGroup]:
+                  tree_base: torch.Tensor | None, tree_mask: torch.Tensor | None) -> list[QueryGroup]:
     """The step's sequences in query groups: every sequence of at most LONG_QUERY tokens (decodes, verify chains,
     token trees, short chunks) in one group, each longer prefill chunk in its own, so padding wastes at most the
-    short rows' width. Inputs are the step's host tensors (a sequence's tokens are contiguous)."""
+    short rows' width. Inputs and groups are host tensors (a sequence's tokens are contiguous); the backend sends
+    the groups to the device with the step's other inputs (runtime/upload.py)."""
     rows, counts = torch.unique_consecutive(seq_of, return_counts=True)
     ends = counts.cumsum(0).tolist()
     spans = [(row, end - n, end) for row, n, end in zip(rows.tolist(), counts.tolist(), ends)]  # (row, first, end)
     short = [s for s in spans if s[2] - s[1] <= LONG_QUERY]
     members = ([short] if short else []) + [[s] for s in spans if s[2] - s[1] > LONG_QUERY]
-    return [_group(m, kv_len, block_tables, tree_base, tree_mask, device, whole=len(members) == 1)
-            for m in members]
+    return [_group(m, kv_len, block_tables, tree_base, tree_mask, whole=len(members) == 1) for m in members]
 
 
-def _group(spans, kv_len, block_tables, tree_base, tree_mask, device, whole: bool) -> QueryGroup:
+def _group(spans, kv_len, block_tables, tree_base, tree_mask, whole: bool) -> QueryGroup:
     width = max(end - start for _, start, end in spans)
     token_index = [t for _, start, end in spans for t in range(start, end)]
     slot_index = [i * width + j for i, (_, start, end) in enumerate(spans) for j in range(end - start)]
@@ -102,15 +111,14 @@ def _group(spans, kv_len, block_tables, tree_base, tree_mask, device, whole: boo
         mask[slot_index] = tree_mask[token_index]
     shape = (len(spans), width, 1)
 
-    def dev(x):
-        return None if x is None else x.view(shape).to(device)
+    def grid(x):
+        return None if x is None else x.view(shape)
 
     in_order = whole and len(slot_index) == len(spans) * width  # the step's tokens fill the grid: no scatter
-    return QueryGroup(None if in_order else torch.tensor(token_index, device=device),
-                      None if in_order else torch.tensor(slot_index, device=device),
+    return QueryGroup(None if in_order else torch.tensor(token_index),
+                      None if in_order else torch.tensor(slot_index),
                       len(spans), width, int(lengths.max()),
-                      block_tables[[row for row, _, _ in spans]].to(device=device, dtype=torch.int64),
-                      dev(lengths), dev(base), dev(mask))
+                      block_tables[[row for row, _, _ in spans]].long(), grid(lengths), grid(base), grid(mask))
 
 
 def lay_out(group: QueryGroup, block_size: int, q_per_kv: int, window: int = 0) -> GroupLayout:

@@ -21,6 +21,7 @@ from smartspec.runtime.fast_linear import pack_linears
 from smartspec.runtime.fused_decoder import FusedDecoder
 from smartspec.runtime.fused_norms import fuse_rms_norms
 from smartspec.runtime.step_inputs import StepInputs
+from smartspec.runtime.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -57,30 +58,23 @@ class ModulesBackend:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, kv_caches: KVCaches) -> torch.Tensor:
-        dev = self.device
-        layouts = None
-        if not self.uses_kernels:
-            groups = attention.group_queries(inputs.seq_of, inputs.kv_len, inputs.block_tables, inputs.tree_base,
-                                             inputs.tree_mask, dev)
-            layouts = [attention.lay_out(g, kv_caches[0][0].shape[1], self.q_per_kv) for g in groups]
+        # the query groups are found on the host, then sent with the step's inputs in one copy (runtime/upload.py)
+        groups = [] if self.uses_kernels else attention.group_queries(
+            inputs.seq_of, inputs.kv_len, inputs.block_tables, inputs.tree_base, inputs.tree_mask)
+        sent = upload([inputs.ids, inputs.positions, inputs.slots, inputs.block_tables, inputs.seq_of, inputs.kv_len,
+                       inputs.keep, inputs.tree_base, inputs.tree_mask, *(a for g in groups for a in g.arrays())],
+                      self.device)
+        ids, positions, slots, block_tables, seq_of, kv_len, keep, tree_base, tree_mask = sent[:9]
+        per_group = len(groups[0].arrays()) if groups else 0
+        groups = [g.with_arrays(sent[9 + i * per_group:9 + (i + 1) * per_group]) for i, g in enumerate(groups)]
         attention.set_step(attention.StepAttention(
-            kv_caches=kv_caches,
-            slots=inputs.slots.to(dev),
-            block_tables=inputs.block_tables.to(dev),
-            seq_of=inputs.seq_of.to(dev),
-            kv_len=inputs.kv_len.to(dev),
-            use_kernels=self.uses_kernels,
-            tree_base=None if inputs.tree_base is None else inputs.tree_base.to(dev),
-            tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(dev),
-            layouts=layouts,
-        ))
+            kv_caches=kv_caches, slots=slots, block_tables=block_tables, seq_of=seq_of, kv_len=kv_len,
+            use_kernels=self.uses_kernels, tree_base=tree_base, tree_mask=tree_mask,
+            layouts=None if self.uses_kernels else [attention.lay_out(g, kv_caches[0][0].shape[1], self.q_per_kv)
+                                                    for g in groups]))
         try:
-            out = self.model(
-                input_ids=inputs.ids.to(dev)[None],
-                position_ids=inputs.positions.to(dev)[None],
-                use_cache=False,
-                logits_to_keep=inputs.keep.to(dev),
-            )
+            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=keep)
         finally:
             attention.set_step(None)
         return out.logits[0].float()
