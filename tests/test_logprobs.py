@@ -116,3 +116,28 @@ def test_token_logprob_is_log_softmax():
     lp = token_logprob(row, 2, 2)
     want = torch.log_softmax(row, -1)
     assert lp.logprob == float(want[2]) and lp.rank == 2 and lp.top == ((1, float(want[1])), (2, float(want[2])))
+
+
+def test_a_steps_logprobs_come_to_the_host_in_one_read(monkeypatch):
+    """Requests with different top sizes (none, 2, 5) over rows in any order: one read for all, each value the one
+    its row gives alone (token_logprob); a request whose token is out of range fails alone."""
+    from smartspec.engine.step_logprobs import LogprobRows, logprobs_of, read_logprobs
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    parts = [LogprobRows("a", [0, 1, 2], [4, 9, 4], 0), LogprobRows("b", [5, 3], [1, 49], 2),
+             LogprobRows("c", [6], [17], 5), LogprobRows("d", [4], [8], 2)]
+    reads, tolist = [], torch.Tensor.tolist
+
+    def counted(t):
+        reads.append(t.shape)
+        return tolist(t)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    read = read_logprobs(logits, parts)
+    monkeypatch.undo()
+    assert len(reads) == 1
+    for part in parts:
+        want = [token_logprob(logits[r], t, part.top) for r, t in zip(part.rows, part.tokens)]
+        assert logprobs_of(read, part.request_id) == want
+    bad = read_logprobs(logits, parts[:2] + [LogprobRows("e", [1], [50], 1)])
+    assert isinstance(bad["e"], IndexError) and bad["b"] == read["b"] and bad["a"] == read["a"]
+    with pytest.raises(IndexError):
+        logprobs_of(bad, "e")

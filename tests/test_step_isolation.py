@@ -102,7 +102,7 @@ FAULTS = {
     "commit": [(engine_module, "commit_tokens", lambda engine: lambda req, *a: req)],
     "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req, *end: req),
                      (commit_module, "append_step_text", lambda engine: lambda tokenizer, req, count: req)],
-    "logprobs": [(engine_module, "token_logprob", lambda engine: lambda row, token, n: engine.requests.get(VICTIM))],
+    "logprobs": [(engine_module, "logprobs_of", lambda engine: lambda read, rid: engine.requests.get(rid))],
     "output": [(engine_module, "take_text", lambda engine: lambda req: req)],
 }
 

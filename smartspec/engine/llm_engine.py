@@ -21,6 +21,7 @@ from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logpr
 from smartspec.engine.planner import Speculation, plan_step
 from smartspec.engine.profile_cache import KeptProfile, KeptProfileCheck, load_profile, profile_path, save_profile
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
+from smartspec.engine.step_logprobs import logprobs_of, step_logprobs
 from smartspec.engine.start_phases import StartPhases
 from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
@@ -40,7 +41,7 @@ from smartspec.structured.compile import compiled
 from smartspec.structured.feasible import refuse_impossible
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.faults import RequestFault, fault_of, stage
-from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
+from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan, fed_context
 from smartspec.types.request import Request
@@ -431,6 +432,7 @@ class LLMEngine:
             first_row[it.request.request_id], row = row, row + it.num_logits
         for it in items:
             it.request.num_computed_tokens += len(it.tokens)
+        logprobs = step_logprobs(sampled, logits, drafted.drafts, verdicts)
         outputs, trees = [], {}
         now = time.monotonic()
         for it in items:
@@ -439,8 +441,8 @@ class LLMEngine:
             fault = verdicts.faults.get(rid)
             if fault is None and rid in verdicts.tokens:
                 try:
-                    outputs.append(self._commit_one(spec, it, logits, first_row[rid], drafted.drafts.get(rid),
-                                                    verdicts.tokens[rid], trees, now))
+                    outputs.append(self._commit_one(spec, it, drafted.drafts.get(rid), verdicts.tokens[rid], logprobs,
+                                                    trees, now))
                     continue
                 except Exception as exc:
                     fault = fault_of(exc, rid, "commit")
@@ -448,22 +450,20 @@ class LLMEngine:
                 outputs.append(self._end_with_fault(req, fault, spec))
         return outputs, trees
 
-    def _commit_one(self, spec: Speculation, it: ForwardItem, logits: torch.Tensor, first_row: int,
-                    draft: Draft | None, new: list[int], trees: dict[str, VerifiedTree], now: float) -> RequestOutput:
+    def _commit_one(self, spec: Speculation, it: ForwardItem, draft: Draft | None, new: list[int],
+                    logprobs: dict[str, list[TokenLogprob] | Exception], trees: dict[str, VerifiedTree],
+                    now: float) -> RequestOutput:
         """One request takes its new tokens (up to a stop); its output. Raises what fails, labelled by stage."""
         req = it.request
-        path = None
         if draft is not None and draft.tree is not None:
             path = draft.tree.follow(new[:-1])
             trees[req.request_id] = VerifiedTree(draft.tree, path)
             with stage("commit"):
                 self._keep_path(it, path)
-        logprobs = None
+        mine = None
         if req.params.logprobs is not None:
-            rows = rows_of_new_tokens(len(new), path)
             with stage("logprobs"):
-                logprobs = [token_logprob(logits[first_row + r], tok, req.params.logprobs)
-                            for r, tok in zip(rows, new)]
+                mine = logprobs_of(logprobs, req.request_id)
         done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
                              self.stop_token_ids, self.max_model_len, now, self.tokenizer,
                              self.grammars.get(req.request_id), draft.source if draft is not None else None)
@@ -475,8 +475,8 @@ class LLMEngine:
         elif spec.proposer is not None:
             with stage("commit"):
                 spec.proposer.sync(req)
-        if logprobs is not None:
-            req.logprobs.extend(logprobs[:len(done.added)])
+        if mine is not None:
+            req.logprobs.extend(mine[:len(done.added)])
         with stage("output"):
             return output_of(req, done.added, take_text(req))
 

@@ -5,9 +5,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from smartspec.engine.step_logprobs import LogprobRows, logprobs_of, read_logprobs
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.types.faults import RequestFault, fault_of, stage
-from smartspec.types.logprobs import TokenLogprob, token_logprob
+from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.request import Request
 
 
@@ -34,32 +35,33 @@ def take_prompt_logprobs(items: list[ForwardItem], logits: torch.Tensor, faults:
     whose logprobs fail is entered in faults."""
     if all(it.request.prompt_logprobs is None for it in items):
         return logits, items
-    keep, sampled, row = [], [], 0
+    keep, sampled, due, row = [], [], [], 0
     for it in items:
         req = it.request
         if req.prompt_logprobs is not None and it.num_logits == len(it.tokens) and len(it.tokens) \
                 and it.start < req.num_prompt_tokens:
             completes = it.start + len(it.tokens) == req.num_tokens
-            try:
-                with stage("logprobs"):
-                    _record_prompt_logprobs(req, it, logits[row:row + it.num_logits - completes])
-            except Exception as exc:
-                faults[req.request_id] = fault_of(exc, req.request_id, "logprobs")
+            # row j predicts the prompt token after the chunk's j-th
+            wanted = [(row + j, it.start + j + 1) for j in range(it.num_logits - completes)
+                      if it.start + j + 1 < req.num_prompt_tokens and req.prompt_logprobs[it.start + j + 1] is None]
+            due.append((req, [pos for _, pos in wanted], LogprobRows(
+                req.request_id, [r for r, _ in wanted], [req.token_ids[pos] for _, pos in wanted],
+                req.params.prompt_logprobs)))
             it_sampled = replace(it, num_logits=int(completes))
         else:
             it_sampled = it
         keep.extend(range(row + it.num_logits - it_sampled.num_logits, row + it.num_logits))
         sampled.append(it_sampled)
         row += it.num_logits
+    read = read_logprobs(logits, [part for _, _, part in due])  # one host read for the step's chunks
+    for req, positions, _ in due:
+        try:
+            with stage("logprobs"):
+                for pos, logprob in zip(positions, logprobs_of(read, req.request_id), strict=True):
+                    req.prompt_logprobs[pos] = logprob
+        except Exception as exc:
+            faults[req.request_id] = fault_of(exc, req.request_id, "logprobs")
     return logits[keep], sampled
-
-
-def _record_prompt_logprobs(req: Request, item: ForwardItem, rows: torch.Tensor) -> None:
-    """rows: the chunk's rows that predict prompt tokens (row j: the token after the chunk's j-th)."""
-    for j in range(rows.shape[0]):
-        pos = item.start + j + 1
-        if pos < req.num_prompt_tokens and req.prompt_logprobs[pos] is None:
-            req.prompt_logprobs[pos] = token_logprob(rows[j], req.token_ids[pos], req.params.prompt_logprobs)
 
 
 def take_text(req: Request) -> str:
