@@ -13,7 +13,6 @@ from engines import PARAMS, PROMPTS, MixedPolicy, run_staggered
 from host_reads import HostReads
 
 from smartspec import LLM
-from smartspec.engine import profile
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.cuda_graphs import GraphBackend, bucket_for
 from smartspec.runtime.graph_buckets import Bucket, BucketLimits, plan_buckets
