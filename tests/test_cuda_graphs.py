@@ -203,3 +203,21 @@ def test_a_padded_runner_is_profiled_up_to_the_batch_it_serves(tiny_qwen):
     assert {max(r.ks) for r in served} == {0, 1, 2}  # every profiled k at the served batch
     # fed to the fit as the buckets' cells: 16 x 1, 16 x 2 and 16 x 3 (the widest rung is 1 + k_max, not a power of 2)
     assert {(max(r.ks), r.forward_tokens) for r in served} == {(0, 16), (1, 32), (2, 48)}
+
+
+def test_a_wider_speculation_set_while_idle_gets_its_buckets(tiny_qwen, eager_outputs):
+    """An engine started without speculation plans one-token rows; a speculation swapped in later (benchmarks do)
+    plans its verify rows and trees then, so its steps run padded, not eagerly, and the output is the eager one."""
+    from smartspec.policy import make_policy
+    from smartspec.spec_decode.ngram import NgramProposer
+    llm = padded(make(tiny_qwen))
+    runner = llm.engine.runner
+    assert runner.backend.plan.widths == (1,) and runner.backend.plan.trees == (False,)
+    llm.engine.set_speculation(NgramProposer(4, 1), make_policy("fixed:3", 3), 3)
+    plan = runner.backend.plan
+    assert plan.widths[-1] == 4 and plan.trees[-1] and set(runner.backend.steps) == set(plan.buckets())
+    got = run_staggered(llm, PROMPTS, PARAMS)
+    assert any(b.width > 1 for b in runner.backend.uses)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
+    for prompt, ours, want in zip(PROMPTS, got, eager_outputs):
+        assert_greedy_equal(ours, want, llm.engine.tokenize(prompt), ref)

@@ -171,8 +171,8 @@ class LLMEngine:
         # so that no step runs eagerly for want of a bucket
         limits = getattr(self.runner, "bucket_limits", None)
         if limits is not None and (self.speculation.k_max + 1 > limits.max_width or not limits.trees):
-            self.runner.plan_buckets(replace(limits, max_width=max(limits.max_width, self.speculation.k_max + 1),
-                                             trees=True))
+            self.runner.replan_buckets(replace(limits, max_width=max(limits.max_width, self.speculation.k_max + 1),
+                                               trees=True))
 
     def warm_up_profile(self, batches: tuple[int, ...] | None = None, context: int = 64,
                         kept_ok: bool = True) -> KeptProfile:

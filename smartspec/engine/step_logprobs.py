@@ -73,6 +73,7 @@ def logprobs_of(read: dict[str, list[TokenLogprob] | Exception], request_id: str
 
 
 def _read(logits: torch.Tensor, parts: list[LogprobRows]) -> list[list[TokenLogprob]]:
+    """The parts' TokenLogprobs, computed together on the logits' device and read in one tolist."""
     rows = [r for p in parts for r in p.rows]
     if not rows:
         return [[] for _ in parts]

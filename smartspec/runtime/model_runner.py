@@ -130,7 +130,7 @@ class ModelRunner:
                                         scratch_block=blocks.num_blocks, capture=step_graphs == "cuda")
             self.backend.warm_up(self.kv_caches)
 
-    def plan_buckets(self, limits: BucketLimits) -> None:
+    def replan_buckets(self, limits: BucketLimits) -> None:
         """Plan (and capture, on a GPU) the padded buckets again, for other limits: only between runs, with no step
         in flight (a benchmark that swaps in a wider speculation)."""
         if isinstance(self.backend, GraphBackend) and self.backend.enabled:
