@@ -24,6 +24,7 @@ from smartspec.bench.tiny_models import build_tiny_model
 from smartspec.config import EngineConfig
 from smartspec.engine import llm_engine
 from smartspec.engine.llm_engine import LLMEngine
+from smartspec.runtime.heap import frozen_heap
 from smartspec.types.sampling_params import SamplingParams, StructuredOutput
 
 CYCLE_TEXT = "abcdefghijklmnop"  # the stand-in continues this cycle (one byte-level token a letter)
@@ -118,16 +119,17 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
         engine.add_request(list(ids), params_of(i, max_tokens, mix), request_id=f"r{i}")
     clock = StageClock(engine, runner)
     try:
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
-        for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
-            engine.step()
-        clock.reset()
-        ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
-        drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
-        for _ in range(steps):
-            engine.step()
-        total_s = time.perf_counter() - began
+        with frozen_heap():  # as a replica serves: start's objects out of the collector's full collections
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+                engine.step()
+            for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
+                engine.step()
+            clock.reset()
+            ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
+            drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
+            for _ in range(steps):
+                engine.step()
+            total_s = time.perf_counter() - began
     finally:
         clock.close()
     if len(engine.requests) != rows:

@@ -512,6 +512,7 @@ class LLMEngine:
             draft_catchup_tokens=drafted.catchup_tokens if drafts else 0,
             methods=plan.methods, trees=trees, num_tokens=lengths, probes=list(plan.probes))
 
+
 def tree_item(req: Request, tree: TokenTree) -> ForwardItem:
     """A decoding request's root (its last token) and tree nodes: stored side by side, each node at its depth."""
     c = req.num_computed_tokens

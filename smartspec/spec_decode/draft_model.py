@@ -12,10 +12,10 @@ import torch
 
 from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
-from smartspec.runtime.graph_buckets import BucketLimits
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import seeded_tokens, target_probs
+from smartspec.spec_decode.factory import DraftRuntime
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.request import Request
 
@@ -38,19 +38,19 @@ CATCHUP_CHUNK = 256
 class DraftModelProposer(Proposer):
     method = "draft_model"
 
-    def __init__(self, model: str, target_tokenizer, target_vocab_size: int, num_blocks: int, block_size: int,
-                 use_kernels: bool, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
-                 enable_prefix_caching: bool = False, bucket_limits: BucketLimits | None = None) -> None:
-        loaded = load_model(model, dtype, device, quantization=quantization)
-        if loaded.tokenizer.get_vocab() != target_tokenizer.get_vocab():
+    def __init__(self, model: str, runtime: DraftRuntime, quantization: str | None = None) -> None:
+        """model: the draft's name or folder; runtime: the target's vocabulary and the engine's runtime options;
+        quantization: the draft's own (None: the runtime's, the target's)."""
+        loaded = load_model(model, runtime.dtype, runtime.device, quantization=quantization or runtime.quantization)
+        if loaded.tokenizer.get_vocab() != runtime.target_tokenizer.get_vocab():
             raise ValueError(f"draft model {model!r} does not share the target's tokenizer; "
                              "draft and target must use the same vocabulary")
         self.model = loaded.model
-        self.target_vocab_size = target_vocab_size
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.blocks, use_kernels, device,
-                                  step_graphs="cuda" if bucket_limits is not None else "off",
-                                  bucket_limits=bucket_limits)
+        self.target_vocab_size = runtime.target_vocab_size
+        self.blocks = BlockManager(runtime.num_blocks, runtime.block_size, runtime.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.blocks, runtime.use_kernels, runtime.device,
+                                  step_graphs="cuda" if runtime.bucket_limits is not None else "off",
+                                  bucket_limits=runtime.bucket_limits)
         self.state: dict[str, Request] = {}
 
     @property

@@ -33,14 +33,12 @@ DraftFactory = Callable[[SpeculativeConfig, DraftRuntime], Proposer]
 
 def make_draft_proposer(spec: SpeculativeConfig, runtime: DraftRuntime) -> Proposer:
     """The draft model in this process: chains, or token trees when the config asks for them."""
-    args = (spec.model, runtime.target_tokenizer, runtime.target_vocab_size, runtime.num_blocks, runtime.block_size,
-            runtime.use_kernels, runtime.dtype, runtime.device, spec.draft_quantization or runtime.quantization,
-            runtime.enable_prefix_caching, runtime.bucket_limits)
     if spec.tree:
         from smartspec.spec_decode.draft_tree import DraftTreeProposer
-        return DraftTreeProposer(*args, max_depth=spec.tree.max_depth, branching=spec.tree.branching)
+        return DraftTreeProposer(spec.model, runtime, spec.draft_quantization, max_depth=spec.tree.max_depth,
+                                 branching=spec.tree.branching)
     from smartspec.spec_decode.draft_model import DraftModelProposer
-    return DraftModelProposer(*args)
+    return DraftModelProposer(spec.model, runtime, spec.draft_quantization)
 
 
 def make_proposer(spec: SpeculativeConfig, runtime: DraftRuntime,
