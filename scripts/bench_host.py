@@ -3,7 +3,8 @@ target forward returns its logits at once (smartspec/bench/instant_runner.py; a 
 byte-level tokenizer) decodes 1, 64 and 256 requests at once, with prompt lookup drafting chains or token trees
 of K (fixed k = K by default, the same shapes every run; the goodput policy's own time is bench_select's); in the
 mix, an eighth of the requests each use penalties, logprobs, a grammar (regex) or temperature sampling. Each row
-times `--steps` decoding steps after every prompt is in, stage by stage.
+times `--steps` decoding steps after every prompt is in, stage by stage, with the start's heap frozen out of the
+collector's full collections as a replica freezes it (runtime/heap.py).
 
     python scripts/bench_host.py                    # ~2 min on 2 cores
     python scripts/bench_host.py --rows 64 --steps 20 --drafts chain

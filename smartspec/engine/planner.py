@@ -48,6 +48,7 @@ def request_view(req: Request) -> RequestView:
 
 
 _new_tuple = tuple.__new__
+_INT_TYPES = {int, bool}  # what isinstance(k, int) takes
 
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
@@ -96,7 +97,9 @@ def _check(plan: SpecPlan, view: StepView) -> None:
         allowed = {LOOKUP, DRAFT} if view.draft_available else {LOOKUP}
         if plan.methods is None or len(plan.methods) != b or not set(plan.methods) <= allowed:
             raise ValueError(f"invalid proposers {plan.methods!r} for {b} requests")
-    if len(plan.ks) != b or any(not isinstance(k, int) or not 0 <= k <= k_max for k in plan.ks):
+    ks = plan.ks
+    # in C, not an isinstance per request: at 256 requests the check was a tenth of the engine's policy time
+    if len(ks) != b or (ks and (not set(map(type, ks)) <= _INT_TYPES or min(ks) < 0 or max(ks) > k_max)):
         raise ValueError(f"invalid k {plan.ks!r} for {b} requests (K={k_max})")
 
 
