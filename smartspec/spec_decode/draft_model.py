@@ -15,7 +15,7 @@ from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import reshape_logits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import seeded_tokens, target_probs
-from smartspec.spec_decode.factory import DraftRuntime
+from smartspec.spec_decode.draft_runtime import DraftRuntime
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.request import Request
 
