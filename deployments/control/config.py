@@ -16,7 +16,7 @@ class Strict(BaseModel):
 
 
 class AutoscalingConfig(Strict):
-    """Replicas scale between min_replicas and max_replicas (deployments/autoscaling.py has the rule)."""
+    """Replicas scale between min_replicas and max_replicas (placement/autoscaling.py has the rule)."""
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(2, ge=1)
     # goodput: scale to keep each request at min_speed_fraction of its speed alone, from the replicas' fitted
@@ -66,7 +66,7 @@ class AppConfig(Strict):
     replica_num_cpus: float = Field(0.5, gt=0)
     max_replicas_per_node: int | None = Field(None, ge=1)  # e.g. 1: replicas on distinct nodes
     # goodput: requests go where their expected latency is least (prefix cache, queue, request speed;
-    # deployments/router.py); default: Serve's power-of-two-choices on queue length
+    # placement/router.py); default: Serve's power-of-two-choices on queue length
     router: Literal["goodput", "default"] = "goodput"
     router_stats_period_s: float = Field(1.0, gt=0)  # how often replicas send the router their costs and prefixes
     drain_timeout_s: float = Field(120.0, ge=0)  # a replica being removed finishes its requests for this long
@@ -83,8 +83,8 @@ class AppConfig(Strict):
     # all busy); then the caller gets 503 with Retry-After instead of waiting on
     replica_wait_s: float = Field(60.0, gt=0)
     warmup_profile: bool = True
-    # a replica keeps its warm-up profile on disk and one restarted on the same machine takes it (a start ~11 s
-    # shorter with the default pair on 2 cores, and not measured under whatever load the restart meets)
+    # a replica keeps its warm-up profile on disk and one restarted on the same machine takes it (a shorter
+    # start, and a profile not measured under whatever load the restart meets)
     profile_cache: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (target and draft)
     # each replica writes every step (shape, k, accepted, predicted and measured time) to Parquet part files in

@@ -27,7 +27,7 @@ class IngressMetrics:
                              registry=r)
 
         self.retries = Counter("smartspec_failover_retries", "Generations retried on another replica after theirs "
-                               "failed (deployments/failover.py)", registry=r)
+                               "failed (placement/failover.py)", registry=r)
 
     def failed_over(self, streams) -> None:
         """streams: the request's FailoverStreams; each failure it survived was a retry."""

@@ -18,8 +18,8 @@ measured acceptance at the k the policy would choose there, so a replica with a 
 afford to speculate, draws new requests.
 
 P and the speed table are each replica's own fits, pooled (the median over the replicas, per batch size): a
-deployment's replicas run one model on one kind of resource, and their fits on identical hardware differ by up
-to 3.5x (measured on this project's machines), which would steer requests by the noise of the fits.
+deployment's replicas run one model on one kind of resource, and their fits on identical hardware differ
+several times over, which would steer requests by the noise of the fits.
 
 Prefix affinity: a prompt's text is cut into CHUNK_CHARS chunks, each keyed by a hash chained over all chunks
 before it, so a key stands for the whole prefix up to it (as the engine's block hashes do for tokens). A replica

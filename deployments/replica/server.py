@@ -172,8 +172,8 @@ class LLMServer:
                 delta = self._delta(out, first)
                 held = delta if held is None else held.then(delta)
                 # an answer sent whole gets its first tokens at once (failover counts them as sent), then a batch
-                # at most every HELD_DELTAS_S: a message a token cost the ingress ~2 ms of CPU a token (and Ray's
-                # threads here more), taken from the decode step on a 2-core box
+                # at most every HELD_DELTAS_S: a message a token costs the ingress CPU for every token (and Ray's
+                # threads here more), taken from the decode step where the replica shares the ingress's cores
                 if call.streamed or first or out.finished or time.monotonic() - sent >= HELD_DELTAS_S:
                     yield held
                     held, sent = None, time.monotonic()

@@ -46,8 +46,8 @@ def profile_batches(padded: bool, max_num_seqs: int) -> tuple[int, ...]:
     the fit carries batches 1 and 4 over to larger ones (on a CPU a larger batch would add seconds to a start). A
     runner that pads steps into buckets (shapes: CUDA graphs) is another machine at every row bucket: a 64-row
     step, with one draft token a row, is a bucket of 128 cells that batches 1 and 4 never ran, and the fit cannot
-    price drafting at the batch it serves (measured on an H200: k = 0 at 64 streams throughout, where k = 4 ran
-    1.27x faster). There the profile also runs powers of four up to max_num_seqs, and max_num_seqs itself."""
+    price drafting at the batch it serves (on a GPU it held k = 0 at 64 streams where k = 4 ran faster). There
+    the profile also runs powers of four up to max_num_seqs, and max_num_seqs itself."""
     if not padded:
         return UNPADDED_BATCHES
     served = {4 ** i for i in range(max_num_seqs.bit_length()) if 4 ** i <= max_num_seqs}
@@ -68,7 +68,7 @@ def profile_steps(engine, batches=UNPADDED_BATCHES, context: int = 64) -> list[S
         # max_tokens: one token from the prefill, then at least two full-k steps with the whole batch decoding: the
         # first drafts after the draft's catch-up of the prompt, the second after none, so the fit tells a draft
         # forward's cost from a catch-up token's (with only the first, each shape's catch-up grows with its batch
-        # and the split was noise's: the default draft's forward fitted at 22 ms where it takes 17); where the
+        # and the split was noise's: the draft's forward fitted well above what it takes); where the
         # first step's budget cannot prefill the batch, the prompts prefilled first decode (k + 1 tokens a step,
         # taken from the budget) for as many steps as the rest take
         budget, prompts = engine.config.max_num_batched_tokens, batch * context
@@ -105,11 +105,10 @@ def _end(engine, fixed: Speculation, request_ids: list[str]) -> None:
 
 def warm_up_forwards(engine, context: int = 64) -> int:
     """Run one short request through the target and the draft model, observed by no one; its steps. A model's first
-    forwards in a process cost several times the next ones (the default pair's first drafting step: 0.37-0.42 s
-    against 0.13-0.14 s after; the target's first prefill 0.46 s against 0.20 s). Paid by the profile's first
-    measured step, that step tells the cost fit that a draft forward costs 24 ms where it costs 17, and the policy
-    leaves the draft model unused for the first requests; paid by the first request (a start from a kept profile
-    runs no other forward), the fit learns the same from it."""
+    forwards in a process cost several times the next ones (the draft's first drafting step, the target's first
+    prefill). Paid by the profile's first measured step, that step tells the cost fit that a draft forward costs
+    more than it does, and the policy leaves the draft model unused for the first requests; paid by the first
+    request (a start from a kept profile runs no other forward), the fit learns the same from it."""
     spec = engine.speculation
     k = spec.k_max if spec.proposer is not None else 0
     fixed = Speculation(_PaddedProposer(spec.proposer), FixedPolicy(k), k) if k else Speculation.off()

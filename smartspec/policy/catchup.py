@@ -77,8 +77,7 @@ class CatchupLedger:
 
         The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
         second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
-        worth and let whole batches start drafting in prefill steps (tested:
-        test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate)."""
+        worth and let whole batches start drafting in prefill steps."""
         capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(k_max)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
