@@ -52,9 +52,21 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
     above)."""
     faults: dict[str, RequestFault] = {}
-    raw, logits = logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults)
+    raw = logits
+    reshaped = controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults)
     live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
     chosen = logits.argmax(dim=-1)
+    if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
+        at_rows = torch.cat([torch.arange(start, start + len(block), device=chosen.device)
+                             for start, block in reshaped.values()])
+        blocks = torch.cat([block for _, block in reshaped.values()])
+        live = live.index_put((at_rows,), torch.isfinite(blocks.amax(dim=-1)))
+        chosen = chosen.index_put((at_rows,), blocks.argmax(dim=-1))
+
+    def rows_of(rid: str, start: int, n: int) -> torch.Tensor:
+        """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
+        return reshaped[rid][1] if rid in reshaped else logits[start:start + n]
+
     seeded, on_device, at = [], [], 2 * logits.shape[0]  # what the read brings after chosen and live
     out, later, plain, row = {}, [], [], 0
     for it in items:
@@ -68,7 +80,7 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
         try:
             if not req.params.greedy and req.params.seed is not None:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
                     seeded.append((start, seeded_tokens(probs, req.params.seed, _positions(req, draft, n))))
                 later.append(part)
             elif req.params.greedy:
@@ -77,13 +89,13 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
                 plain.append(part)
             elif draft.tree is not None:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
                 with stage("acceptance"):
                     out[rid] = accept_tree_sampled(probs, draft.tree, req.generator)
                 later.append(part)
             else:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(logits[start:start + n], live[start:start + n]), req.params)
+                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
                 with stage("acceptance"):
                     on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
                 later.append(part._replace(verdict_at=at))
@@ -95,7 +107,11 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
         chosen = chosen.index_put((rows,), torch.cat([t for _, t in seeded]))
     if plain:
         plain_rows = [p.start for p in plain]
-        draws, failed = draw_tokens(_sampleable(logits[plain_rows], live[plain_rows]), chosen[plain_rows],
+        rows = logits[plain_rows]
+        for i, p in enumerate(plain):
+            if p.request.request_id in reshaped:
+                rows[i] = reshaped[p.request.request_id][1][0]
+        draws, failed = draw_tokens(_sampleable(rows, live[plain_rows]), chosen[plain_rows],
                                     [p.request.params for p in plain], [p.request.generator for p in plain])
         on_device.append(draws)
         for i, exc in failed.items():
@@ -174,11 +190,12 @@ def no_token_fault(req: Request, offset: int, model_finite: bool, structured: bo
 
 def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
                eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar],
-               faults: dict[str, RequestFault]) -> torch.Tensor:
-    """The logits with the rows of requests whose sampling controls or grammar read their history reshaped, and
-    masked: row j of a chain after the first j draft tokens, a tree's node rows after the path to the node. A
-    request whose controls or grammar fail is entered in faults (its rows are then never read)."""
-    out, row = logits, 0
+               faults: dict[str, RequestFault]) -> dict[str, tuple[int, torch.Tensor]]:
+    """The rows of requests whose sampling controls or grammar read their history, reshaped and masked, by request:
+    (its first row in logits, its rows [n, V] fp32). Row j of a chain after the first j draft tokens, a tree's node
+    rows after the path to the node. Only these rows are copied (the step's logits stay the model's, as logprobs read
+    them). A request whose controls or grammar fail is entered in faults (its rows are then never read)."""
+    out, row = {}, 0
     for it in items:
         req, n = it.request, it.num_logits
         grammar = grammars.get(req.request_id)
@@ -190,16 +207,17 @@ def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str,
                 prefixes = [[]] + draft.tree.paths()
             else:
                 prefixes = [draft.tokens[:j] for j in range(n)]
-            if out is logits:
-                out = logits.float().clone()
             try:
                 if req.params.reshapes_logits:
                     with stage("logits controls"):
-                        out[row:row + n] = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
-                                                          req.output_token_ids, prefixes, eos_token_ids)
-                if grammar is not None:  # in place, on the view of this request's rows
+                        block = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
+                                               req.output_token_ids, prefixes, eos_token_ids)
+                else:
+                    block = logits[row:row + n].float().clone()
+                if grammar is not None:  # in place, on this request's rows
                     with stage("grammar"):
-                        apply_masks(out[row:row + n], *grammar.masks(prefixes))
+                        apply_masks(block, *grammar.masks(prefixes))
+                out[req.request_id] = (row, block)
             except Exception as exc:
                 faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
         row += n
