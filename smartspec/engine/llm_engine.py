@@ -427,9 +427,6 @@ class LLMEngine:
                 drafted: Drafted, verdicts: Verdicts) -> tuple[list[RequestOutput], dict[str, VerifiedTree]]:
         """Every fed token is computed; each request due a token takes its new tokens, and each request with a
         fault ends. Returns the outputs and the verified trees with their accepted paths (for the policy)."""
-        first_row, row = {}, 0
-        for it in sampled:
-            first_row[it.request.request_id], row = row, row + it.num_logits
         for it in items:
             it.request.num_computed_tokens += len(it.tokens)
         logprobs = step_logprobs(sampled, logits, drafted.drafts, verdicts)

@@ -52,7 +52,6 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
     above)."""
     faults: dict[str, RequestFault] = {}
-    raw = logits
     reshaped = controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults)
     live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
     chosen = logits.argmax(dim=-1)
@@ -129,7 +128,7 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     for part in [*later, *plain]:
         rid = part.request.request_id
         if rid in tokens and rid not in faults and (dead := _first_dead_row(part, tokens[rid], host[r:2 * r])):
-            faults[rid] = no_token_fault(part.request, dead - part.start, bool(torch.isfinite(raw[dead].amax())),
+            faults[rid] = no_token_fault(part.request, dead - part.start, bool(torch.isfinite(logits[dead].amax())),
                                          rid in (grammars or {}))
     for rid in faults:
         tokens.pop(rid, None)
