@@ -4,10 +4,10 @@ cold (before 8 requests have finished, when each estimate averages over prior st
 step after step. Then the policy as an engine runs it (docs/benchmarks.md, "The policy's own cost"): an engine on
 tiny random models (a target and a noisy copy as its draft, smartspec/bench/tiny_models.py) decodes 64 and 256
 requests at once, and its step totals give the policy's planning and observing per step, batches changing as
-requests finish.
+requests finish; the median of ENGINE_RUNS runs at each size.
 
     python scripts/bench_select.py            # prints both tables; writes results/bench_select.parquet and
-                                              # results/bench_select_engine.parquet
+                                              # results/bench_select_engine.parquet (every run)
 """
 from __future__ import annotations
 
@@ -70,7 +70,12 @@ def engine_row(batch: int, k_max: int, target: str, draft: str) -> dict:
             "mean_k": sum(k * n for k, n in chosen.items()) / max(1, sum(chosen.values()))}
 
 
+ENGINE_RUNS = 5  # runs per batch size: how often the policy plans in full depends on the steps' measured times,
+# so one run's figure moves by half from run to run; the median of five is the figure
+
+
 def engine_rows() -> list[dict]:
+    """Every run's row, ENGINE_RUNS at each batch size, interleaved (a drifting box slows each size alike)."""
     import tempfile
 
     from smartspec.bench.tiny_models import build_noisy_draft, build_tiny_model
@@ -78,7 +83,20 @@ def engine_rows() -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         target = build_tiny_model(Path(tmp) / "target")
         draft = build_noisy_draft(Path(tmp) / "draft", target, noise=0.1)
-        return [engine_row(batch, 5, target, draft) for batch in (1, 64, 256)]
+        return [{**engine_row(batch, 5, target, draft), "run": run}
+                for run in range(ENGINE_RUNS) for batch in (1, 64, 256)]
+
+
+def engine_medians(rows: list[dict]) -> list[dict]:
+    """Per batch size, the median run's policy time, its range, and the runs' steps and mean k."""
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        runs = [r for r in rows if r["batch"] == batch]
+        times = sorted(r["policy_ms_per_step"] for r in runs)
+        out.append({"batch": batch, "k_max": runs[0]["k_max"], "steps": statistics.median(r["steps"] for r in runs),
+                    "policy_ms_per_step": statistics.median(times), "low": times[0], "high": times[-1],
+                    "mean_k": statistics.mean(r["mean_k"] for r in runs)})
+    return out
 
 
 def timing_row(part: str, batch: int, k_max: int, samples: list[float]) -> dict:
@@ -112,10 +130,11 @@ def main() -> int:
     Path("results").mkdir(exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), "results/bench_select.parquet")
     engine = engine_rows()
-    print(f"\n{'in the engine':>15s} {'batch':>6s} {'K':>3s} {'steps':>6s} {'policy ms/step':>15s} {'mean k':>7s}")
-    for r in engine:
-        print(f"{'':>15s} {r['batch']:6d} {r['k_max']:3d} {r['steps']:6d} {r['policy_ms_per_step']:15.3f} "
-              f"{r['mean_k']:7.2f}")
+    print(f"\n{'in the engine':>15s} {'batch':>6s} {'K':>3s} {'steps':>6s} {'policy ms/step':>15s} {'range':>13s} "
+          f"{'mean k':>7s}   (median of {ENGINE_RUNS} runs)")
+    for r in engine_medians(engine):
+        print(f"{'':>15s} {r['batch']:6d} {r['k_max']:3d} {r['steps']:6.0f} {r['policy_ms_per_step']:15.3f} "
+              f"{r['low']:6.3f}-{r['high']:6.3f} {r['mean_k']:7.2f}")
     pq.write_table(pa.Table.from_pylist(engine), "results/bench_select_engine.parquet")
     return 0
 

@@ -9,7 +9,7 @@ from costs import runs_verify, seen_verify, true_verify
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy
-from smartspec.policy.cost_model import StepCostModel, verify_features
+from smartspec.policy.cost_model import NormalEquations, StepCostModel, nonnegative_lstsq, verify_features
 from smartspec.types.plan import chunk_context
 from smartspec.types.step_record import StepRecord
 
@@ -40,6 +40,26 @@ def test_a_step_cost_is_the_same_float_for_a_number_as_for_an_array():
                                   np.array([cs] * len(ns), dtype=np.float64))
     numbers = [[model.predict_verify(n, c) for c in cs] for n in ns]
     assert np.array_equal(arrays, np.array(numbers)) and arrays.min() > 0
+
+
+def test_a_fit_on_some_features_equals_one_built_on_those_features_alone():
+    """nonnegative_lstsq drops features from equations built once over all of them: each column's scale, ridge and
+    prior term are its own, so a subset solves as a system built on that subset's columns would, to rounding: the
+    features span 1 to 30,000 and the system's conditioning turns a last-bit difference in its sums (OpenBLAS sums a
+    copy's columns in another order) into ~1e-9 of a coefficient."""
+    rng = np.random.default_rng(3)
+    x = verify_features(rng.integers(1, 300, 80), rng.integers(100, 30000, 80))
+    y, w, prior = x @ rng.uniform(0, 1e-3, x.shape[1]) + rng.normal(0, 1e-4, 80), rng.uniform(0.2, 1, 80), None
+    for prior in (None, rng.uniform(0, 1e-3, x.shape[1])):
+        whole = NormalEquations(x, y, w, 1e-6, prior, 4.0)
+        for cols in ([0, 1, 7], [0, 2, 3, 4, 5, 6, 7], list(range(8))):
+            alone = NormalEquations(x[:, cols], y, w, 1e-6, None if prior is None else prior[cols], 4.0)
+            np.testing.assert_allclose(whole.solve(np.array(cols)), alone.solve(np.arange(len(cols))), rtol=1e-6)
+    # the active set: a slope the data drives negative comes out at zero, the rest refitted without it
+    true = rng.uniform(1e-4, 1e-3, x.shape[1])
+    true[3] = -2e-3
+    fit = nonnegative_lstsq(NormalEquations(x, x @ true, w, 1e-6, None, 4.0), [True] * x.shape[1])
+    assert fit is not None and (fit >= 0).all() and fit[3] == 0 and (np.delete(fit, 3) > 0).any()
 
 
 def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():

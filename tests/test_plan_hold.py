@@ -50,6 +50,24 @@ def test_a_newcomer_is_marked_for_the_rule_and_a_batch_mostly_new_plans_in_full(
     assert hold.held_plan(3, ("x",), False) is None  # nothing the plan planned
 
 
+def test_a_newcomer_is_planned_by_the_rule_once_and_then_held_with_the_plan():
+    """The rule's answer for a newcomer is held as the planned requests' are, until the next full plan; it still
+    counts as new where the batch turns mostly new."""
+    hold = PlanHold(max_newcomers=0.25)
+    ids = tuple("abcdefgh")
+    for step in (1, 2, 3):  # held for 2 steps
+        hold.planned(step, ids, False, [2] * 8, RULE)
+    batch = ("a", "b", "c", "d", "e", "f", "g", "x")
+    assert hold.held_plan(4, batch, False).newcomers == [7]
+    hold.adopt(False, ["x"], [1])
+    held = hold.held_plan(5, batch, False)
+    assert held.ks == [2] * 7 + [1] and held.newcomers == []
+    assert hold.held_plan(5, ("a", "b", "c", "d", "e", "f", "x", "y", "z"), False) is None  # 3 of 9 still new
+    hold.adopt(False, ["y"], [3])
+    hold.planned(6, batch, False, [2] * 8, RULE)  # a full plan: what the rule gave is dropped
+    assert hold.held_plan(7, batch[:7] + ("y",), False).newcomers == [7]
+
+
 def test_steps_beside_prefill_hold_a_plan_of_their_own_and_no_speculation_suits_any_batch():
     hold = PlanHold()
     for step in (1, 2):

@@ -3,13 +3,13 @@ checked and capped (max_tokens, the request's own cap, the context, the step's b
 failing or nonsensical policy costs speculation for the step, never a request."""
 import pytest
 
-from smartspec.engine.planner import Speculation, plan_step, step_view
+from smartspec.engine.planner import Speculation, plan_step, request_view, step_view
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import FixedPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.spec_decode.ngram import NgramProposer
 from smartspec.spec_decode.suffix import SuffixProposer
-from smartspec.types.plan import DRAFT, LOOKUP, SpecPlan
+from smartspec.types.plan import DRAFT, LOOKUP, RequestViews, SpecPlan
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 
@@ -46,6 +46,21 @@ def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them
     assert (view.prefill_tokens, view.prefill_context) == (16, 264)
     assert [(x.request_id, x.arrival_time) for x in view.prefilling] == [("p", 3.0)]
     assert view.lookups is None and view.now == 9.0
+
+
+def test_the_views_rows_are_made_when_first_read_and_its_ids_and_context_without_them():
+    """A held plan reads the batch's ids and total context alone: the rows are not made for it, and once read
+    they are each request's view as request_view makes it."""
+    reqs = [decoding(f"r{i}", 10 + i, k_max=i or None) for i in range(5)]
+    reqs[1].token_ids.extend([7, 7])  # two output tokens
+    views = step_view(reqs, [], k_max=4).requests
+    assert views.ids == ("r0", "r1", "r2", "r3", "r4") and len(views) == 5
+    assert views.context == sum(r.num_tokens for r in reqs) == 10 + 13 + 12 + 13 + 14
+    assert views._rows is None and views._columns is None  # nothing above read a row or the other columns
+    assert list(views) == [request_view(r) for r in reqs] and views[1].num_output_tokens == 2
+    made = RequestViews.of([request_view(r) for r in reqs])
+    assert (made.ids, made.context, list(made)) == (views.ids, views.context, list(views))
+    assert [list(c) for c in views.columns()] == [list(c) for c in made.columns()] == [list(c) for c in zip(*made)]
 
 
 def test_ks_are_capped_and_their_blocks_reserved():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from operator import attrgetter, sub
 
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
@@ -15,7 +16,8 @@ from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.padding import PaddedShapes
-from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestView, SpecPlan, StepView, chunk_context
+from smartspec.types.plan import (DRAFT, LOOKUP, PrefillView, RequestView, RequestViews, SpecPlan, StepView,
+                                  chunk_context)
 from smartspec.types.request import Request
 
 logger = logging.getLogger(__name__)
@@ -48,13 +50,24 @@ def request_view(req: Request) -> RequestView:
 
 
 _new_tuple = tuple.__new__
+_REQUEST_ID, _TOKEN_IDS, _PROMPT_IDS = attrgetter("request_id"), attrgetter("token_ids"), attrgetter("prompt_token_ids")
+_MAX_TOKENS, _OWN_K_MAX, _ARRIVAL = attrgetter("params.max_tokens"), attrgetter("params.k_max"), attrgetter("arrival_time")
+
+
+def _view_columns(decoding: list[Request]) -> tuple[list, ...]:
+    """RequestViews' columns past the ids and contexts, read from the requests in C (map, attrgetter), no Python
+    per request: num_output_tokens, max_tokens, k_max, arrival_time."""
+    outputs = list(map(sub, map(len, map(_TOKEN_IDS, decoding)), map(len, map(_PROMPT_IDS, decoding))))
+    return outputs, list(map(_MAX_TOKENS, decoding)), list(map(_OWN_K_MAX, decoding)), list(map(_ARRIVAL, decoding))
 _INT_TYPES = {int, bool}  # what isinstance(k, int) takes
 
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
               lookups=None, draft_available: bool = False, shapes: PaddedShapes | None = None) -> StepView:
     """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step."""
-    return StepView([request_view(r) for r in decoding], k_max,
+    views = RequestViews(decoding, tuple(map(_REQUEST_ID, decoding)), list(map(len, map(_TOKEN_IDS, decoding))),
+                         _view_columns)
+    return StepView(views, k_max,
                     prefill_tokens=sum(s.num_tokens for s in prefill),
                     prefill_context=sum(chunk_context(s.request.num_computed_tokens, s.num_tokens) for s in prefill),
                     prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],

@@ -35,7 +35,7 @@ class CatchupLedger:
         self.seen: dict[str, int] = {}  # request -> tokens the draft has read
 
     def see(self, view: StepView, now: float) -> None:
-        self.arrivals.see_each(view.requests)
+        self.arrivals.see_each(view.requests, ids=view.requests.ids)
         self.arrivals.see_each(view.prefilling, now)
 
     def tokens(self, step: StepNumbers, rows: np.ndarray | None = None) -> np.ndarray:

@@ -87,17 +87,52 @@ def draft_seconds(d: list[float], depth, sum_k, catchup=0):
     return d[0] * depth + d[1] * sum_k + d[2] * catchup
 
 
-def nonnegative_lstsq(solve, x: np.ndarray, y: np.ndarray, w: np.ndarray, usable: list[bool],
-                      prior: np.ndarray | None = None) -> np.ndarray | None:
-    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set).
-    prior: coefficients the fit is drawn toward (see StepCostModel.hold_prior)."""
-    cols = list(usable)
-    while any(cols):
-        coef = solve(x[:, cols], y, w, None if prior is None else prior[np.array(cols)])
+class NormalEquations:
+    """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens), drawn toward
+    a prior, as normal equations over every feature: a fit on some of the features solves the rows and columns of
+    those (each column's scale, ridge and prior term are its own), so the active set of nonnegative_lstsq drops a
+    feature without building the system again (a refit's dozen solves were most of its time).
+
+    Drawn toward prior: a coefficient's departure from it costs what it would on prior_weight steps that spread its
+    feature as the data does. A feature the data holds constant (the base cost's) is drawn only by the ridge, and one
+    it moves only together with another is split as the prior splits it; the ridge too draws toward the prior, so
+    that where the data cannot tell features apart at all (one shape, after a change of speed), the fit departs
+    from the prior, scaled to the data's level, no more than the data asks."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: float, prior: np.ndarray | None,
+                 prior_weight: float) -> None:
+        sw = np.sqrt(w)[:, None]
+        a = x * sw
+        scale = np.sqrt((a * a).mean(axis=0))
+        scale[scale == 0] = 1.0
+        a = a / scale
+        diagonal = np.full(a.shape[1], ridge * len(a))
+        rhs = a.T @ (y * sw[:, 0])
+        if prior is not None:
+            spread = w @ (x - (w @ x) / w.sum()) ** 2  # sum of w (x - mean)^2, per feature
+            diagonal += prior_weight * spread / w.sum() / scale ** 2
+            rhs += diagonal * prior * scale  # the ridge too: where the data cannot tell, nearest the prior
+        self.gram, self.rhs, self.scale = a.T @ a + np.diag(diagonal), rhs, scale
+
+    def solve(self, cols: np.ndarray) -> np.ndarray | None:
+        """The coefficients of the features at `cols` (indices), the others left out; None where singular."""
+        try:
+            coef = np.linalg.solve(self.gram[np.ix_(cols, cols)], self.rhs[cols]) / self.scale[cols]
+        except np.linalg.LinAlgError:
+            return None
+        return coef if np.isfinite(coef).all() else None
+
+
+def nonnegative_lstsq(equations: NormalEquations, usable: list[bool]) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0: solve, drop the most negative term, repeat (an active set)."""
+    cols = np.array(usable, dtype=bool)
+    while cols.any():
+        taken = np.flatnonzero(cols)
+        coef = equations.solve(taken)
         if coef is None:
             return None
         full = np.zeros(len(cols))
-        full[np.array(cols)] = coef
+        full[taken] = coef
         if (full >= 0).all():
             return full
         cols[int(np.argmin(full))] = False
@@ -292,7 +327,7 @@ class StepCostModel:
         Deviations are taken from the median residual, not from zero: stalls drag a plain fit above the typical
         step, and then the typical steps, not the stalls, are the ones that agree with each other. Left out means
         weight 0: a bounded weight (Huber's) still let a few stalls at short shapes tilt the slope negative."""
-        coef = nonnegative_lstsq(self._solve, x, y, w, usable, prior)
+        coef = nonnegative_lstsq(NormalEquations(x, y, w, self.ridge, prior, self.prior_weight), usable)
         kept = np.ones(len(y), dtype=bool)
         for _ in range(self.robust_rounds if self.outlier_cut > 0 else 0):
             if coef is None:
@@ -304,34 +339,9 @@ class StepCostModel:
             if (now_kept == kept).all():
                 break
             kept = now_kept
-            coef = nonnegative_lstsq(self._solve, x[kept], y[kept], w[kept], usable, prior)
+            coef = nonnegative_lstsq(NormalEquations(x[kept], y[kept], w[kept], self.ridge, prior, self.prior_weight),
+                                     usable)
         return coef
-
-    def _solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray, prior: np.ndarray | None = None
-               ) -> np.ndarray | None:
-        """Weighted ridge least squares on standardised columns (features span 1 to thousands of tokens), drawn
-        toward prior: a coefficient's departure from it costs what it would on prior_weight steps that spread its
-        feature as the data does. A feature the data holds constant (the base cost's) is drawn only by the ridge, and
-        one it moves only together with another is split as the prior splits it; the ridge too draws toward the
-        prior, so that where the data cannot tell features apart at all (one shape, after a change of speed), the
-        fit departs from the prior, scaled to the data's level, no more than the data asks."""
-        sw = np.sqrt(w)[:, None]
-        a = x * sw
-        scale = np.sqrt((a * a).mean(axis=0))
-        scale[scale == 0] = 1.0
-        a = a / scale
-        diagonal = np.full(a.shape[1], self.ridge * len(a))
-        rhs = a.T @ (y * sw[:, 0])
-        if prior is not None:
-            spread = w @ (x - (w @ x) / w.sum()) ** 2  # sum of w (x - mean)^2, per feature
-            diagonal += self.prior_weight * spread / w.sum() / scale ** 2
-            rhs += diagonal * prior * scale  # the ridge too: where the data cannot tell, nearest the prior
-        gram = a.T @ a + np.diag(diagonal)
-        try:
-            coef = np.linalg.solve(gram, rhs) / scale
-        except np.linalg.LinAlgError:
-            return None
-        return coef if np.isfinite(coef).all() else None
 
     # ---- state exchange -------------------------------------------------------------------------------------
     @property

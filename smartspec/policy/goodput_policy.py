@@ -32,10 +32,10 @@ from smartspec.policy.exploration import ChainStep, Exploration, worth_probing
 from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
-from smartspec.policy.plan_hold import NO_DRAFTS, HeldPlan, HeldRule, PlanHold
+from smartspec.policy.plan_hold import DEPTH_TOLERANCE, NO_DRAFTS, HeldPlan, HeldRule, PlanHold
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
-from smartspec.policy.step_numbers import REQUEST_ID, StepNumbers, shape_of
+from smartspec.policy.step_numbers import StepNumbers, shape_of
 from smartspec.policy.tree_goodput import NodeCalibration, TreeGains, node_values, prune_trees
 from smartspec.types.plan import DRAFT, SpecPlan, StepView, TreePlan
 from smartspec.types.step_record import StepRecord
@@ -102,12 +102,11 @@ class GoodputPolicy(Policy):
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
         if self.tree_depth is None:
-            if self.plan_hold.holds_no_drafts(self.step, prefilling, map(REQUEST_ID, view.requests),
-                                              len(view.requests)):
+            if self.plan_hold.holds_no_drafts(self.step, prefilling, view.requests.ids, len(view.requests)):
                 return self._plan_none(step)
             held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:
-                return self._plan_held(step, held)
+                return self._plan_held(step, held, prefilling)
             if not self.drafted_last and self._nothing_can_pay(step):
                 self.plan_hold.planned(self.step, step.ids, prefilling, [0] * len(step.ids), NO_DRAFTS)
                 return self._plan_none(step)
@@ -154,12 +153,13 @@ class GoodputPolicy(Policy):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
-    def _plan_held(self, step: StepNumbers, held: HeldPlan) -> SpecPlan:
-        """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule
-        (PlanHold); no speculation with the draft's price checked as in _plan_none."""
+    def _plan_held(self, step: StepNumbers, held: HeldPlan, prefilling: bool) -> SpecPlan:
+        """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule, held
+        from then on with the plan's (PlanHold); no speculation with the draft's price checked as in _plan_none."""
         ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.k_max)], 0.0
         if held.newcomers:
             newcomer_ks, seconds = self._newcomer_ks(step, held.newcomers, held.rule)
+            self.plan_hold.adopt(prefilling, [step.ids[i] for i in held.newcomers], newcomer_ks)
             for i, k, s in zip(held.newcomers, newcomer_ks, seconds.tolist()):
                 ks[i] = k
                 start_s += s if k else 0.0
@@ -178,17 +178,21 @@ class GoodputPolicy(Policy):
         caps = [min(step.k_max[i], rule.depth) for i in rows]
         return [int(np.count_nonzero(g[:cap] >= rule.threshold)) for g, cap in zip(gains, caps)], seconds
 
-    def _held_rule(self, step: StepNumbers, plan: Plan, price: float | None, padded) -> HeldRule:
+    def _held_rule(self, step: StepNumbers, plan: Plan, price: float | None, padded,
+                   by_depth: list[Plan]) -> HeldRule:
         """How `plan` would plan one more request (PlanHold): a draft token is kept where its gain beats the
         plan's rate (its goodput, or the price of a step beside prefill) times the seconds one more draft token
-        adds to the plan's step."""
+        adds to the plan's step; and the other depths of `by_depth` (this step's plans by depth, in goodput) whose
+        plans came within DEPTH_TOLERANCE of it."""
         if plan.depth == 0:
             return NO_DRAFTS
         m, depth = plan.tokens, plan.depth
         tokens = (lambda n: step.tokens + n) if padded is None else (lambda n: padded(n, depth))
         added = float(self.cost.predict(tokens(m + 1), step.context + m + 1, depth, m + 1)) - float(
             self.cost.predict(tokens(m), step.context + m, depth, m))
-        return HeldRule((plan.value if price is None else price) * added, depth)
+        near = frozenset(p.depth for p in by_depth
+                         if 0 < p.depth != depth and p.value >= (1 - DEPTH_TOLERANCE) * plan.value > 0)
+        return HeldRule((plan.value if price is None else price) * added, depth, near)
 
     def _plan_chains(self, step: StepNumbers) -> tuple[SpecPlan, list[int], HeldRule]:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget; the plan's draft
@@ -223,7 +227,8 @@ class GoodputPolicy(Policy):
             sum_k = sum(ks)
             tokens = step.forward_tokens(sum_k, max(ks)) if self.tree_depth is None else step.tokens + sum_k
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
-        rule = self._held_rule(step, plan, price, padded) if self.tree_depth is None else NO_DRAFTS
+        rule = self._held_rule(step, plan, price, padded, plans if price is None else []) \
+            if self.tree_depth is None else NO_DRAFTS
         return (SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes),
                 plan.ks, rule)
 

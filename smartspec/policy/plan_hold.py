@@ -11,7 +11,11 @@ A loaded batch changes nearly every step (a request finishes, another joins), so
 planned, and a request that joined since (a newcomer) is planned alone by the held plan's rule (`HeldRule`): the
 exact selection keeps a draft token where its gain beats the plan's rate times what one more token adds to the step,
 and a newcomer gets the draft tokens that beat that threshold, no deeper than the plan. A batch in which more than
-`max_newcomers` of the requests are new plans in full. Steps that carry a prefill chunk price drafts otherwise
+`max_newcomers` of the requests are new plans in full. A newcomer is planned by the rule once, on the first step
+it is held in, and its draft length is then held with the plan's (`adopt`), as the planned requests' are: asked
+again every step, the rule gave the same answer (the newcomer's estimate and catch-up change only once it drafts)
+at the cost of its estimates, a third of a held step's host time in a closed loop of 16 streams. Steps that carry a
+prefill chunk price drafts otherwise
 (chain_plan.prefill_step_price), so they keep a held plan of their own. What holding can cost is bounded: a change
 that would make another plan pay (a request's acceptance drifts, the load falls) is acted on at most `max_hold`
 steps late. No speculation is held up to `IDLE_HOLDS` times longer, while the batch keeps all but `IDLE_SHRINK` of
@@ -27,13 +31,16 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class HeldRule:
     """What a newcomer's draft tokens must beat: `threshold`, in expected tokens a draft token adds; and the depth
-    of the plan, which no newcomer exceeds (a deeper draft would lengthen every request's step)."""
+    of the plan, which no newcomer exceeds (a deeper draft would lengthen every request's step). near: the other
+    draft depths whose best plans were predicted within DEPTH_TOLERANCE of this plan's value."""
     threshold: float
     depth: int
+    near: frozenset[int] = frozenset()
 
 
 NO_DRAFTS = HeldRule(float("inf"), 0)
 RULE_TOLERANCE = 0.1  # thresholds this close (relative) make the same plan (PlanHold.planned)
+DEPTH_TOLERANCE = 0.01  # plans of two depths worth this close (relative) make the same plan too
 IDLE_HOLDS = 2  # no speculation is held up to this many times max_hold, while the batch does not shrink ...
 IDLE_SHRINK = 1 / 8  # ... by more than this share: a loaded batch loses a request or two between arrivals
 
@@ -52,6 +59,7 @@ class _Held:
     hold: int = 0  # steps the last full plan holds for (0: plan every step)
     next_plan: int = 0  # the step of the next full plan
     ks: dict[str, int] = field(default_factory=dict)  # the last full plan's draft length per request
+    adopted: dict[str, int] = field(default_factory=dict)  # and its newcomers', as the rule planned them (adopt)
     rule: HeldRule = NO_DRAFTS
     rows: int = 0  # the requests it planned
     planned_at: int = 0  # its step
@@ -100,23 +108,36 @@ class PlanHold:
         else:
             get = last.ks.get
             ks = [get(rid, -1) for rid in ids]
-            newcomers = [i for i, k in enumerate(ks) if k < 0]
-            if newcomers and (len(newcomers) == len(ids) or len(newcomers) > self.max_newcomers * len(ids)):
+            joined = [i for i, k in enumerate(ks) if k < 0]  # the full plan did not plan them
+            if joined and (len(joined) == len(ids) or len(joined) > self.max_newcomers * len(ids)):
                 return None
-            for i in newcomers:
-                ks[i] = 0
+            newcomers, adopted = [], last.adopted.get
+            for i in joined:
+                ks[i] = adopted(ids[i], -1)
+                if ks[i] < 0:  # not yet planned by the rule
+                    ks[i] = 0
+                    newcomers.append(i)
         self.held += 1
         return HeldPlan(ks, newcomers, last.rule)
+
+    def adopt(self, prefilling: bool, ids: list[str], ks: list[int]) -> None:
+        """The draft lengths the held plan's rule gave newcomers (`ids`), held with the plan's from now on."""
+        self._by_prefill[prefilling].adopted.update(zip(ids, ks))
 
     def planned(self, step: int, ids: tuple[str, ...], prefilling: bool, ks: list[int], rule: HeldRule) -> None:
         """A full plan ran at `step` for requests `ids`: ks, each one's draft length as planned (a learning probe
         is that step's detour, left out); rule: how it would plan a newcomer (NO_DRAFTS where it drafts nothing).
         It counts as the last one again where both draft nothing, or both draft as deep and their thresholds differ
         by at most `RULE_TOLERANCE`: a request whose draft length flips between the two sits at the threshold, where
-        either length is worth about the same."""
+        either length is worth about the same. So does a plan whose depth differs from the last one's where the best
+        plan at the last one's depth was worth within DEPTH_TOLERANCE of it (`rule.near`): a batch at the boundary
+        of two depths (mixed acceptance, best k between 1 and 2) flipped between them every few steps, each flip
+        planned in full from a hold of 1 again, a third of its steps."""
         last = self._by_prefill[prefilling]
-        same = rule.depth == last.rule.depth and (
-            rule.depth == 0 or abs(rule.threshold - last.rule.threshold) <= RULE_TOLERANCE * last.rule.threshold)
+        same = (rule.depth == last.rule.depth and (
+            rule.depth == 0 or abs(rule.threshold - last.rule.threshold) <= RULE_TOLERANCE * last.rule.threshold)) \
+            or (last.rule.depth > 0 and last.rule.depth in rule.near)
         last.hold = min(self.max_hold, 2 * last.hold if last.hold else 1) if same else 0
         last.next_plan = step + 1 + last.hold
         last.ks, last.rule, last.rows, last.planned_at = dict(zip(ids, ks)), rule, len(ids), step
+        last.adopted = {}

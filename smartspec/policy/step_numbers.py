@@ -11,14 +11,13 @@ import numpy as np
 from smartspec.types.plan import RequestView, StepView
 
 # a batch's columns read in C (map), not in a Python loop over its rows
-REQUEST_ID, _NUM_TOKENS = attrgetter("request_id"), attrgetter("num_tokens")
+REQUEST_ID = attrgetter("request_id")
 
 
 @dataclass
 class StepNumbers:
-    """The step's tokens and context come with it; its per-request columns are taken from the view when first read
-    (a step whose plan is held as no speculation reads none of them: at 256 requests the columns were most of such
-    a step's host time)."""
+    """The step's tokens and context come with it; its per-request columns are read from the view's when first
+    needed (a step whose plan is held as no speculation reads none of them)."""
     view: StepView
     tokens: int  # the step's tokens at k = 0: the decoding requests' last tokens and the prefill chunks
     context: int  # and the context they attend over
@@ -27,27 +26,26 @@ class StepNumbers:
     @classmethod
     def of(cls, view: StepView, now: float) -> StepNumbers:
         rows = view.requests
-        return cls(view, view.prefill_tokens + len(rows), view.prefill_context + sum(map(_NUM_TOKENS, rows)), now)
+        return cls(view, view.prefill_tokens + len(rows), view.prefill_context + rows.context, now)
 
-    @cached_property
+    @property
     def _columns(self) -> tuple:
-        """The view's columns taken once (a transpose of its rows): ids, contexts, outputs, max tokens, caps."""
-        rows = self.view.requests
-        return tuple(zip(*rows))[:5] if rows else ((), (), (), (), ())
+        """The view's columns (RequestViews.columns): ids, contexts, outputs, max tokens, caps, arrivals."""
+        return self.view.requests.columns()
 
-    @cached_property
+    @property
     def ids(self) -> tuple[str, ...]:
         """The decoding requests' ids, in the view's order."""
-        return self._columns[0]
+        return self.view.requests.ids
 
     @cached_property
     def num_tokens(self) -> np.ndarray:
         """[B] each one's context (RequestView.num_tokens)."""
-        return np.array(self._columns[1], dtype=np.float64)
+        return np.array(self.view.requests.num_tokens, dtype=np.float64)
 
     @cached_property
     def _left(self) -> np.ndarray:
-        _, _, num_output, max_tokens, _ = self._columns
+        num_output, max_tokens = self._columns[2:4]
         return np.array(max_tokens, dtype=np.float64) - np.array(num_output, dtype=np.float64)
 
     @cached_property
@@ -90,8 +88,7 @@ class StepNumbers:
 
 def shape_of(view: StepView) -> tuple[int, int]:
     """The step's tokens and context at k = 0: its decoding requests' last tokens and its prefill chunks."""
-    return (view.prefill_tokens + len(view.requests),
-            view.prefill_context + sum(r.num_tokens for r in view.requests))
+    return view.prefill_tokens + len(view.requests), view.prefill_context + view.requests.context
 
 
 def expected_tokens(gains: np.ndarray, ks: list[int]) -> float:

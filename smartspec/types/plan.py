@@ -3,7 +3,9 @@ replaced without an engine. The engine builds a `StepView` from its requests (en
 returns a `SpecPlan`, and the engine reports the step back as a `StepRecord`."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -42,6 +44,63 @@ class RequestView(NamedTuple):
     arrival_time: float
 
 
+_new_tuple = tuple.__new__
+
+
+class RequestViews(Sequence):
+    """StepView.requests: the decoding requests' RequestViews in the step's order, kept as columns (a flat array per
+    field over the batch) and made into rows only when a row is read. The ids and the contexts come with the view;
+    the other columns are taken from the requests when first read (`columns`): a step whose plan is held reads the
+    ids and the total context alone, a full plan reads the columns, and neither makes a row per request (at 256
+    requests making the rows was most of a held step's policy time, and a fifth of a full plan's)."""
+
+    __slots__ = ("_source", "_rest_of", "_columns", "_rows", "ids", "num_tokens", "context")
+
+    def __init__(self, source: list, ids: tuple[str, ...], num_tokens: list[int],
+                 rest_of: Callable[[list], tuple]) -> None:
+        """source: the requests, in order; ids and num_tokens: their RequestView fields; rest_of(source): the
+        other fields' columns in RequestView's order (num_output_tokens, max_tokens, k_max, arrival_time)."""
+        self._source, self._rest_of, self._columns, self._rows = source, rest_of, None, None
+        self.ids, self.num_tokens, self.context = ids, num_tokens, sum(num_tokens)
+
+    @classmethod
+    def of(cls, rows: Sequence[RequestView]) -> RequestViews:
+        """Views already made (tests, a simulator of its own)."""
+        if isinstance(rows, RequestViews):
+            return rows
+        rows = list(rows)
+        columns = tuple(zip(*rows)) if rows else ((),) * len(RequestView._fields)
+        views = cls(rows, columns[0], list(columns[1]), lambda _: columns[2:])
+        views._rows = rows
+        return views
+
+    def columns(self) -> tuple[Sequence, ...]:
+        """One sequence per RequestView field, in its order, each over the batch."""
+        if self._columns is None:
+            self._columns = (self.ids, self.num_tokens, *self._rest_of(self._source))
+        return self._columns
+
+    def _made(self) -> list[RequestView]:
+        if self._rows is None:
+            self._rows = list(map(_new_tuple, repeat(RequestView), zip(*self.columns())))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self._made()[i]
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (RequestViews, list, tuple)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"RequestViews({self._made()!r})"
+
+
 @dataclass(frozen=True)
 class PrefillView:
     """A request whose prompt chunk rides in the step (it yields no drafts)."""
@@ -52,7 +111,7 @@ class PrefillView:
 @dataclass(frozen=True)
 class StepView:
     """One step as the policy sees it, before it chooses."""
-    requests: list[RequestView]  # the decoding requests, in the step's order
+    requests: RequestViews  # the decoding requests, in the step's order (a list of RequestView is taken as such)
     k_max: int  # the most any request speculates (draft tokens, or tree nodes); K in the paper's notation
     prefill_tokens: int = 0  # tokens of the step's prefill chunks, which the verify forward carries anyway
     prefill_context: int = 0  # their context, summed over their tokens (chunk_context)
@@ -65,6 +124,9 @@ class StepView:
     # the buckets the target's forward is padded to (CUDA graphs): a step is priced by the cells it computes, so
     # one long chain that widens every row is priced as such. None: steps run as they come
     shapes: PaddedShapes | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", RequestViews.of(self.requests))
 
 
 @dataclass
