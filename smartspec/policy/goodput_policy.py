@@ -112,7 +112,7 @@ class GoodputPolicy(Policy):
                 return self._plan_none(step)
         shape_probes = self.shape_probes
         plan, planned_ks, rule = self._plan_chains(step)
-        self.drafted_last = any(plan.ks)
+        self.drafted_last = any(planned_ks)
         if self.tree_depth is None and self.shape_probes == shape_probes:
             # a shape probe is one step's detour, not what the hold compares
             self.plan_hold.planned(self.step, step.ids, prefilling, planned_ks, rule)
