@@ -77,10 +77,10 @@ def run_rate(engine: LLMEngine, prompts: list[str], rate: float, max_tokens: int
     rows = []
     for rid, out in done.items():
         m, n = out.metrics, len(out.token_ids)
-        spec = {f"spec_{k}": v for k, v in m["spec_decode"].items() if k != "accepted_per_position"}
-        rows.append(dict(request=rid, latency_s=m["finish_time"] - arrival[rid],
-                         ttft_s=m["first_token_time"] - arrival[rid],
-                         tpot_s=(m["finish_time"] - m["first_token_time"]) / max(1, n - 1), output_tokens=n,
+        spec = {f"spec_{k}": v for k, v in m.spec_decode.as_dict().items() if k != "accepted_per_position"}
+        rows.append(dict(request=rid, latency_s=m.finish_time - arrival[rid],
+                         ttft_s=m.first_token_time - arrival[rid],
+                         tpot_s=(m.finish_time - m.first_token_time) / max(1, n - 1), output_tokens=n,
                          prompt_tokens=out.num_prompt_tokens, **spec))
     return rows
 

@@ -64,9 +64,9 @@ def engine_row(batch: int, k_max: int, target: str, draft: str) -> dict:
     prompts = [f"def f{i}(x):\n    return x + {i}\n" * 3 for i in range(batch)]
     llm.generate(prompts, [SamplingParams(max_tokens=64 + i % 64, ignore_eos=True) for i in range(batch)])
     steps = llm.engine.stats.snapshot()
-    chosen = steps["chosen_k"]
+    chosen = steps.chosen_k
     llm.engine.close()
-    return {"batch": batch, "k_max": k_max, "steps": steps["steps"], "policy_ms_per_step": steps["policy_ms_per_step"],
+    return {"batch": batch, "k_max": k_max, "steps": steps.steps, "policy_ms_per_step": steps.policy_ms_per_step,
             "mean_k": sum(k * n for k, n in chosen.items()) / max(1, sum(chosen.values()))}
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.types.logprobs import TokenLogprob
+from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ class CompletionOutput:
     latency_s: float  # arrival to finish
     logprobs: list[TokenLogprob] | None = None  # per output token, when SamplingParams.logprobs asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), when asked
-    speculation: dict | None = None  # this request's draft counters (SpecDecodeMetrics.as_dict())
+    speculation: SpecDecodeMetrics | None = None  # this request's draft counters
     error: str | None = None  # finish_reason "error": what failed in the server, naming the stage and feature
 
 
@@ -56,10 +57,10 @@ class LLM:
         for rid, prompt in zip(ids, prompts):
             out = done[rid]
             m = out.metrics
-            first = m["first_token_time"]
+            first = m.first_token_time
             results.append(CompletionOutput(
                 prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
-                None if first is None else first - m["arrival_time"], m["finish_time"] - m["arrival_time"],
+                None if first is None else first - m.arrival_time, m.finish_time - m.arrival_time,
                 logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs,
-                m["spec_decode"], out.error))
+                m.spec_decode, out.error))
         return results

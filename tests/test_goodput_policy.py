@@ -417,7 +417,7 @@ def test_the_engine_counts_the_policys_own_host_time(tiny_qwen, tiny_qwen_draft,
     llm = LLM(tiny_qwen, num_kv_blocks=64, block_size=4, max_model_len=256, speculative_config=spec)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     quick = llm.engine.stats.snapshot()
-    assert quick["steps"] > 0 and 0 < quick["policy_ms_per_step"] == 1e3 * llm.engine.stats.policy_s / quick["steps"]
+    assert quick.steps > 0 and 0 < quick.policy_ms_per_step == 1e3 * llm.engine.stats.policy_s / quick.steps
     policy = llm.engine.speculation.policy
     import time as clock
 

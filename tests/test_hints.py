@@ -69,12 +69,12 @@ def test_a_right_prediction_is_accepted_and_a_wrong_one_changes_nothing(method, 
     predictions = [t[:20] + [(t[20] + 1) % 200] + t[21:] for t in plain_text]
     outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=40, ignore_eos=True, prediction=p) for p in predictions])
     assert [o.token_ids for o in outs] == plain_text
-    assert all(o.speculation["accepted_prediction_tokens"] >= 24 for o in outs)  # realigned after the edit
-    assert sum(o.speculation["rejected_prediction_tokens"] for o in outs) >= 1  # the edit was drafted, rejected
-    for o in outs:  # the counters by source add up, the prediction's among them
-        by_source = o.speculation["by_source"]
-        assert by_source["prediction"]["num_accepted_tokens"] == o.speculation["accepted_prediction_tokens"]
-        assert sum(c["num_draft_tokens"] for c in by_source.values()) == o.speculation["num_draft_tokens"]
+    assert all(o.speculation.accepted_prediction_tokens >= 24 for o in outs)  # realigned after the edit
+    assert sum(o.speculation.rejected_prediction_tokens for o in outs) >= 1  # the edit was drafted, rejected
+    for o in outs:  # the counters by source ([drafts, draft tokens, accepted]) add up, the prediction's among them
+        by_source = o.speculation.by_source
+        assert by_source["prediction"][2] == o.speculation.accepted_prediction_tokens
+        assert sum(c[1] for c in by_source.values()) == o.speculation.num_draft_tokens
     wrong = llm.generate(PROMPTS, [SamplingParams(max_tokens=40, ignore_eos=True, prediction="zzzz qqqq " * 8)] * 4)
     assert [o.token_ids for o in wrong] == plain_text
     assert not llm.engine.hints.predictions  # finished requests let their predictions go

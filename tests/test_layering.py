@@ -139,3 +139,49 @@ def test_an_upward_import_is_caught(tmp_path, where, statement):
     path.write_text(text)
     problems = layering_violations(tmp_path)
     assert len(problems) == 1 and problems[0].startswith(where), problems
+
+
+# what LLMEngine.snapshot, load_costs and a RequestOutput's metrics were as dicts: their keys
+ENGINE_KEYS = {"spec_decode", "steps", "prefix_cache", "running", "waiting", "free_blocks", "total_blocks",
+               "policy_state", "request_speed", "prefill_s_per_token", "draft_available", "draft_failures",
+               "arrival_time", "first_token_time", "finish_time", "chosen_k", "num_draft_tokens"}
+
+
+def dict_reads_of_the_engine(path: Path) -> list[str]:
+    """Reads of the engine's reports by key in a file: a subscript (or .get) of something named snapshot or
+    metrics, or by one of ENGINE_KEYS. The engine hands the replica and the offline API typed objects
+    (types/snapshot.py, types/metrics.py); a key read would mean a dict crossed again."""
+    problems = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            target, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args:
+            target, key = node.func.value, node.args[0]
+        else:
+            continue
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+        if name in ("snapshot", "metrics") or (isinstance(key, ast.Constant) and key.value in ENGINE_KEYS):
+            problems.append(f"{path.relative_to(path.parents[2])}:{node.lineno}: {ast.unparse(node)}")
+    return problems
+
+
+def engine_readers(root: Path) -> list[Path]:
+    return sorted((root / "deployments" / "replica").glob("*.py")) + [root / "smartspec" / "llm.py"]
+
+
+def test_no_dict_crosses_from_the_engine_to_the_replica_or_the_offline_api():
+    problems = [p for path in engine_readers(ROOT) for p in dict_reads_of_the_engine(path)]
+    assert not problems, "reads of the engine's reports by key:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("line", ['spec = out.metrics["spec_decode"]', 'x = snapshot.get("running")',
+                                  'speed = costs["request_speed"]'])
+def test_a_dict_read_of_the_engine_is_caught(tmp_path, line):
+    """The check itself: the replica's server with one such read added fails it."""
+    path = tmp_path / "deployments" / "replica" / "server.py"
+    path.parent.mkdir(parents=True)
+    path.write_text((ROOT / "deployments" / "replica" / "server.py").read_text() + f"\n\ndef added(out, snapshot, costs):\n"
+                    f"    {line}\n")
+    added_at = len(path.read_text().splitlines())
+    assert [p.split(": ")[0] for p in dict_reads_of_the_engine(path)] == [f"deployments/replica/server.py:{added_at}"]

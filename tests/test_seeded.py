@@ -67,7 +67,7 @@ def test_the_same_request_twice_in_a_row_repeats_itself_with_answer_memory(tiny_
     p = SamplingParams(max_tokens=16, temperature=0.9, seed=1234)
     first, second = (llm.generate("Invent a name for a cat.", p)[0] for _ in range(2))
     assert first.token_ids == second.token_ids
-    assert second.speculation["num_accepted_tokens"] > 0  # the memory was used, and changed nothing
+    assert second.speculation.num_accepted_tokens > 0  # the memory was used, and changed nothing
 
 
 def seeded_step(seed: int, p_rows: torch.Tensor, draft: list[int]):

@@ -30,6 +30,7 @@ from smartspec.spec_decode.factory import make_draft_proposer
 from smartspec.structured.compile import TOOL_CALL_TAGS
 from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.snapshot import EngineSnapshot, LoadCosts
 
 logger = logging.getLogger("ray.serve")
 HELD_DELTAS_S = 1.0  # an answer sent whole: how long the replica may hold its tokens back
@@ -206,17 +207,22 @@ class LLMServer:
             return Delta("", [], len(out.token_ids), first, True, "error",
                          error=out.error or "the server ended the generation after an internal error")
         tokenizer = self.engine.tokenizer
-        spec = out.metrics["spec_decode"] if out.finished else None
+        spec = out.metrics.spec_decode if out.finished else None
         return Delta(out.new_text, out.new_token_ids, len(out.token_ids), first, out.finished, out.finish_reason,
-                     spec, PredictionUsage(spec["accepted_prediction_tokens"], spec["rejected_prediction_tokens"])
-                     if spec else None,
+                     None if spec is None else spec.as_dict(),
+                     None if spec is None else PredictionUsage(spec.accepted_prediction_tokens,
+                                                               spec.rejected_prediction_tokens),
                      None if out.new_logprobs is None else token_entries(tokenizer, out.new_logprobs),
                      token_entries(tokenizer, out.prompt_logprobs) if first and out.prompt_logprobs is not None
                      else None)
 
     # ---- state, health, controller -------------------------------------------------------------------------
     async def stats(self) -> dict:
-        out = {"replica": self.replica_id, **await self.engine.stats()}
+        """The replica's /status view of itself (JSON): its engine's snapshot, where it runs, what it serves."""
+        return self._status(await self.engine.snapshot())
+
+    def _status(self, snapshot: EngineSnapshot, with_policy_state: bool = True) -> dict:
+        out = {"replica": self.replica_id, **snapshot.as_dict(with_policy_state)}
         out.update({"draft_actor": self.draft_actor_name, "namespace": ray.get_runtime_context().namespace,
                     "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
         out["in_flight"] = self.engine.num_in_flight
@@ -230,28 +236,27 @@ class LLMServer:
         if cpt:  # about as many prefix keys as the KV cache holds tokens
             self.served.capacity = max(64, int(self.engine.kv_capacity_tokens * cpt / CHUNK_CHARS))
         costs = await self._load_costs()
-        return RoutingStats(time.time(), self.engine.num_in_flight, self.cfg.max_num_seqs,
-                            costs.get("request_speed"), costs.get("prefill_s_per_token"), cpt, self.request_s,
-                            self.served.snapshot()).as_dict()
+        return RoutingStats(time.time(), self.engine.num_in_flight, self.cfg.max_num_seqs, costs.request_speed,
+                            costs.prefill_s_per_token, cpt, self.request_s, self.served.snapshot()).as_dict()
 
     async def record_autoscaling_stats(self) -> dict:
         """What the goodput autoscaling policy reads of this replica (placement/autoscaling.py)."""
         costs = await self._load_costs()
-        return autoscaling_metrics(self.engine.num_in_flight, self.cfg.max_num_seqs, costs.get("request_speed"))
+        return autoscaling_metrics(self.engine.num_in_flight, self.cfg.max_num_seqs, costs.request_speed)
 
-    async def _load_costs(self) -> dict:
+    async def _load_costs(self) -> LoadCosts:
         try:
-            return await asyncio.wait_for(self.engine.call(lambda e: e.load_costs()), 5)
+            return await asyncio.wait_for(self.engine.load_costs(), 5)
         except Exception:  # the engine is busy starting or has failed: load alone tells
-            return {}
+            return LoadCosts()
 
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.controller_interval_s)
             try:
-                view = await self.stats()
-                policy_state = view.pop("policy_state", None)
-                report = ReplicaReport(self.replica_id, gauges_of(view, policy_state), view, policy_state)
+                snapshot = await self.engine.snapshot()
+                report = ReplicaReport(self.replica_id, gauges_of(snapshot), self._status(snapshot, False),
+                                       snapshot.policy_state)  # the policy's state travels on its own
                 merged = await asyncio.wait_for(self.controller.report.remote(report), 10)
                 if merged:
                     await self.engine.import_policy_state(merged)
@@ -276,16 +281,16 @@ class LLMServer:
             pass
 
 
-def gauges_of(snapshot: dict, policy_state: dict | None) -> ReplicaGauges:
-    """The figures /metrics renders, read from the engine's snapshot (LLMEngine.snapshot) and the policy's shared
-    state (its acceptance estimates)."""
-    spec, steps, prefix = snapshot["spec_decode"], snapshot["steps"], snapshot["prefix_cache"]
-    shared = policy_state or {}
+def gauges_of(snapshot: EngineSnapshot) -> ReplicaGauges:
+    """The figures /metrics renders, read from the engine's snapshot (LLMEngine.snapshot), the shared acceptance
+    estimates among them (the policy's state, where it keeps them)."""
+    spec, steps, shared = snapshot.spec_decode, snapshot.steps, snapshot.policy_state or {}
     return ReplicaGauges(
-        snapshot["running"], snapshot["waiting"], snapshot["free_blocks"], spec["num_drafts"],
-        spec["num_draft_tokens"], spec["num_accepted_tokens"],
-        {source: (c["num_drafts"], c["num_draft_tokens"], c["num_accepted_tokens"])
-         for source, c in spec["by_source"].items()},
-        dict(steps["chosen_k"]), steps["goodput_tokens_per_s"], steps["prediction_mean_abs_rel_error"],
-        prefix["queries"], prefix["hits"], shared.get("alpha_prior"), shared.get("alpha_prior_later"),
-        shared.get("prior_strength"))
+        running=snapshot.running, waiting=snapshot.waiting, free_blocks=snapshot.free_blocks,
+        num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        by_source={source: (d, t, a) for source, (d, t, a) in sorted(spec.by_source.items())},
+        chosen_k=dict(steps.chosen_k), goodput_tokens_per_s=steps.goodput_tokens_per_s,
+        step_time_error=steps.prediction_mean_abs_rel_error, prefix_queries=snapshot.prefix_queries,
+        prefix_hits=snapshot.prefix_hits, alpha_prior=shared.get("alpha_prior"),
+        alpha_prior_later=shared.get("alpha_prior_later"), prior_strength=shared.get("prior_strength"))

@@ -12,6 +12,7 @@ import torch
 from smartspec.config import EngineConfig
 from smartspec.engine.llm_engine import LLMEngine, RequestOutput
 from smartspec.types.sampling_params import SamplingParams
+from smartspec.types.snapshot import EngineSnapshot, LoadCosts
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +125,13 @@ class AsyncEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)
 
-    async def stats(self) -> dict:
+    async def snapshot(self) -> EngineSnapshot:
         """The engine's snapshot (LLMEngine.snapshot), read between two steps."""
         return await self.call(lambda e: e.snapshot())
+
+    async def load_costs(self) -> LoadCosts:
+        """What more load costs (LLMEngine.load_costs), read between two steps."""
+        return await self.call(lambda e: e.load_costs())
 
     async def import_policy_state(self, state: dict) -> None:
         """Adopt the replicas' merged policy state (from the goodput controller), between two steps."""

@@ -46,6 +46,7 @@ from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan, fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
+from smartspec.types.snapshot import DraftHealth, EngineSnapshot, LoadCosts
 from smartspec.types.step_record import StepRecord, VerifiedTree
 from smartspec.types.tree import TokenTree
 
@@ -291,22 +292,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         """What a serving replica reports: load, KV blocks, prefix cache hits, speculation counters, step totals,
-        the draft's health and the policy's shareable state."""
+        the draft's health, the policy's shareable state and what more load costs."""
         sp, proposer = self.speculation, self.speculation.proposer
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "free_blocks": self.blocks.num_free, "total_blocks": self.blocks.num_blocks,
-                "policy_name": sp.policy.name,
-                "prefix_cache": {"queries": self.blocks.num_prefix_queries, "hits": self.blocks.num_prefix_hits},
-                "spec_decode": sp.metrics.as_dict(), "steps": self.stats.snapshot(),
-                "draft_available": proposer.draft_available if proposer is not None else None,
-                "draft_failures": proposer.failures if proposer is not None else None,
-                "draft_incarnation": proposer.incarnation if proposer is not None else None,
-                "policy_state": sp.policy.shared.export_state(), "max_num_seqs": self.scheduler.max_num_seqs,
-                **self.load_costs()}
+        draft = None if proposer is None else DraftHealth(proposer.draft_available, proposer.failures,
+                                                          proposer.incarnation)
+        return EngineSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free,
+                              self.blocks.num_blocks, self.scheduler.max_num_seqs, sp.policy.name,
+                              self.blocks.num_prefix_queries, self.blocks.num_prefix_hits, sp.metrics.copy(),
+                              self.stats.snapshot(), draft, sp.policy.shared.export_state(), self.load_costs())
 
-    def load_costs(self, context: int = 512, chunk: int = 256) -> dict:
+    def load_costs(self, context: int = 512, chunk: int = 256) -> LoadCosts:
         """What more load costs here, from the policy's fits (None where it has none), for routing and autoscaling:
         `request_speed`, the tokens per second of one request at batch sizes 1, 2, 4, ... up to max_num_seqs (for
         the running requests' mean context, else `context`), and `prefill_s_per_token`, a prompt token's share of
@@ -316,8 +313,8 @@ class LLMEngine:
         if running:
             context = sum(r.num_tokens for r in running) // len(running)
         full, one = policy.load.step_seconds(chunk + 1, context + chunk), policy.load.step_seconds(1, context)
-        return {"request_speed": policy.load.request_speed(sizes, context, self.speculation.k_max),
-                "prefill_s_per_token": max(0.0, full - one) / chunk if full is not None else None}
+        return LoadCosts(policy.load.request_speed(sizes, context, self.speculation.k_max),
+                         max(0.0, full - one) / chunk if full is not None else None)
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,7 +1,7 @@
 """What a request's caller receives after each step (RequestOutput), and the logprobs taken from a step's rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -9,6 +9,7 @@ from smartspec.engine.step_logprobs import LogprobRows, logprobs_of, read_logpro
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import TokenLogprob
+from smartspec.types.metrics import RequestMetrics
 from smartspec.types.request import Request
 
 
@@ -22,7 +23,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", "error" (the server failed at its part of a step)
     num_prompt_tokens: int
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics
     new_logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once the prompt is computed, when asked
     error: str | None = None  # finish reason "error": what failed, naming the stage and feature
@@ -75,9 +76,8 @@ def take_text(req: Request) -> str:
 
 
 def output_of(req: Request, added: list[int], new_text: str) -> RequestOutput:
-    metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-               "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
-               "spec_decode": req.spec.as_dict()}
+    metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time, req.num_preemptions,
+                             req.spec.copy())
     new_logprobs = req.logprobs[len(req.logprobs) - len(added):] if req.params.logprobs is not None else None
     return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
                          req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs,

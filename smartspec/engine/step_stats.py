@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from smartspec.types.snapshot import StepTotals
 from smartspec.types.step_record import StepRecord
 
 
@@ -33,11 +34,9 @@ class StepStats:
             self.predicted_steps += 1
             self.prediction_abs_rel_error += abs(record.predicted_s - record.total_s) / record.total_s
 
-    def snapshot(self) -> dict:
-        return {"steps": self.steps, "busy_s": self.busy_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-                "generated_tokens": self.generated_tokens,
-                "goodput_tokens_per_s": self.generated_tokens / self.busy_s if self.busy_s else 0.0,
-                "chosen_k": {int(k): n for k, n in sorted(self.chosen_k.items())},
-                "prediction_mean_abs_rel_error": (self.prediction_abs_rel_error / self.predicted_steps
-                                                  if self.predicted_steps else None),
-                "policy_ms_per_step": 1e3 * self.policy_s / self.steps if self.steps else 0.0}
+    def snapshot(self) -> StepTotals:
+        return StepTotals(self.steps, self.busy_s, self.draft_s, self.verify_s, self.generated_tokens,
+                          self.generated_tokens / self.busy_s if self.busy_s else 0.0,
+                          {int(k): n for k, n in sorted(self.chosen_k.items())},
+                          self.prediction_abs_rel_error / self.predicted_steps if self.predicted_steps else None,
+                          1e3 * self.policy_s / self.steps if self.steps else 0.0)

@@ -2,7 +2,7 @@
 token; mean acceptance length = 1 + accepted tokens / drafts (the tokens a verify step yields on average)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -46,7 +46,13 @@ class SpecDecodeMetrics:
     def mean_acceptance_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    def copy(self) -> SpecDecodeMetrics:
+        """The counters as they are now, apart from the ones that go on counting."""
+        return replace(self, accepted_per_position=list(self.accepted_per_position),
+                       by_source={source: list(counts) for source, counts in self.by_source.items()})
+
     def as_dict(self) -> dict:
+        """The JSON form (a response's `speculation`, a replica's /status), with the derived rates."""
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
@@ -55,3 +61,13 @@ class SpecDecodeMetrics:
                 "rejected_prediction_tokens": self.rejected_prediction_tokens,
                 "by_source": {source: {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a}
                               for source, (d, t, a) in sorted(self.by_source.items())}}
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """A request's times (time.monotonic seconds) and draft counters, as of one of its outputs."""
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+    spec_decode: SpecDecodeMetrics
