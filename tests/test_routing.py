@@ -72,6 +72,26 @@ def test_served_prefixes_keep_the_most_recent():
     assert served.snapshot() == [3, 4, 1]
 
 
+def test_a_replicas_routing_ledger_reports_what_it_served():
+    """What the router reads of a replica: the prefix keys of its prompts, characters per prompt token, the
+    prefix memory sized to the KV cache, a request's mean time, and the engine's load costs."""
+    from deployments.placement.ledger import RoutingLedger
+    from smartspec.types.snapshot import LoadCosts
+
+    ledger = RoutingLedger(capacity=4096)
+    text = "x" * (3 * CHUNK_CHARS)
+    ledger.accepted(text, 192)
+    ledger.finished(2.0)
+    ledger.finished(4.0)
+    stats = ledger.stats(3, 8, LoadCosts({1: 20.0}, 1e-3), kv_capacity_tokens=6400)
+    assert (stats.ongoing, stats.max_num_seqs, stats.request_speed, stats.prefill_s_per_token) == (3, 8, {1: 20.0},
+                                                                                                    1e-3)
+    assert stats.chars_per_token == 4.0 and stats.prefix_keys == prefix_keys(text) and len(stats.prefix_keys) == 3
+    assert stats.request_s == pytest.approx(0.9 * 2.0 + 0.1 * 4.0)
+    assert ledger.served.capacity == 6400 * 4 // CHUNK_CHARS  # as many keys as the KV cache holds tokens
+    assert RoutingLedger().stats(0, 8, LoadCosts(), 6400).chars_per_token is None  # nothing served yet
+
+
 def test_prefix_index_matches_leading_keys_from_reports_and_recent_sends():
     index = PrefixIndex(recent_s=10)
     index.report("a", [1, 2, 3], reported_at=1.0)

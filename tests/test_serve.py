@@ -121,7 +121,7 @@ def test_an_unstreamed_answer_leaves_its_replica_in_a_few_messages(app):
     every HELD_DELTAS_S: the same tokens in fewer messages for the front and Ray to carry."""
     import math
 
-    from deployments.replica.server import HELD_DELTAS_S
+    from deployments.replica.deltas import HELD_DELTAS_S
     from deployments.wire import Delta, GenerateCall
 
     handle = serve.get_deployment_handle("LLMServer", "main").options(stream=True)

@@ -120,7 +120,7 @@ def test_qwen_template_and_tool_tags_as_tokens():
     assert out.finish_reason in ("stop", "length") and out.text  # the model answers from the tool's result
     # parallel_tool_calls false under "auto": the replica's params end the answer at its first call's closing
     # tag, which stays in the text (the front reads the block whole); a grammar makes the model call twice
-    from deployments.replica.server import ending_at_first_call
+    from deployments.replica.prompts import ending_at_first_call
 
     block = f"<tool_call> {json.dumps(chr(10) + call.split(chr(10))[1] + chr(10))} </tool_call>"
     twice = StructuredOutput(grammar=f'start: {block} "\\n" {block}')

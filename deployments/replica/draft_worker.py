@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import ray
 import torch
@@ -22,6 +22,45 @@ from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.tree import TokenTree
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One speculating request's part of a draft call: its target tokens from `offset` on (offset 0: the whole
+    request, the first `prompt_len` its prompt), its sampling params (a sampled request drafts with a generator of
+    its own) and k."""
+    request_id: str
+    offset: int
+    new_tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    k: int
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """A step's draft call: the rows, and the requests the replica finished since the last call."""
+    rows: list[DraftRow]
+    released: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One request's draft: its chain's tokens and their draft probabilities (sampled requests), or its tree."""
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    tree: TokenTree | None = None
+
+
+NO_DRAFT = Draft([])
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    incarnation: str  # which start of the actor answered: a restarted one knows only whole requests
+    drafts: dict[str, Draft]  # by request id
+    unknown: list[str]  # requests sent as a delta the actor has no mirror of: send them whole next time
+    catchup_tokens: int  # tokens the draft read before drafting (its catch-up), for the cost model
 
 
 def start_draft_actor(name: str | None, spec: SpeculativeConfig, runtime: DraftRuntime, target_model: str,
@@ -60,27 +99,27 @@ class DraftWorker:
     def ready(self) -> str:
         return self.incarnation
 
-    def propose(self, batch: list[tuple], released: list[str]) -> dict:
-        """batch: (request_id, offset, new_tokens, prompt_len, params, k) per request; new_tokens continue the
-        request's tokens from offset (offset 0: the whole request)."""
-        self.release_many(released)
+    def propose(self, batch: DraftBatch) -> DraftReply:
+        """Drafts for the batch's rows, each request's mirror brought up to its tokens first."""
+        self.release_many(batch.released)
         requests, ks, unknown = [], [], []
-        for rid, offset, new_tokens, prompt_len, params, k in batch:
-            mirror = self.mirrors.get(rid)
-            if offset == 0:
+        for row in batch.rows:
+            mirror = self.mirrors.get(row.request_id)
+            if row.offset == 0:
                 if mirror is None:
-                    mirror = self.mirrors[rid] = self._mirror(rid, new_tokens[:prompt_len], params)
-            elif mirror is None or offset > mirror.num_tokens:
-                unknown.append(rid)
+                    mirror = self.mirrors[row.request_id] = self._mirror(row.request_id,
+                                                                         row.new_tokens[:row.prompt_len], row.params)
+            elif mirror is None or row.offset > mirror.num_tokens:
+                unknown.append(row.request_id)
                 continue
-            mirror.token_ids = mirror.token_ids[:offset] + list(new_tokens)
+            mirror.token_ids = mirror.token_ids[:row.offset] + list(row.new_tokens)
             requests.append(mirror)
-            ks.append(k)
+            ks.append(row.k)
         proposal = self.proposer.propose(requests, ks) if requests else Proposal([], [])
         trees = proposal.trees or [None] * len(requests)
-        drafts = {r.request_id: (t, q, tree) for r, t, q, tree in zip(requests, proposal.tokens, proposal.probs, trees)}
-        return {"incarnation": self.incarnation, "drafts": drafts, "unknown": unknown,
-                "catchup": proposal.catchup_tokens}
+        drafts = {r.request_id: Draft(t, q, tree)
+                  for r, t, q, tree in zip(requests, proposal.tokens, proposal.probs, trees)}
+        return DraftReply(self.incarnation, drafts, unknown, proposal.catchup_tokens)
 
     def _mirror(self, rid: str, prompt: list[int], params: SamplingParams) -> Request:
         generator = None
@@ -142,15 +181,16 @@ class RemoteDraftProposer(Proposer):
         return self.available
 
     def propose(self, requests: list[Request], ks: list[int], methods: list[str] | None = None) -> Proposal:
-        batch = []
+        rows = []
         for req, k in zip(requests, ks):
             if k <= 0:
                 continue
             offset = self._sent.get(req.request_id, 0)
-            batch.append((req.request_id, offset, req.token_ids[offset:], req.num_prompt_tokens, req.params, k))
-        released, self._released = self._released, []
+            rows.append(DraftRow(req.request_id, offset, req.token_ids[offset:], req.num_prompt_tokens, req.params,
+                                 k))
+        batch, self._released = DraftBatch(rows, self._released), []
         try:
-            reply = ray.get(self.actor.propose.remote(batch, released), timeout=self.timeout_s)
+            reply: DraftReply = ray.get(self.actor.propose.remote(batch), timeout=self.timeout_s)
         except Exception as exc:
             self._alive = False
             self.failures += 1
@@ -160,20 +200,19 @@ class RemoteDraftProposer(Proposer):
                 ray.kill(self.actor, no_restart=False)
             self._ready_ref = self.actor.ready.remote()
             raise
-        if reply["incarnation"] != self.incarnation:  # restarted between two calls: it knows only full sends
-            self.incarnation = reply["incarnation"]
+        if reply.incarnation != self.incarnation:  # restarted between two calls: it knows only full sends
+            self.incarnation = reply.incarnation
             self._sent.clear()
-        for rid in reply["unknown"]:
+        for rid in reply.unknown:
             self._sent.pop(rid, None)
-        drafts = reply["drafts"]
         for req in requests:
-            if req.request_id in drafts:
+            if req.request_id in reply.drafts:
                 self._sent[req.request_id] = req.num_tokens
-        replies = [drafts.get(r.request_id, ([], None, None)) for r in requests]
+        drafts = [reply.drafts.get(r.request_id, NO_DRAFT) for r in requests]
         trees = None
-        if any(tree is not None for _, _, tree in replies):
-            trees = [tree if tree is not None else TokenTree([], [], []) for _, _, tree in replies]
-        return Proposal([t for t, _, _ in replies], [q for _, q, _ in replies], trees, reply["catchup"])
+        if any(d.tree is not None for d in drafts):
+            trees = [d.tree if d.tree is not None else TokenTree([], [], []) for d in drafts]
+        return Proposal([d.tokens for d in drafts], [d.probs for d in drafts], trees, reply.catchup_tokens)
 
     def release(self, request_id: str) -> None:
         if self._sent.pop(request_id, None) is not None:

@@ -18,22 +18,19 @@ from ray import serve
 
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
-from deployments.placement.latency import CHUNK_CHARS, ServedPrefixes, prefix_keys
+from deployments.placement.ledger import RoutingLedger
 from deployments.replica.orphans import OrphanWatch
-from deployments.wire import (Accepted, Delta, Event, GenerateCall, PredictionUsage, Refused, ReplicaGauges,
-                              ReplicaReport, RoutingStats, TokenEntry)
+from deployments.replica.deltas import HeldDeltas, delta_of
+from deployments.replica.parts import draft_factory, runner_factory
+from deployments.replica.prompts import ending_at_first_call, prompt_of
+from deployments.wire import Accepted, Event, GenerateCall, Refused, ReplicaGauges, ReplicaReport
 from smartspec.engine.async_engine import AsyncEngine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.start_phases import StartPhases
 from smartspec.runtime.heap import freeze_startup_heap
-from smartspec.spec_decode.factory import make_draft_proposer
-from smartspec.structured.compile import TOOL_CALL_TAGS
-from smartspec.types.logprobs import TokenLogprob
-from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.snapshot import EngineSnapshot, LoadCosts
 
 logger = logging.getLogger("ray.serve")
-HELD_DELTAS_S = 1.0  # an answer sent whole: how long the replica may hold its tokens back
 
 
 def _process_age_s() -> float | None:
@@ -57,24 +54,6 @@ def _engine_logs_to_replica_log() -> None:
     engine_log.propagate = False  # once, through Serve's handlers, not again through the root logger
 
 
-def token_entries(tokenizer, logprobs: list[TokenLogprob | None]) -> list[TokenEntry | None]:
-    """Logprobs with each token's text, for the wire (None stays None: a prompt's first token, which nothing
-    predicts)."""
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    return [None if lp is None else TokenEntry(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
-            for lp in logprobs]
-
-
-def ending_at_first_call(params: SamplingParams, tokenizer) -> SamplingParams:
-    """params whose generation ends with its first tool call (parallel_tool_calls false under "auto"): the block's
-    closing tag a stop token where the tokenizer has it as one (Qwen2.5's); else unchanged, and the front keeps
-    the first call of what comes."""
-    ids = tokenizer.encode(TOOL_CALL_TAGS[1], add_special_tokens=False)
-    return replace(params, stop_token_ids=[*params.stop_token_ids, ids[0]]) if len(ids) == 1 else params
-
-
 @serve.deployment(name="LLMServer")
 class LLMServer:
     def __init__(self, config: dict, controller=None) -> None:
@@ -85,20 +64,21 @@ class LLMServer:
         self.cfg = AppConfig.model_validate(config)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else uuid.uuid4().hex[:8]
-        self.draft_actor_name = None
+        self.draft_actor_name = None  # named once the draft actor is started
+
+        def named(name: str) -> None:
+            self.draft_actor_name = name
+
         with phases.phase("engine"):  # its own phases are logged as it builds (engine/start_phases.py)
             self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
-                                                              runner_factory=self._runner_factory(),
-                                                              draft_factory=self._draft_factory()))
+                                                              runner_factory=runner_factory(self.cfg),
+                                                              draft_factory=draft_factory(self.cfg, self.replica_id,
+                                                                                          named)))
         self.engine.warm_grammars()
         freeze_startup_heap()  # the engine lives as long as this process: its start is no collector's work
         self.controller = controller
         self.controller_errors = 0
-        # what the router reads (record_routing_stats): the prefix keys of the prompts served lately, and how many
-        # characters a prompt token has here
-        self.served = ServedPrefixes(4096)
-        self.prompt_chars = self.prompt_tokens = 0
-        self.request_s: float | None = None  # a request's time from acceptance to its end, moving average
+        self.routing = RoutingLedger()  # what the router reads (record_routing_stats)
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
         self.orphans = OrphanWatch(self.engine.abort, self.cfg.orphan_check_s)
         self.generations = {"submitted": 0, "completed": 0}  # taken, and answered to their end (not aborted)
@@ -106,43 +86,7 @@ class LLMServer:
                     self.cfg.speculation.as_dict() if self.cfg.speculation else None)
         phases.done()
 
-    # ---- where the parts run ------------------------------------------------------------------------------
-    def _runner_factory(self):
-        cfg = self.cfg
-        if cfg.tensor_parallel_size == 1:
-            return None
-        from deployments.replica.tp_workers import TPModelRunner
-
-        gpus = 1 if cfg.device == "cuda" else 0
-        engine = cfg.engine_config()  # quantization and dtype as the engine reads them ("auto" resolved)
-        quantization, dtype = engine.quantization, engine.dtype
-        return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, dtype, cfg.device,
-                                                    cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
-                                                    quantization=quantization)
-
-    def _draft_factory(self):
-        """The draft model in its own Ray actor (speculation.draft_actor), else in this process."""
-        if not self.cfg.draft_actor:
-            return make_draft_proposer
-        from deployments.replica.draft_worker import start_draft_actor
-
-        def make(spec_config, runtime):
-            self.draft_actor_name = f"smartspec-draft-{self.replica_id}"
-            return start_draft_actor(self.draft_actor_name, spec_config, runtime, self.cfg.model,
-                                     spec_config.draft_num_threads or self.cfg.threads)
-
-        return make
-
     # ---- requests -----------------------------------------------------------------------------------------
-    def _prompt(self, call: GenerateCall) -> str | list[int]:
-        if call.messages is None:
-            return call.prompt
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError(f"model {self.cfg.name!r} has no chat template; use /v1/completions")
-        return tokenizer.apply_chat_template(call.messages, tools=call.tools or None, tokenize=False,
-                                             add_generation_prompt=True)
-
     async def generate(self, call: GenerateCall) -> AsyncIterator[Event]:
         limit = self.cfg.max_num_seqs + self.cfg.max_waiting
         if self.engine.num_in_flight >= limit:
@@ -164,20 +108,13 @@ class LLMServer:
         self.orphans.add(call.request_id, call.caller)
         try:
             yield accepted
-            held, sent, first = None, started, True
+            deltas, first = HeldDeltas(call.streamed), True
             async for out in stream:
                 if out.finished:
                     self.generations["completed"] += out.finish_reason in ("stop", "length")
-                    took = time.monotonic() - started
-                    self.request_s = took if self.request_s is None else 0.9 * self.request_s + 0.1 * took
-                delta = self._delta(out, first)
-                held = delta if held is None else held.then(delta)
-                # an answer sent whole gets its first tokens at once (failover counts them as sent), then a batch
-                # at most every HELD_DELTAS_S: a message a token costs the ingress CPU for every token (and Ray's
-                # threads here more), taken from the decode step where the replica shares the ingress's cores
-                if call.streamed or first or out.finished or time.monotonic() - sent >= HELD_DELTAS_S:
-                    yield held
-                    held, sent = None, time.monotonic()
+                    self.routing.finished(time.monotonic() - started)
+                if (ready := deltas.add(delta_of(out, first, self.engine.tokenizer))) is not None:
+                    yield ready
                 first = False
         finally:
             self.orphans.remove(call.request_id)
@@ -185,36 +122,20 @@ class LLMServer:
             self.engine.discard(call.request_id)  # (aclose of a stream never started runs none of its cleanup)
 
     def _submit(self, call: GenerateCall) -> tuple[Accepted, AsyncIterator]:
-        prompt = self._prompt(call)
+        prompt = prompt_of(call, self.engine.tokenizer, self.cfg.name)
         params = call.params
         if call.until_context_end:
             params = replace(params, max_tokens=self.engine.max_model_len)
         if call.one_tool_call:
             params = ending_at_first_call(params, self.engine.tokenizer)
         num_prompt_tokens, stream = self.engine.submit(prompt, params, call.request_id)
-        self.served.add(prefix_keys(call.prefix_text))
-        self.prompt_chars += len(call.prefix_text)
-        self.prompt_tokens += num_prompt_tokens
+        self.routing.accepted(call.prefix_text, num_prompt_tokens)
         if not call.echo:
             return Accepted(num_prompt_tokens), stream
         ids = self.engine.tokenize(prompt)  # the first token has no logprob: its text goes with the acceptance
         tokenizer = self.engine.tokenizer
         return Accepted(num_prompt_tokens, prompt if isinstance(prompt, str) else tokenizer.decode(ids),
                         tokenizer.decode(ids[:1])), stream
-
-    def _delta(self, out, first: bool) -> Delta:
-        if out.finished and out.finish_reason == "error":  # the engine ended it alone (its log has the traceback)
-            return Delta("", [], len(out.token_ids), first, True, "error",
-                         error=out.error or "the server ended the generation after an internal error")
-        tokenizer = self.engine.tokenizer
-        spec = out.metrics.spec_decode if out.finished else None
-        return Delta(out.new_text, out.new_token_ids, len(out.token_ids), first, out.finished, out.finish_reason,
-                     None if spec is None else spec.as_dict(),
-                     None if spec is None else PredictionUsage(spec.accepted_prediction_tokens,
-                                                               spec.rejected_prediction_tokens),
-                     None if out.new_logprobs is None else token_entries(tokenizer, out.new_logprobs),
-                     token_entries(tokenizer, out.prompt_logprobs) if first and out.prompt_logprobs is not None
-                     else None)
 
     # ---- state, health, controller -------------------------------------------------------------------------
     async def stats(self) -> dict:
@@ -232,12 +153,9 @@ class LLMServer:
 
     async def record_routing_stats(self) -> dict:
         """What the goodput router weighs this replica by (Serve asks every router_stats_period_s)."""
-        cpt = self.prompt_chars / self.prompt_tokens if self.prompt_tokens else None
-        if cpt:  # about as many prefix keys as the KV cache holds tokens
-            self.served.capacity = max(64, int(self.engine.kv_capacity_tokens * cpt / CHUNK_CHARS))
         costs = await self._load_costs()
-        return RoutingStats(time.time(), self.engine.num_in_flight, self.cfg.max_num_seqs, costs.request_speed,
-                            costs.prefill_s_per_token, cpt, self.request_s, self.served.snapshot()).as_dict()
+        return self.routing.stats(self.engine.num_in_flight, self.cfg.max_num_seqs, costs,
+                                  self.engine.kv_capacity_tokens).as_dict()
 
     async def record_autoscaling_stats(self) -> dict:
         """What the goodput autoscaling policy reads of this replica (placement/autoscaling.py)."""

@@ -1,0 +1,37 @@
+"""Where a replica's engine runs its parts: the target's forward in this process or over tensor-parallel workers,
+the draft model in this process or in an actor of its own."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from deployments.control.config import AppConfig
+from smartspec.spec_decode.factory import make_draft_proposer
+
+
+def runner_factory(cfg: AppConfig) -> Callable | None:
+    """Tensor-parallel workers for the target where tensor_parallel_size > 1; None: the engine's own runner."""
+    if cfg.tensor_parallel_size == 1:
+        return None
+    from deployments.replica.tp_workers import TPModelRunner
+
+    gpus = 1 if cfg.device == "cuda" else 0
+    engine = cfg.engine_config()  # quantization and dtype as the engine reads them ("auto" resolved)
+    quantization, dtype = engine.quantization, engine.dtype
+    return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, dtype, cfg.device,
+                                                cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
+                                                quantization=quantization)
+
+
+def draft_factory(cfg: AppConfig, replica_id: str, named: Callable[[str], None]) -> Callable:
+    """The draft model in its own Ray actor (speculation.draft_actor), else in this process; named(actor name)
+    is told once the actor is started."""
+    if not cfg.draft_actor:
+        return make_draft_proposer
+    from deployments.replica.draft_worker import start_draft_actor
+
+    def make(spec_config, runtime):
+        name = f"smartspec-draft-{replica_id}"
+        named(name)
+        return start_draft_actor(name, spec_config, runtime, cfg.model, spec_config.draft_num_threads or cfg.threads)
+
+    return make
