@@ -206,7 +206,7 @@ def test_where_the_prefill_bound_says_no_the_priced_plan_drafts_nothing():
         gains = chain_gains(rng.uniform(0.0, alpha, rows), k_top)
         depth_of = np.arange(1, k_top + 1)
         price = prefill_step_price(gains, step, depth_of, model.predict)
-        ks, _ = select_from_gains(gains, step.k_max, depth_of, model.predict, step.tokens, step.context, price)
+        ks, _ = select_from_gains(gains, step.caps, depth_of, model.predict, step.tokens, step.context, price)
         assert not any(ks)
         checked += 1
     assert checked > 50

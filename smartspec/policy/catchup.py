@@ -53,7 +53,7 @@ class CatchupLedger:
         """The gains with each request's catch-up charged (goodput.charge_start_costs)."""
         if not starts.seconds.any():
             return gains
-        return charge_start_costs(gains, step.k_max, self._in_tokens(step, gains, step.k_max, step.remaining,
+        return charge_start_costs(gains, step.caps, self._in_tokens(step, gains, step.caps, step.remaining,
                                                                      starts, cost))
 
     def charge_rows(self, gains: np.ndarray, step: StepNumbers, rows: list[int], cost: StepCostModel,
@@ -64,21 +64,21 @@ class CatchupLedger:
         seconds = cost.predict_draft(0, 0, self.tokens(step, index))
         if not seconds.any():
             return gains, seconds
-        k_max = [step.k_max[i] for i in rows]
+        caps = [step.caps[i] for i in rows]
         starts = Starts(seconds, self._steps_to_growth(step, cost, depth))
-        return charge_start_costs(gains, k_max, self._in_tokens(step, gains, k_max, step.remaining[index],
+        return charge_start_costs(gains, caps, self._in_tokens(step, gains, caps, step.remaining[index],
                                                                 starts, cost)), seconds
 
-    def _in_tokens(self, step: StepNumbers, gains: np.ndarray, k_max: list[int], remaining: np.ndarray,
+    def _in_tokens(self, step: StepNumbers, gains: np.ndarray, caps: list[int], remaining: np.ndarray,
                    starts: Starts, cost: StepCostModel) -> np.ndarray:
         """A catch-up spread over the steps the request would take to finish while drafting (at most the horizon,
         since load may turn drafting off again), its seconds priced at the decoding batch's goodput without
-        speculation. gains, k_max, remaining: the rows charged.
+        speculation. gains, caps, remaining: the rows charged.
 
         The decoding batch alone, not the step: beside a prefill chunk the step's own goodput is a few tokens a
         second (its time is the prefill's), which would price a catch-up's seconds at a fraction of what they are
         worth and let whole batches start drafting in prefill steps."""
-        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(k_max)[:, None], gains, 0.0)
+        capped = np.where(np.arange(1, gains.shape[1] + 1)[None, :] <= np.asarray(caps)[:, None], gains, 0.0)
         per_step = 1.0 + capped.sum(axis=1)
         horizon = np.clip(remaining / per_step, 1.0, starts.horizon_cap)
         b = len(step.ids)
@@ -93,9 +93,9 @@ class CatchupLedger:
         the bound is the prior. One stream sending request after request, or a closed loop of many, replaces each
         request that leaves: the batch holds its size, and a catch-up is spread over the request's own drafting
         steps up to the horizon (_in_tokens)."""
-        sum_k = sum(step.k_max)
+        sum_k = sum(step.caps)
         step_s = max(1e-9, float(cost.predict(step.tokens + sum_k, step.context + sum_k,
-                                              depth(max(step.k_max, default=0)), sum_k)))
+                                              depth(max(step.caps, default=0)), sum_k)))
         gap = self.arrivals.expected_gap(step.now, PRIOR_GAP_STEPS * step_s, MEMORY_HORIZONS * self.horizon * step_s)
         return float(np.clip(gap / step_s, 1.0, self.horizon))
 

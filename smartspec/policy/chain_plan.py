@@ -15,7 +15,7 @@ def prefill_step_price(gains: np.ndarray, step: StepNumbers, depth_of: np.ndarra
     in a step of its own, times the requests this step holds (decoding + prefilling) per decoding request. Drafting
     in such a step makes the prefilling requests wait for tokens that are not theirs."""
     b, held = len(step.requests), len(step.view.prefilling)
-    ks, t = select_from_gains(gains, step.k_max, depth_of, cost, b, step.decode_context)
+    ks, t = select_from_gains(gains, step.caps, depth_of, cost, b, step.decode_context)
     return expected_tokens(gains, ks) / t * (b + max(1, held)) / b
 
 

@@ -98,7 +98,7 @@ def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, 
         [chain.tokens_of(int(mi), int(d)) for mi, d in zip(m.tolist(), depths.tolist())])
     t = cost(tokens, step.context + m, depths, m)  # [K]: j more drafts
     if together:
-        hope = best_plan(plans_by_depth(hopeful, step.k_max, chain.depth_of, cost, step.tokens, step.context, price,
+        hope = best_plan(plans_by_depth(hopeful, step.caps, chain.depth_of, cost, step.tokens, step.context, price,
                                         chain.tokens_of))
         return {i for i in due if hope.ks[i] > 0
                 and probe_pays(hope, plan, raw_gains[i, 0], chain.starts.seconds[i], float(t[0]), price,
@@ -106,7 +106,7 @@ def worth_probing(chain: ChainStep, due: list[int], plan: Plan, together: bool, 
     expected = expected_tokens(chain.gains, plan.ks)  # catch-up charged
     gained = expected + np.cumsum(hopeful[due], axis=1)  # [due, K]
     better = plan_value(gained, t[None, :], price) > plan.value
-    better &= j[None, :] <= np.asarray(step.k_max)[due][:, None]
+    better &= j[None, :] <= np.asarray(step.caps)[due][:, None]
     return {i for i, any_better in zip(due, better.any(axis=1).tolist()) if any_better}
 
 

@@ -156,7 +156,7 @@ class GoodputPolicy(Policy):
     def _plan_held(self, step: StepNumbers, held: HeldPlan, prefilling: bool) -> SpecPlan:
         """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule, held
         from then on with the plan's (PlanHold); no speculation with the draft's price checked as in _plan_none."""
-        ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.k_max)], 0.0
+        ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.caps)], 0.0
         if held.newcomers:
             newcomer_ks, seconds = self._newcomer_ks(step, held.newcomers, held.rule)
             self.plan_hold.adopt(prefilling, [step.ids[i] for i in held.newcomers], newcomer_ks)
@@ -175,7 +175,7 @@ class GoodputPolicy(Policy):
         seconds. (Gains once charged fall with depth within a request's cap: goodput.charge_start_costs.)"""
         gains, seconds = self.catchup.charge_rows(self.acceptance.gains([step.ids[i] for i in rows], step.view.k_max),
                                                   step, rows, self.cost, self._depth)
-        caps = [min(step.k_max[i], rule.depth) for i in rows]
+        caps = [min(step.caps[i], rule.depth) for i in rows]
         return [int(np.count_nonzero(g[:cap] >= rule.threshold)) for g, cap in zip(gains, caps)], seconds
 
     def _held_rule(self, step: StepNumbers, plan: Plan, price: float | None, padded,
@@ -210,7 +210,7 @@ class GoodputPolicy(Policy):
         gains = self.catchup.charge(raw_gains, step, starts, self.cost)
         price = prefill_step_price(gains, step, depth_of, self.cost.predict) if step.view.prefill_tokens else None
         padded = step.padded_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
-        plans = plans_by_depth(gains, step.k_max, depth_of, self.cost.predict, step.tokens, step.context, price,
+        plans = plans_by_depth(gains, step.caps, depth_of, self.cost.predict, step.tokens, step.context, price,
                                padded)
         if price is not None:
             plan = best_plan(plans)
@@ -238,7 +238,7 @@ class GoodputPolicy(Policy):
         more than a small share of the step (the prior speaks for it). Judged together (worth_probing) while the
         prior is unlearned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
-        due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.k_max))
+        due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.caps))
                if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
         learning = explore.learning(self.acceptance.evidence)
         worth = worth_probing(chain, due, plan, learning or plan.depth == 0, self.acceptance.first.max_alpha,
@@ -258,7 +258,7 @@ class GoodputPolicy(Policy):
         methods changed in place); whether one runs."""
         if not self.draft_check.is_due(self.step) or self.cost.predict_draft(1, 1) <= 0:
             return False  # not due, or a proposer without forwards (prompt lookup): no price to check
-        rows = [i for i, cap in enumerate(step.k_max) if cap > 0 and ks[i] == 0]
+        rows = [i for i, cap in enumerate(step.caps) if cap > 0 and ks[i] == 0]
         if not rows:
             return False
         i = min(rows, key=lambda i: start_s[i])
@@ -272,7 +272,7 @@ class GoodputPolicy(Policy):
         """Per request the proposer and k of highest batch goodput (proposer_choice.select_proposers): the lookup
         tree's nodes valued by their calibrated confidences, the draft model's tokens by the request's acceptance
         rate, its catch-up charged as for chains."""
-        view, k_max, b = step.view, step.k_max, len(step.requests)
+        view, caps, b = step.view, step.caps, len(step.requests)
         lookup = lookup_gains([node_values(t, self.calibration) for t in view.lookups], view.k_max)
         draft, start_s = None, np.zeros(b)
         if view.draft_available:
@@ -282,9 +282,9 @@ class GoodputPolicy(Policy):
                                         step, starts, self.cost)
         price = None
         if view.prefill_tokens:  # as in prefill_step_price: drafts must beat the decoding batch's own rate
-            alone = select_proposers(draft, lookup, k_max, self.cost.predict, b, step.decode_context)
+            alone = select_proposers(draft, lookup, caps, self.cost.predict, b, step.decode_context)
             price = alone.value * (b + max(1, len(view.prefilling))) / b
-        plan = select_proposers(draft, lookup, k_max, self.cost.predict, step.tokens, step.context, price)
+        plan = select_proposers(draft, lookup, caps, self.cost.predict, step.tokens, step.context, price)
         methods, ks = plan.methods, plan.ks
         probes = self._probe_draft(step, methods, ks, lookup, start_s)
         if view.draft_available and not view.prefill_tokens and not any(k for m, k in zip(methods, ks) if m == DRAFT):
@@ -307,7 +307,7 @@ class GoodputPolicy(Policy):
             return []
         decode_s = float(self.cost.predict(len(step.requests), step.decode_context))
         due = [i for i, r in enumerate(step.requests)
-               if ks[i] == 0 and step.k_max[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
+               if ks[i] == 0 and step.caps[i] > 0 and lookup[i, 0] < 0.5 and explore.is_due(r.request_id, self.step)
                and start_s[i] <= explore.fraction * PROBE_SPREAD_STEPS * decode_s]
         if not due:
             return []

@@ -54,7 +54,7 @@ class StepNumbers:
         return np.maximum(1.0, self._left)
 
     @cached_property
-    def k_max(self) -> list[int]:
+    def caps(self) -> list[int]:
         """The most each request may draft: the engine's K, its own cap, and one less than the tokens it has left."""
         if not self.view.requests:
             return []

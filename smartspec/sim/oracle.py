@@ -32,7 +32,7 @@ class OraclePolicy(Policy):
         if not view.requests or k_top == 0:
             return SpecPlan([0] * len(view.requests))
         step = StepNumbers.of(view, 0.0)
-        caps = step.k_max
+        caps = step.caps
         rates = np.array([[self.rate_of(r.request_id, r.num_output_tokens + j) for j in range(k_top)]
                           for r in view.requests])
         gains = np.cumprod(rates, axis=1)  # the j-th draft adds the chance that it and those before are accepted
