@@ -3,6 +3,7 @@ whole answer, and the two say the same thing; a Restart voids a generation's tok
 import pytest
 from tool_defs import WEATHER
 
+from deployments.http.answers import Endpoint
 from deployments.http.fold import AnswerFold, GenerationFailedInServer
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.wire import Accepted, Delta, PredictionUsage, Restart, TokenEntry
@@ -24,7 +25,7 @@ def streamed_text(chunks: list[dict], chat: bool) -> str:
 def test_a_chat_with_tool_calls_streams_what_the_whole_answer_says():
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                  "tools": [WEATHER], "n": 2})
-    fold = AnswerFold("id", "m", body, True, [Accepted(5), Accepted(5)])
+    fold = AnswerFold("id", "m", body, Endpoint.CHAT, [Accepted(5), Accepted(5)])
     chunks = fold.opening()
     for event in deltas(["Let me look.\n", CALL[:30], CALL[30:]]):
         chunks += fold.feed(0, event)
@@ -47,7 +48,7 @@ def test_a_chat_with_tool_calls_streams_what_the_whole_answer_says():
 def test_a_restart_voids_the_tokens_so_far_and_the_retry_answers():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "p", "prediction": {"type": "content",
                                                                                           "content": "xy"}})
-    fold = AnswerFold("id", "m", body, False, [Accepted(1)])
+    fold = AnswerFold("id", "m", body, Endpoint.COMPLETIONS, [Accepted(1)])
     fold.feed(0, Delta("lost ", [1], 1, first=True))
     fold.feed(0, Restart())
     for event in deltas(["kept"], prediction=PredictionUsage(3, 1)):
@@ -60,7 +61,7 @@ def test_a_restart_voids_the_tokens_so_far_and_the_retry_answers():
 
 def test_an_echoed_completion_with_logprobs_streams_the_offsets_the_whole_answer_has():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "ab", "echo": True, "logprobs": 1})
-    fold = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+    fold = AnswerFold("id", "m", body, Endpoint.COMPLETIONS, [Accepted(2, "ab", "a")])
     prompt = [None, TokenEntry("b", -0.5, (("b", -0.5),))]
     events = [Delta("c", [3], 1, first=True, logprobs=[TokenEntry("c", -1.0, (("c", -1.0),))],
                     prompt_logprobs=prompt),
@@ -87,7 +88,7 @@ def test_deltas_held_back_and_sent_as_one_fold_into_the_same_answer():
               Delta("", [], 3),
               Delta("f", [6], 4, finished=True, finish_reason="length", speculation=spec,
                     prediction=PredictionUsage(1, 2), logprobs=[TokenEntry("f", -3.0)])]
-    one_by_one = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+    one_by_one = AnswerFold("id", "m", body, Endpoint.COMPLETIONS, [Accepted(2, "ab", "a")])
     for e in events:
         one_by_one.feed(0, e)
     held = events[1].then(events[2]).then(events[3])
@@ -96,7 +97,7 @@ def test_deltas_held_back_and_sent_as_one_fold_into_the_same_answer():
     merged = events[0].then(held)
     assert merged.first and merged.prompt_logprobs == prompt and merged.completion_tokens == 4
     for sent in ([events[0], held], [merged]):
-        fold = AnswerFold("id", "m", body, False, [Accepted(2, "ab", "a")])
+        fold = AnswerFold("id", "m", body, Endpoint.COMPLETIONS, [Accepted(2, "ab", "a")])
         for e in sent:
             fold.feed(0, e)
         assert fold.response()["choices"] == one_by_one.response()["choices"]
@@ -108,7 +109,7 @@ def test_a_generation_the_engine_ended_with_an_error_fails_with_its_message():
     """The engine ended one generation (its part of a step failed): the fold raises its message, which the front
     answers as a 500 (or a stream's error event); a sibling choice's tokens are folded as before."""
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 2})
-    fold = AnswerFold("id", "m", body, False, [Accepted(1), Accepted(1)])
+    fold = AnswerFold("id", "m", body, Endpoint.COMPLETIONS, [Accepted(1), Accepted(1)])
     fold.feed(1, deltas(["fine"])[0])
     fold.feed(0, Delta("ab", [1, 2], 2, first=True))
     message = "the server failed at this request's grammar: RuntimeError: boom"

@@ -5,8 +5,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from enum import Enum
 
 from deployments.wire import PredictionUsage, TokenEntry
+
+
+class Endpoint(str, Enum):
+    """The OpenAI endpoint a request came to: the shape of its answer; its value names it in metrics."""
+    CHAT = "chat"  # /v1/chat/completions
+    COMPLETIONS = "completions"  # /v1/completions
+
+    @property
+    def is_chat(self) -> bool:
+        return self is Endpoint.CHAT
+
+    @property
+    def object(self) -> str:
+        """The answer's `object`."""
+        return "chat.completion" if self.is_chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        """A streamed chunk's `object`."""
+        return "chat.completion.chunk" if self.is_chat else "text_completion"
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl" if self.is_chat else "cmpl"
 
 
 def new_id(prefix: str) -> str:
@@ -30,8 +55,8 @@ def prediction_details(usages: list[PredictionUsage | None]) -> dict:
 
 
 def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                        chat: bool, details: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                        endpoint: Endpoint, details: dict | None = None) -> dict:
+    return {"id": rid, "object": endpoint.object, "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, details)}
 
 
@@ -59,9 +84,10 @@ def completion_logprobs(entries: list[TokenEntry | None], first_tokens: list[str
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, spec: dict | None = None,
+def choice(index: int, text: str | None, finish_reason: str | None, endpoint: Endpoint, spec: dict | None = None,
            logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    body = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if chat
+    body = ({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+            if endpoint.is_chat
             else {"index": index, "text": text, "logprobs": logprobs})
     if tool_calls:
         body["message"]["tool_calls"] = tool_calls
@@ -71,24 +97,22 @@ def choice(index: int, text: str | None, finish_reason: str | None, chat: bool, 
     return body
 
 
-def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
-                 created: int, role: bool = False, logprobs: dict | None = None,
+def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None,
+                 endpoint: Endpoint, created: int, role: bool = False, logprobs: dict | None = None,
                  tool_calls: list[dict] | None = None) -> dict:
-    if chat:
+    if endpoint.is_chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         if tool_calls:
             delta["tool_calls"] = tool_calls
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
     else:
         c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [c]}
-    return body
+    return {"id": rid, "object": endpoint.chunk_object, "created": created, "model": model, "choices": [c]}
 
 
-def usage_chunk(rid: str, model: str, chat: bool, created: int, prompt_tokens: int, completion_tokens: int,
+def usage_chunk(rid: str, model: str, endpoint: Endpoint, created: int, prompt_tokens: int, completion_tokens: int,
                 details: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+    return {"id": rid, "object": endpoint.chunk_object, "created": created,
             "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, details)}
 
 

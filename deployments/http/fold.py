@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from deployments.http import answers
+from deployments.http.answers import Endpoint
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.http.tools import CallStream
 from deployments.http.tools import parse as parse_tool_calls
@@ -35,9 +36,10 @@ class _Choice:
 class AnswerFold:
     """A request's answer in the shape of its endpoint (chat or completions), from its generations' events."""
 
-    def __init__(self, rid: str, model: str, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+    def __init__(self, rid: str, model: str, body: CompletionRequest | ChatCompletionRequest, endpoint: Endpoint,
                  accepted: list[Accepted]) -> None:
-        self.rid, self.model, self.body, self.chat = rid, model, body, chat
+        self.rid, self.model, self.body, self.endpoint = rid, model, body, endpoint
+        chat = endpoint.is_chat
         self.created = int(time.time())
         self.accepted = accepted
         self.prompt_tokens = sum(a.prompt_tokens for a in accepted[::body.n])  # each prompt once
@@ -58,9 +60,9 @@ class AnswerFold:
     # ---- events in, stream chunks out -------------------------------------------------------------------------
     def opening(self) -> list[dict]:
         """The chunks before any token: chat's role, per choice."""
-        if not self.chat:
+        if not self.endpoint.is_chat:
             return []
-        return [answers.stream_chunk(self.rid, self.model, i, None, None, True, self.created, role=True)
+        return [answers.stream_chunk(self.rid, self.model, i, None, None, self.endpoint, self.created, role=True)
                 for i in range(len(self.choices))]
 
     def feed(self, index: int, event: Event) -> list[dict]:
@@ -80,7 +82,7 @@ class AnswerFold:
             choice.prompt_entries = event.prompt_logprobs
         choice.completion_tokens = event.completion_tokens
         logprobs = self._logprobs(index, event.logprobs or [], event.prompt_logprobs, choice.stream_offset)
-        if logprobs is not None and not self.chat:
+        if logprobs is not None and not self.endpoint.is_chat:
             choice.stream_offset += sum(len(t) for t in logprobs["tokens"])
         made = []
         if choice.calls is not None:  # content before and between tool-call blocks; each block as it closes
@@ -88,22 +90,22 @@ class AnswerFold:
             text += choice.calls.finish() if event.finished else ""
         chunks = []
         if text or made or (logprobs is not None and event.token_ids):
-            chunks.append(answers.stream_chunk(self.rid, self.model, index, text, None, self.chat, self.created,
-                                               logprobs=logprobs, tool_calls=made))
+            chunks.append(answers.stream_chunk(self.rid, self.model, index, text, None, self.endpoint,
+                                               self.created, logprobs=logprobs, tool_calls=made))
         if event.finished:
             choice.speculation, choice.prediction = event.speculation, event.prediction
             choice.finish_reason = event.finish_reason
             if choice.calls is not None and choice.calls.num_calls and event.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"
-            chunks.append(answers.stream_chunk(self.rid, self.model, index, None, choice.finish_reason, self.chat,
-                                               self.created))
+            chunks.append(answers.stream_chunk(self.rid, self.model, index, None, choice.finish_reason,
+                                               self.endpoint, self.created))
         return chunks
 
     def closing(self, include_usage: bool) -> list[dict]:
         """The chunks after the last event: usage, when asked."""
         if not include_usage:
             return []
-        return [answers.usage_chunk(self.rid, self.model, self.chat, self.created, self.prompt_tokens,
+        return [answers.usage_chunk(self.rid, self.model, self.endpoint, self.created, self.prompt_tokens,
                                     self.completion_tokens, self._details())]
 
     # ---- the whole answer ---------------------------------------------------------------------------------
@@ -113,10 +115,10 @@ class AnswerFold:
         for i, c in enumerate(self.choices):
             text, calls = parse_tool_calls(c.text, self.max_calls) if self.reads_tool_calls else (c.text, [])
             reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-            out.append(answers.choice(i, text, reason, self.chat, c.speculation,
+            out.append(answers.choice(i, text, reason, self.endpoint, c.speculation,
                                       self._logprobs(i, c.entries, c.prompt_entries), calls))
         return answers.completion_response(self.rid, self.model, out, self.prompt_tokens, self.completion_tokens,
-                                           self.chat, self._details())
+                                           self.endpoint, self._details())
 
     def _details(self) -> dict | None:
         if self.body.prediction is None:
@@ -128,7 +130,7 @@ class AnswerFold:
         """Choice `index`'s logprobs for these output entries (and the prompt's, echoed), None when not asked."""
         if not self.wants_logprobs:
             return None
-        if self.chat:
+        if self.endpoint.is_chat:
             return answers.chat_logprobs(entries)
         firsts = None
         if self.echo and prompt_entries is not None:

@@ -20,6 +20,7 @@ from deployments.control import metrics
 from deployments.control.metrics import IngressMetrics, render_replica_metrics
 from deployments.http import answers, proxy_guard
 from deployments.http import protocol as proto
+from deployments.http.answers import Endpoint
 from deployments.http.fold import AnswerFold, GenerationFailedInServer
 from deployments.http.tools import ToolError, template_messages
 from deployments.http.tools import functions as tool_functions
@@ -30,6 +31,7 @@ from smartspec.structured.compile import compiled
 from smartspec.types.sampling_params import StructuredOutput
 
 api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with goodput-chosen speculation")
+SCHEMAS = {Endpoint.CHAT: proto.ChatCompletionRequest, Endpoint.COMPLETIONS: proto.CompletionRequest}
 
 
 class HTTPError(Exception):
@@ -163,26 +165,26 @@ class OpenAIIngress:
     # ---- generation ----------------------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._serve(request, proto.CompletionRequest, chat=False)
+        return await self._serve(request, Endpoint.COMPLETIONS)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._serve(request, proto.ChatCompletionRequest, chat=True)
+        return await self._serve(request, Endpoint.CHAT)
 
-    async def _serve(self, request: Request, schema, chat: bool):
-        if (refusal := self._refused(request, "chat" if chat else "completions")) is not None:
+    async def _serve(self, request: Request, endpoint: Endpoint):
+        if (refusal := self._refused(request, endpoint.value)) is not None:
             return refusal
         raw = await self._body(request)
         if raw is None:
-            self.metrics.request_done("chat" if chat else "completions", 413)
+            self.metrics.request_done(endpoint.value, 413)
             return _error_response(413, f"request body over {self.max_body_bytes} bytes "
                                         f"({proxy_guard.MAX_BODY_ENV}); it was not read")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            self.metrics.request_done("chat" if chat else "completions", 400)
+            self.metrics.request_done(endpoint.value, 400)
             return _error_response(400, f"request body is not valid JSON: {exc}")
-        result = await self._begin(data, schema, chat)
+        result = await self._begin(data, endpoint)
         if isinstance(result, HTTPError):
             return result.response()
         fold, streams = result
@@ -192,7 +194,7 @@ class OpenAIIngress:
         try:
             return await self._collect(fold, streams)
         except HTTPError as exc:
-            self.metrics.request_done("chat" if chat else "completions", exc.status)
+            self.metrics.request_done(endpoint.value, exc.status)
             return exc.response()
 
     async def _body(self, request: Request) -> bytes | None:
@@ -210,8 +212,7 @@ class OpenAIIngress:
     # ---- the same API for Python callers (serve.get_app_handle) --------------------------------------------
     async def create(self, body: dict, chat: bool = False) -> dict:
         """A completion (chat=False) or chat completion as an OpenAI response dict, or {"error": {...}}."""
-        result = await self._begin({**body, "stream": False}, proto.ChatCompletionRequest if chat
-                                   else proto.CompletionRequest, chat)
+        result = await self._begin({**body, "stream": False}, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
         if isinstance(result, HTTPError):
             return answers.error_body(result.status, result.message, result.param)
         try:
@@ -221,8 +222,7 @@ class OpenAIIngress:
 
     async def create_stream(self, body: dict, chat: bool = False):
         """Call with handle.options(stream=True): OpenAI stream chunks as dicts (no [DONE]), or one error dict."""
-        result = await self._begin({**body, "stream": True}, proto.ChatCompletionRequest if chat
-                                   else proto.CompletionRequest, chat)
+        result = await self._begin({**body, "stream": True}, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
         if isinstance(result, HTTPError):
             yield answers.error_body(result.status, result.message, result.param)
             return
@@ -230,16 +230,16 @@ class OpenAIIngress:
             async for chunk in chunks:
                 yield chunk
 
-    async def _begin(self, data, schema, chat: bool):
+    async def _begin(self, data, endpoint: Endpoint):
         """Validate, submit, wait for acceptance: (the answer's fold, streams), or the HTTPError to answer."""
         try:
-            body = self._parse(data, schema)
-            streams, accepted = await self._start(body, chat)  # one acceptance per choice
+            body = self._parse(data, SCHEMAS[endpoint])
+            streams, accepted = await self._start(body, endpoint)  # one acceptance per choice
         except HTTPError as exc:
-            self.metrics.request_done("chat" if chat else "completions", exc.status)
+            self.metrics.request_done(endpoint.value, exc.status)
             return exc
-        rid = answers.new_id("chatcmpl" if chat else "cmpl")
-        return AnswerFold(rid, self.model_name, body, chat, accepted), streams
+        rid = answers.new_id(endpoint.id_prefix)
+        return AnswerFold(rid, self.model_name, body, endpoint, accepted), streams
 
     def _parse(self, data, schema):
         if not isinstance(data, dict):
@@ -256,16 +256,16 @@ class OpenAIIngress:
                                  f"`{self.model_name}`", "model")
         return body
 
-    def _calls(self, body, chat: bool) -> list[GenerateCall]:
+    def _calls(self, body, endpoint: Endpoint) -> list[GenerateCall]:
         """The request's generations, as the replicas take them: n per prompt, prompt after prompt (OpenAI's order
         for a batch of prompts); n samples from one seed are distinct and reproducible (seed + i)."""
         try:
             # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
-            params, until_end = body.sampling_params(None if chat else self.max_tokens_default)
+            params, until_end = body.sampling_params(None if endpoint.is_chat else self.max_tokens_default)
             tools = None
             if (structured := body.structured()) is not None:
                 params = replace(params, structured=structured[0])
-            if chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
+            if endpoint.is_chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
                 choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
                 tools, constraint = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
                                                    choice, body.parallel_tool_calls)
@@ -278,7 +278,7 @@ class OpenAIIngress:
                 params = replace(params, k_max=body.speculation.max_k)
         except (ValueError, TypeError) as exc:  # a value out of range; a schema, regex, grammar or tool refused
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
-        if chat:
+        if endpoint.is_chat:
             messages = template_messages([m.model_dump() for m in body.messages])
             key = prefix_text([(m.role, m.content or "") for m in body.messages], None)
             one_call = bool(tools) and body.tool_choice in (None, "auto") and not body.parallel_tool_calls
@@ -291,9 +291,9 @@ class OpenAIIngress:
         return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), caller=caller, **prompt)
                 for prompt in prompts for p in seeded]
 
-    async def _start(self, body, chat: bool):
+    async def _start(self, body, endpoint: Endpoint):
         """Submit n generations; wait until each is accepted (or refused) so errors get their status code."""
-        calls = self._calls(body, chat)
+        calls = self._calls(body, endpoint)
         streams = []
         try:
             streams = [FailoverStream(self._generate, call, body.stream, self.replica_wait_s) for call in calls]
@@ -351,7 +351,7 @@ class OpenAIIngress:
 
     async def _collect(self, fold: AnswerFold, streams) -> dict:
         """The non-streamed answer: every event folded in, then the whole answer."""
-        endpoint = "chat" if fold.chat else "completions"
+        endpoint = fold.endpoint.value
         start, first_token = time.monotonic(), None
         try:
             async for i, event in self._merged(streams):
@@ -387,7 +387,7 @@ class OpenAIIngress:
         chunk. The opening (the role) is held until the first event: a stream whose ingress replica dies before it is
         one whose client has read headers alone, and the proxy guard sends it again into the same response (a role
         chunk sent first made it a stream cut short, its client having seen no token)."""
-        endpoint = "chat" if fold.chat else "completions"
+        endpoint = fold.endpoint.value
         start, first_token = time.monotonic(), None
         completed, status = False, 499
         opening = list(fold.opening())
