@@ -26,7 +26,7 @@ import torch
 from smartspec import EngineConfig, SamplingParams
 from smartspec.bench.workloads import humaneval_prompts
 from smartspec.engine.llm_engine import LLMEngine
-from smartspec.engine.step_stats import StepStats
+from smartspec.types.snapshot import StepTotals
 from smartspec.models import resolve
 from smartspec.policy import FixedPolicy, OffPolicy
 from smartspec.spec_decode.config import SpeculativeConfig, TreeConfig
@@ -35,7 +35,7 @@ from smartspec.spec_decode.ngram import NgramProposer
 
 
 def run_batchwise(engine: LLMEngine, prompts: list[str], batch: int, params: SamplingParams) -> dict:
-    engine.stats = StepStats()
+    engine.stats = StepTotals()
     tokens, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
         for p in prompts[i:i + batch]:

@@ -23,7 +23,6 @@ from smartspec.engine.profile_cache import KeptProfile, KeptProfileCheck, load_p
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
 from smartspec.engine.step_logprobs import logprobs_of, step_logprobs
 from smartspec.engine.start_phases import StartPhases
-from smartspec.engine.step_stats import StepStats
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
 from smartspec.models.loader import LoadedModel
@@ -46,7 +45,7 @@ from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan, fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
-from smartspec.types.snapshot import DraftHealth, EngineSnapshot, LoadCosts
+from smartspec.types.snapshot import DraftHealth, EngineSnapshot, LoadCosts, StepTotals
 from smartspec.types.step_record import StepRecord, VerifiedTree
 from smartspec.types.tree import TokenTree
 
@@ -106,7 +105,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps = 0
-        self.stats = StepStats()
+        self.stats = StepTotals()
         self.kept_check: KeptProfileCheck | None = None  # a kept profile, held against the first steps
         self.profile_due = False  # the kept profile was stale: measure it when idle (measure_profile_if_due)
         if config.warmup_profile and self.speculation.policy.wants_profile:

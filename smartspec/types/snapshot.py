@@ -2,23 +2,63 @@
 fields by name and the /status view is made from them in one place (`EngineSnapshot.as_dict`)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
 
 from smartspec.types.metrics import SpecDecodeMetrics
+from smartspec.types.step_record import StepRecord
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepTotals:
-    """Running totals over an engine's steps (engine/step_stats.py)."""
+    """Running totals over an engine's steps, for serving metrics: what k was chosen, tokens per second of step time
+    (the measured goodput), how far the policy's predicted step time was from the measured one, and the host time
+    the policy itself took (planning and observing: on a GPU a share of every step). The engine adds each step;
+    a snapshot is a copy."""
     steps: int = 0
     busy_s: float = 0.0  # seconds spent in steps
     draft_s: float = 0.0  # of which proposing
     verify_s: float = 0.0  # of which the target's forward
     generated_tokens: int = 0  # tokens the steps committed (before stops cut them)
-    goodput_tokens_per_s: float = 0.0  # generated_tokens / busy_s
-    chosen_k: dict[int, int] = field(default_factory=dict)  # k -> decoding requests that ran with it
-    prediction_mean_abs_rel_error: float | None = None  # the policy's predicted step time against the measured
-    policy_ms_per_step: float = 0.0  # the policy's planning (its view included) and observing, per step
+    chosen_k: Counter = field(default_factory=Counter)  # k -> decoding requests that ran with it
+    predicted_steps: int = 0
+    prediction_abs_rel_error: float = 0.0  # summed |predicted - measured| / measured
+    policy_s: float = 0.0  # seconds the policy planned (its view included) and observed
+
+    def add(self, record: StepRecord, generated: int, policy_s: float = 0.0) -> None:
+        self.steps += 1
+        self.policy_s += policy_s
+        self.busy_s += record.total_s
+        self.draft_s += record.draft_s
+        self.verify_s += record.verify_s
+        self.generated_tokens += generated
+        self.chosen_k.update(record.ks)
+        if record.predicted_s is not None and record.total_s > 0:
+            self.predicted_steps += 1
+            self.prediction_abs_rel_error += abs(record.predicted_s - record.total_s) / record.total_s
+
+    def snapshot(self) -> StepTotals:
+        return replace(self, chosen_k=Counter(self.chosen_k))
+
+    @property
+    def goodput_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def prediction_mean_abs_rel_error(self) -> float | None:
+        return self.prediction_abs_rel_error / self.predicted_steps if self.predicted_steps else None
+
+    @property
+    def policy_ms_per_step(self) -> float:
+        return 1e3 * self.policy_s / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        """The JSON form (a replica's /status)."""
+        return {"steps": self.steps, "busy_s": self.busy_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "generated_tokens": self.generated_tokens, "goodput_tokens_per_s": self.goodput_tokens_per_s,
+                "chosen_k": {int(k): n for k, n in sorted(self.chosen_k.items())},
+                "prediction_mean_abs_rel_error": self.prediction_mean_abs_rel_error,
+                "policy_ms_per_step": self.policy_ms_per_step}
 
 
 @dataclass(frozen=True)
@@ -49,11 +89,11 @@ class EngineSnapshot:
     prefix_queries: int  # prefix-cache lookups, and the hits among them
     prefix_hits: int
     spec_decode: SpecDecodeMetrics  # the engine's draft counters, a copy
-    steps: StepTotals
+    steps: StepTotals  # a copy
     draft: DraftHealth | None  # None: no proposer configured
     # the policy's shareable evidence, in the policy's own form: the goodput controller merges the replicas'
     # (policy/replica_state.py) and hands the result back through import_policy_state
-    policy_state: dict
+    policy_state: dict | None  # None: a policy that shares nothing
     load: LoadCosts
 
     def as_dict(self, with_policy_state: bool = True) -> dict:
@@ -62,7 +102,7 @@ class EngineSnapshot:
         out = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "max_num_seqs": self.max_num_seqs, "policy_name": self.policy_name,
                 "prefix_cache": {"queries": self.prefix_queries, "hits": self.prefix_hits},
-                "spec_decode": self.spec_decode.as_dict(), "steps": asdict(self.steps),
+                "spec_decode": self.spec_decode.as_dict(), "steps": self.steps.as_dict(),
                 "draft_available": None if self.draft is None else self.draft.available,
                 "draft_failures": None if self.draft is None else self.draft.failures,
                 "draft_incarnation": None if self.draft is None else self.draft.incarnation,
