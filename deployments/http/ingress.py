@@ -22,13 +22,10 @@ from deployments.http import answers, proxy_guard
 from deployments.http import protocol as proto
 from deployments.http.answers import Endpoint
 from deployments.http.fold import AnswerFold, GenerationFailedInServer
-from deployments.http.tools import ToolError, template_messages
-from deployments.http.tools import functions as tool_functions
+from deployments.http.tools import template_messages
 from deployments.placement.failover import FailoverStream, NoReplicaInTime
 from deployments.placement.latency import prefix_text
 from deployments.wire import GenerateCall, Refused
-from smartspec.structured.compile import compiled
-from smartspec.types.sampling_params import StructuredOutput
 
 api = FastAPI(title="SmartSpec", description="OpenAI-compatible LLM serving with goodput-chosen speculation")
 SCHEMAS = {Endpoint.CHAT: proto.ChatCompletionRequest, Endpoint.COMPLETIONS: proto.CompletionRequest}
@@ -259,23 +256,8 @@ class OpenAIIngress:
     def _calls(self, body, endpoint: Endpoint) -> list[GenerateCall]:
         """The request's generations, as the replicas take them: n per prompt, prompt after prompt (OpenAI's order
         for a batch of prompts); n samples from one seed are distinct and reproducible (seed + i)."""
-        try:
-            # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
-            params, until_end = body.sampling_params(None if endpoint.is_chat else self.max_tokens_default)
-            tools = None
-            if (structured := body.structured()) is not None:
-                params = replace(params, structured=structured[0])
-            if endpoint.is_chat and (body.tools or body.tool_choice not in (None, "auto", "none")):
-                choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
-                tools, constraint = tool_functions([t.model_dump(exclude_none=True) for t in body.tools or []],
-                                                   choice, body.parallel_tool_calls)
-                if constraint is not None:
-                    if structured is not None:
-                        raise ToolError("tool_choice", f"tool_choice {body.tool_choice!r} constrains the answer to "
-                                                       f"tool calls; it cannot also follow {structured[1]}")
-                    params = replace(params, structured=compiled(StructuredOutput(**constraint)))
-            if body.speculation is not None:
-                params = replace(params, k_max=body.speculation.max_k)
+        try:  # OpenAI's defaults: 16 tokens for completions, up to the context's end for chat
+            params, until_end, tools = body.generation(None if endpoint.is_chat else self.max_tokens_default)
         except (ValueError, TypeError) as exc:  # a value out of range; a schema, regex, grammar or tool refused
             raise HTTPError(400, str(exc), getattr(exc, "field", None)) from None
         if endpoint.is_chat:

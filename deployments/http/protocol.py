@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.http.tools import ToolError
+from deployments.http.tools import functions as tool_functions
 from smartspec.structured.compile import compiled
 from smartspec.types.sampling_params import ParamError, SamplingParams, StructuredOutput
 
@@ -168,11 +170,21 @@ class _Common(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
-    def sampling_params(self, default_max_tokens: int | None) -> tuple[SamplingParams, bool]:
-        """The request's SamplingParams, and whether it runs to the end of the context (no max_tokens given: the
-        replica, which knows the context, sets it)."""
+    def generation(self, default_max_tokens: int | None) -> tuple[SamplingParams, bool, list[dict] | None]:
+        """The request's SamplingParams, built here alone: its sampling controls, its output's constraint (a
+        structured output, or the tool calls tool_choice asks for) and its cap on speculation; whether it runs to
+        the end of the context (no max_tokens given: the replica, which knows the context, sets it); and the tools
+        the chat template shows the model (None: none). A value the engine refuses raises ValueError naming its
+        field."""
         given = [m for m in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if m is not None]
         max_tokens = given[0] if given else None
+        structured = self.structured()
+        tools, constraint = self.tool_calls()
+        if constraint is not None and structured is not None:
+            raise ToolError("tool_choice", f"tool_choice {self.tool_choice!r} constrains the answer to tool calls; "
+                                           f"it cannot also follow {structured[1]}")
+        output = compiled(StructuredOutput(**constraint)) if constraint is not None else \
+            structured[0] if structured is not None else None
         params = SamplingParams(max_tokens=max(1, self.min_tokens) if max_tokens is None else max_tokens,
                                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                 stop=self.stop or [], ignore_eos=self.ignore_eos,
@@ -180,8 +192,14 @@ class _Common(BaseModel):
                                 repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                                 min_p=self.min_p, min_tokens=self.min_tokens,
                                 prediction=self.prediction.content if self.prediction else None,
+                                structured=output, k_max=self.speculation.max_k if self.speculation else None,
                                 **self.logprob_fields())
-        return params, max_tokens is None
+        return params, max_tokens is None, tools
+
+    def tool_calls(self) -> tuple[list[dict] | None, dict | None]:
+        """The tools the prompt shows the model, and the constraint tool_choice puts on the answer (StructuredOutput
+        fields); (None, None) where the request has none (completions have none)."""
+        return None, None
 
     def logprob_fields(self) -> dict:
         return {}
@@ -313,3 +331,10 @@ class ChatCompletionRequest(_Common):
 
     def logprob_fields(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    def tool_calls(self) -> tuple[list[dict] | None, dict | None]:
+        if not self.tools and self.tool_choice in (None, "auto", "none"):
+            return None, None
+        choice = self.tool_choice.model_dump() if hasattr(self.tool_choice, "model_dump") else self.tool_choice
+        return tool_functions([t.model_dump(exclude_none=True) for t in self.tools or []], choice,
+                              self.parallel_tool_calls)
