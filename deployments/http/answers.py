@@ -3,8 +3,8 @@ shape, and error bodies (http/fold.py assembles them from a request's events; th
 from __future__ import annotations
 
 import json
-import time
 import uuid
+from dataclasses import dataclass
 from enum import Enum
 
 from deployments.wire import PredictionUsage, TokenEntry
@@ -34,6 +34,15 @@ class Endpoint(str, Enum):
         return "chatcmpl" if self.is_chat else "cmpl"
 
 
+@dataclass(frozen=True)
+class AnswerHead:
+    """What each chunk and the whole answer of one request carry: its id, the model, its endpoint, when it began."""
+    rid: str
+    model: str
+    endpoint: Endpoint
+    created: int
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -54,10 +63,10 @@ def prediction_details(usages: list[PredictionUsage | None]) -> dict:
             "rejected_prediction_tokens": total.rejected_prediction_tokens}
 
 
-def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                        endpoint: Endpoint, details: dict | None = None) -> dict:
-    return {"id": rid, "object": endpoint.object, "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, details)}
+def completion_response(head: AnswerHead, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                        details: dict | None = None) -> dict:
+    return {"id": head.rid, "object": head.endpoint.object, "created": head.created, "model": head.model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, details)}
 
 
 def chat_logprobs(entries: list[TokenEntry]) -> dict:
@@ -97,23 +106,22 @@ def choice(index: int, text: str | None, finish_reason: str | None, endpoint: En
     return body
 
 
-def stream_chunk(rid: str, model: str, index: int, text: str | None, finish_reason: str | None,
-                 endpoint: Endpoint, created: int, role: bool = False, logprobs: dict | None = None,
-                 tool_calls: list[dict] | None = None) -> dict:
-    if endpoint.is_chat:
+def stream_chunk(head: AnswerHead, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                 logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    if head.endpoint.is_chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         if tool_calls:
             delta["tool_calls"] = tool_calls
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         c = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": rid, "object": endpoint.chunk_object, "created": created, "model": model, "choices": [c]}
+    return {"id": head.rid, "object": head.endpoint.chunk_object, "created": head.created, "model": head.model,
+            "choices": [c]}
 
 
-def usage_chunk(rid: str, model: str, endpoint: Endpoint, created: int, prompt_tokens: int, completion_tokens: int,
-                details: dict | None = None) -> dict:
-    return {"id": rid, "object": endpoint.chunk_object, "created": created,
-            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, details)}
+def usage_chunk(head: AnswerHead, prompt_tokens: int, completion_tokens: int, details: dict | None = None) -> dict:
+    return {"id": head.rid, "object": head.endpoint.chunk_object, "created": head.created, "model": head.model,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens, details)}
 
 
 def sse(data: dict | str) -> str:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from deployments.http import answers
-from deployments.http.answers import Endpoint
+from deployments.http.answers import AnswerHead, Endpoint
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.http.tools import CallStream
 from deployments.http.tools import parse as parse_tool_calls
@@ -38,9 +38,8 @@ class AnswerFold:
 
     def __init__(self, rid: str, model: str, body: CompletionRequest | ChatCompletionRequest, endpoint: Endpoint,
                  accepted: list[Accepted]) -> None:
-        self.rid, self.model, self.body, self.endpoint = rid, model, body, endpoint
+        self.head, self.body, self.endpoint = AnswerHead(rid, model, endpoint, int(time.time())), body, endpoint
         chat = endpoint.is_chat
-        self.created = int(time.time())
         self.accepted = accepted
         self.prompt_tokens = sum(a.prompt_tokens for a in accepted[::body.n])  # each prompt once
         self.echo = not chat and body.echo
@@ -62,7 +61,7 @@ class AnswerFold:
         """The chunks before any token: chat's role, per choice."""
         if not self.endpoint.is_chat:
             return []
-        return [answers.stream_chunk(self.rid, self.model, i, None, None, self.endpoint, self.created, role=True)
+        return [answers.stream_chunk(self.head, i, None, None, role=True)
                 for i in range(len(self.choices))]
 
     def feed(self, index: int, event: Event) -> list[dict]:
@@ -90,23 +89,20 @@ class AnswerFold:
             text += choice.calls.finish() if event.finished else ""
         chunks = []
         if text or made or (logprobs is not None and event.token_ids):
-            chunks.append(answers.stream_chunk(self.rid, self.model, index, text, None, self.endpoint,
-                                               self.created, logprobs=logprobs, tool_calls=made))
+            chunks.append(answers.stream_chunk(self.head, index, text, None, logprobs=logprobs, tool_calls=made))
         if event.finished:
             choice.speculation, choice.prediction = event.speculation, event.prediction
             choice.finish_reason = event.finish_reason
             if choice.calls is not None and choice.calls.num_calls and event.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"
-            chunks.append(answers.stream_chunk(self.rid, self.model, index, None, choice.finish_reason,
-                                               self.endpoint, self.created))
+            chunks.append(answers.stream_chunk(self.head, index, None, choice.finish_reason))
         return chunks
 
     def closing(self, include_usage: bool) -> list[dict]:
         """The chunks after the last event: usage, when asked."""
         if not include_usage:
             return []
-        return [answers.usage_chunk(self.rid, self.model, self.endpoint, self.created, self.prompt_tokens,
-                                    self.completion_tokens, self._details())]
+        return [answers.usage_chunk(self.head, self.prompt_tokens, self.completion_tokens, self._details())]
 
     # ---- the whole answer ---------------------------------------------------------------------------------
     def response(self) -> dict:
@@ -117,8 +113,8 @@ class AnswerFold:
             reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             out.append(answers.choice(i, text, reason, self.endpoint, c.speculation,
                                       self._logprobs(i, c.entries, c.prompt_entries), calls))
-        return answers.completion_response(self.rid, self.model, out, self.prompt_tokens, self.completion_tokens,
-                                           self.endpoint, self._details())
+        return answers.completion_response(self.head, out, self.prompt_tokens, self.completion_tokens,
+                                           self._details())
 
     def _details(self) -> dict | None:
         if self.body.prediction is None:
