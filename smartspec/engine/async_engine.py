@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +16,49 @@ from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.snapshot import EngineSnapshot, LoadCosts
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a validated request (its prompt's token ids) on the engine."""
+    ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+    def apply(self, engine: LLMEngine, outputs: list) -> None:
+        try:
+            engine.add_request(self.ids, self.params, self.request_id)
+        except Exception as exc:  # reported to that request alone
+            outputs.append((self.request_id, exc))
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End a request (a caller gone), freeing its blocks; its last output goes to its stream."""
+    request_id: str
+
+    def apply(self, engine: LLMEngine, outputs: list) -> None:
+        out = engine.abort_request(self.request_id)
+        if out is not None:
+            outputs.append((self.request_id, out))
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Run fn(engine) between two steps; its result (or error) resolves the caller's future on its loop."""
+    fn: Callable[[LLMEngine], object]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def apply(self, engine: LLMEngine, outputs: list) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as exc:
+            result, error = None, exc
+        self.loop.call_soon_threadsafe(_resolve, self.future, result, error)
+
+
+Command = AddRequest | AbortRequest | EngineCall
 
 
 class AsyncEngine:
@@ -33,7 +77,7 @@ class AsyncEngine:
         # decode step about a fifth slower). So the step thread loads the model as well, and stays the only one.
         self.engine = engine or self._executor.submit(build or (lambda: LLMEngine(config or EngineConfig()))).result()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple[str, object]] = []  # ("add", args) / ("abort", request_id)
+        self._pending: list[Command] = []  # applied on the step thread, in order, before the next step
         self._lock = threading.Lock()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -68,7 +112,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
-            self._pending.append(("add", (ids, params, request_id)))
+            self._pending.append(AddRequest(ids, params, request_id))
         self._ensure_loop()
         return len(ids), self._stream(request_id, queue)
 
@@ -76,7 +120,7 @@ class AsyncEngine:
         """Abort a submitted request whose stream may never have been iterated (a no-op once it has ended)."""
         if self._queues.pop(request_id, None) is not None:
             with self._lock:
-                self._pending.append(("abort", request_id))
+                self._pending.append(AbortRequest(request_id))
             self._ensure_loop()
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -94,7 +138,7 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 with self._lock:
-                    self._pending.append(("abort", request_id))
+                    self._pending.append(AbortRequest(request_id))
                 self._ensure_loop()
 
     async def call(self, fn):
@@ -104,7 +148,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
-            self._pending.append(("call", (fn, fut, loop)))
+            self._pending.append(EngineCall(fn, fut, loop))
         self._ensure_loop()
         return await fut
 
@@ -147,7 +191,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
-            self._pending.append(("abort", request_id))
+            self._pending.append(AbortRequest(request_id))
         self._ensure_loop()
 
     def _ensure_loop(self) -> None:
@@ -161,24 +205,8 @@ class AsyncEngine:
         with self._lock:
             pending, self._pending = self._pending, []
         outputs = []
-        for kind, arg in pending:
-            if kind == "add":
-                ids, params, rid = arg
-                try:
-                    self.engine.add_request(ids, params, rid)
-                except Exception as exc:  # reported to that request alone
-                    outputs.append((rid, exc))
-            elif kind == "call":
-                fn, fut, loop = arg
-                try:
-                    result, error = fn(self.engine), None
-                except Exception as exc:
-                    result, error = None, exc
-                loop.call_soon_threadsafe(_resolve, fut, result, error)
-            else:
-                out = self.engine.abort_request(arg)
-                if out is not None:
-                    outputs.append((arg, out))
+        for command in pending:
+            command.apply(self.engine, outputs)
         if self.engine.has_unfinished():
             outputs.extend((o.request_id, o) for o in self.engine.step())
         return outputs
@@ -196,9 +224,9 @@ class AsyncEngine:
                     q.put_nowait(exc)
                 with self._lock:
                     pending, self._pending = self._pending, []
-                for kind, arg in pending:  # calls waiting for a step that will not come
-                    if kind == "call":
-                        _resolve(arg[1], None, RuntimeError(f"engine stopped after an error: {exc!r}"))
+                for command in pending:  # calls waiting for a step that will not come
+                    if isinstance(command, EngineCall):
+                        _resolve(command.future, None, RuntimeError(f"engine stopped after an error: {exc!r}"))
                 return
             for rid, item in results:
                 if (q := self._queues.get(rid)) is not None:
