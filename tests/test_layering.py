@@ -185,3 +185,24 @@ def test_a_dict_read_of_the_engine_is_caught(tmp_path, line):
                     f"    {line}\n")
     added_at = len(path.read_text().splitlines())
     assert [p.split(": ")[0] for p in dict_reads_of_the_engine(path)] == [f"deployments/replica/server.py:{added_at}"]
+
+
+def test_the_async_engine_is_an_engine_client():
+    """LLMServer depends on EngineClient; AsyncEngine, which it runs, has each of its members, coroutines where the
+    protocol's are."""
+    import inspect
+
+    from smartspec.engine.async_engine import AsyncEngine
+    from smartspec.engine.client import EngineClient
+
+    members = {n for n in vars(EngineClient) if not n.startswith("_")} | set(EngineClient.__annotations__)
+    assert {"submit", "abort", "snapshot", "load_costs", "import_policy_state", "tokenizer"} <= members
+    for name in members:
+        assert hasattr(AsyncEngine, name) or name in ("errored",), name
+        ours = vars(EngineClient).get(name)
+        if inspect.isfunction(ours):
+            assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(getattr(AsyncEngine, name)), name
+    server = ROOT / "deployments" / "replica" / "server.py"
+    imported = {name for _, name in imported_modules(server, "deployments.replica.server")}
+    assert "smartspec.engine.client" in imported
+    assert not imported & {"smartspec.engine.async_engine", "smartspec.engine.llm_engine"}

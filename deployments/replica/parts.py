@@ -1,10 +1,13 @@
 """Where a replica's engine runs its parts: the target's forward in this process or over tensor-parallel workers,
-the draft model in this process or in an actor of its own."""
+the draft model in this process or in an actor of its own; and the engine itself (`start_engine`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from deployments.control.config import AppConfig
+from smartspec.engine.async_engine import AsyncEngine
+from smartspec.engine.client import EngineClient
+from smartspec.engine.llm_engine import LLMEngine
 from smartspec.spec_decode.factory import make_draft_proposer
 
 
@@ -35,3 +38,10 @@ def draft_factory(cfg: AppConfig, replica_id: str, named: Callable[[str], None])
         return start_draft_actor(name, spec_config, runtime, cfg.model, spec_config.draft_num_threads or cfg.threads)
 
     return make
+
+
+def start_engine(cfg: AppConfig, replica_id: str, named: Callable[[str], None]) -> EngineClient:
+    """The replica's engine, stepping on its own thread, with its parts placed as configured (named: as in
+    draft_factory)."""
+    return AsyncEngine(build=lambda: LLMEngine(cfg.engine_config(replica_id), runner_factory=runner_factory(cfg),
+                                               draft_factory=draft_factory(cfg, replica_id, named)))

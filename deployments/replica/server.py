@@ -21,11 +21,10 @@ from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.ledger import RoutingLedger
 from deployments.replica.orphans import OrphanWatch
 from deployments.replica.deltas import HeldDeltas, delta_of
-from deployments.replica.parts import draft_factory, runner_factory
+from deployments.replica.parts import start_engine
 from deployments.replica.prompts import ending_at_first_call, prompt_of
 from deployments.wire import Accepted, Event, GenerateCall, Refused, ReplicaGauges, ReplicaReport
-from smartspec.engine.async_engine import AsyncEngine
-from smartspec.engine.llm_engine import LLMEngine
+from smartspec.engine.client import EngineClient
 from smartspec.engine.start_phases import StartPhases
 from smartspec.runtime.heap import freeze_startup_heap
 from smartspec.types.snapshot import EngineSnapshot, LoadCosts
@@ -70,10 +69,7 @@ class LLMServer:
             self.draft_actor_name = name
 
         with phases.phase("engine"):  # its own phases are logged as it builds (engine/start_phases.py)
-            self.engine = AsyncEngine(build=lambda: LLMEngine(self.cfg.engine_config(self.replica_id),
-                                                              runner_factory=runner_factory(self.cfg),
-                                                              draft_factory=draft_factory(self.cfg, self.replica_id,
-                                                                                          named)))
+            self.engine: EngineClient = start_engine(self.cfg, self.replica_id, named)
         self.engine.warm_grammars()
         freeze_startup_heap()  # the engine lives as long as this process: its start is no collector's work
         self.controller = controller
