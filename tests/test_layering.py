@@ -181,8 +181,8 @@ def test_a_dict_read_of_the_engine_is_caught(tmp_path, line):
     """The check itself: the replica's server with one such read added fails it."""
     path = tmp_path / "deployments" / "replica" / "server.py"
     path.parent.mkdir(parents=True)
-    path.write_text((ROOT / "deployments" / "replica" / "server.py").read_text() + f"\n\ndef added(out, snapshot, costs):\n"
-                    f"    {line}\n")
+    added = f"\n\ndef added(out, snapshot, costs):\n    {line}\n"
+    path.write_text((ROOT / "deployments" / "replica" / "server.py").read_text() + added)
     added_at = len(path.read_text().splitlines())
     assert [p.split(": ")[0] for p in dict_reads_of_the_engine(path)] == [f"deployments/replica/server.py:{added_at}"]
 

@@ -68,6 +68,21 @@ def test_a_newcomer_is_planned_by_the_rule_once_and_then_held_with_the_plan():
     assert hold.held_plan(7, batch[:7] + ("y",), False).newcomers == [7]
 
 
+def test_plans_of_two_depths_worth_about_the_same_keep_doubling_the_hold():
+    """A batch at the boundary of two depths: a plan of depth 2 whose depth-1 plan came within DEPTH_TOLERANCE
+    counts as the last (depth-1) plan again, and the hold doubles; one whose depth-1 plan did not resets it."""
+    ids = tuple("ab")
+    near, far = HeldRule(0.2, 2, frozenset({1})), HeldRule(0.2, 2)
+    for rule, hold_after in ((near, 4), (far, 0)):
+        hold = PlanHold()
+        for step in (1, 2, 3):  # depth 1 the same three times: holds 1, 2
+            hold.planned(step, ids, False, [1, 1], HeldRule(0.3, 1))
+        assert hold._by_prefill[False].hold == 2
+        hold.planned(4, ids, False, [2, 1], rule)
+        assert hold._by_prefill[False].hold == hold_after
+        assert hold._by_prefill[False].rule == rule  # the new plan is what is held either way
+
+
 def test_steps_beside_prefill_hold_a_plan_of_their_own_and_no_speculation_suits_any_batch():
     hold = PlanHold()
     for step in (1, 2):

@@ -50,15 +50,19 @@ def request_view(req: Request) -> RequestView:
 
 
 _new_tuple = tuple.__new__
-_REQUEST_ID, _TOKEN_IDS, _PROMPT_IDS = attrgetter("request_id"), attrgetter("token_ids"), attrgetter("prompt_token_ids")
-_MAX_TOKENS, _OWN_K_MAX, _ARRIVAL = attrgetter("params.max_tokens"), attrgetter("params.k_max"), attrgetter("arrival_time")
+_REQUEST_ID, _TOKEN_IDS = attrgetter("request_id"), attrgetter("token_ids")
+_PROMPT_IDS, _ARRIVAL = attrgetter("prompt_token_ids"), attrgetter("arrival_time")
+_MAX_TOKENS, _OWN_K_MAX = attrgetter("params.max_tokens"), attrgetter("params.k_max")
 
 
 def _view_columns(decoding: list[Request]) -> tuple[list, ...]:
     """RequestViews' columns past the ids and contexts, read from the requests in C (map, attrgetter), no Python
-    per request: num_output_tokens, max_tokens, k_max, arrival_time."""
+    per request: num_output_tokens, max_tokens, k_max, arrival_time. Read while the step plans, before it commits
+    a token, as the ids and contexts were."""
     outputs = list(map(sub, map(len, map(_TOKEN_IDS, decoding)), map(len, map(_PROMPT_IDS, decoding))))
     return outputs, list(map(_MAX_TOKENS, decoding)), list(map(_OWN_K_MAX, decoding)), list(map(_ARRIVAL, decoding))
+
+
 _INT_TYPES = {int, bool}  # what isinstance(k, int) takes
 
 
