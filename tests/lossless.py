@@ -4,6 +4,8 @@ tokens are the reference's top two there and their gap is tiny; and every token 
 against the reference run on our own tokens."""
 import torch
 
+from smartspec.types.logprobs import TokenLogprob
+
 NEAR_TIE = 1e-3  # relative to the logit scale at that position
 
 
@@ -31,3 +33,16 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def token_logprob(row: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
+    """The reference for a token's logprob: token_id under one row of logits [V] taken alone, with the n most
+    likely alternatives (the engine computes a step's at once: engine/step_logprobs.py)."""
+    logprobs = torch.log_softmax(row.float().contiguous(), dim=-1)
+    value = logprobs[token_id]
+    rank = int((logprobs > value).sum()) + 1
+    top = ()
+    if n:
+        values, ids = torch.topk(logprobs, n)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(value), rank, top)

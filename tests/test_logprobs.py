@@ -3,9 +3,10 @@ speculation (chains, trees, draft model, prompt lookup), with chunked prefill, a
 is checked against the engine's own scoring of the finished sequence."""
 import pytest
 import torch
+from lossless import token_logprob
 
 from smartspec import LLM, SamplingParams
-from smartspec.types.logprobs import rows_of_new_tokens, token_logprob
+from smartspec.types.logprobs import rows_of_new_tokens
 
 PROMPTS = ["abcabcabcabc abc", "def f(x): return x\ndef g(x): return x\ndef", "xyz " * 8, "hello world"]
 SPECS = {

@@ -3,13 +3,13 @@ checked and capped (max_tokens, the request's own cap, the context, the step's b
 failing or nonsensical policy costs speculation for the step, never a request."""
 import pytest
 
-from smartspec.engine.planner import Speculation, plan_step, request_view, step_view
+from smartspec.engine.planner import Speculation, plan_step, step_view
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import FixedPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.spec_decode.ngram import NgramProposer
 from smartspec.spec_decode.suffix import SuffixProposer
-from smartspec.types.plan import DRAFT, LOOKUP, RequestViews, SpecPlan
+from smartspec.types.plan import DRAFT, LOOKUP, RequestView, RequestViews, SpecPlan
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
 
@@ -48,9 +48,14 @@ def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them
     assert view.lookups is None and view.now == 9.0
 
 
+def request_view(r):
+    return RequestView(r.request_id, r.num_tokens, r.num_output_tokens, r.params.max_tokens, r.params.k_max,
+                       r.arrival_time)
+
+
 def test_the_views_rows_are_made_when_first_read_and_its_ids_and_context_without_them():
     """A held plan reads the batch's ids and total context alone: the rows are not made for it, and once read
-    they are each request's view as request_view makes it."""
+    they are each request's numbers."""
     reqs = [decoding(f"r{i}", 10 + i, k_max=i or None) for i in range(5)]
     reqs[1].token_ids.extend([7, 7])  # two output tokens
     views = step_view(reqs, [], k_max=4).requests

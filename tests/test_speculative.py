@@ -2,11 +2,11 @@
 batch-invariant, so this is asserted bitwise, without a near-tie allowance)."""
 import pytest
 from engines import PARAMS, PROMPTS, AlternatingPolicy, MixedPolicy, StepPolicy, make, run_staggered
+from lossless import token_logprob
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import Policy
 from smartspec.spec_decode.ngram import lookup
-from smartspec.types.logprobs import token_logprob
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_qwen):

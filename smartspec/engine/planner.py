@@ -16,8 +16,7 @@ from smartspec.spec_decode.hints import Hint
 from smartspec.spec_decode.proposer import Proposer
 from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.padding import PaddedShapes
-from smartspec.types.plan import (DRAFT, LOOKUP, PrefillView, RequestView, RequestViews, SpecPlan, StepView,
-                                  chunk_context)
+from smartspec.types.plan import DRAFT, LOOKUP, PrefillView, RequestViews, SpecPlan, StepView, chunk_context
 from smartspec.types.request import Request
 
 logger = logging.getLogger(__name__)
@@ -41,15 +40,6 @@ class Speculation:
         return cls(None, OffPolicy(), 0)
 
 
-def request_view(req: Request) -> RequestView:
-    # built as the tuple it is (tuple.__new__, the lengths read directly): the engine builds one per decoding
-    # request every step, and the named constructor and Request's properties took half of step_view's time
-    tokens = len(req.token_ids)
-    return _new_tuple(RequestView, (req.request_id, tokens, tokens - len(req.prompt_token_ids),
-                                    req.params.max_tokens, req.params.k_max, req.arrival_time))
-
-
-_new_tuple = tuple.__new__
 _REQUEST_ID, _TOKEN_IDS = attrgetter("request_id"), attrgetter("token_ids")
 _PROMPT_IDS, _ARRIVAL = attrgetter("prompt_token_ids"), attrgetter("arrival_time")
 _MAX_TOKENS, _OWN_K_MAX = attrgetter("params.max_tokens"), attrgetter("params.k_max")

@@ -5,11 +5,6 @@ the values are the same with and without speculation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
 MAX_TOP_LOGPROBS = 20
 
 
@@ -19,20 +14,6 @@ class TokenLogprob:
     logprob: float
     rank: int  # 1 = the most likely token
     top: tuple[tuple[int, float], ...]  # the `n` most likely (token id, logprob), most likely first
-
-
-def token_logprob(row: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
-    """The logprob of token_id under one row of logits [V], with the n most likely alternatives."""
-    import torch  # here, not above: the request types this module gives the HTTP front need no torch
-
-    logprobs = torch.log_softmax(row.float().contiguous(), dim=-1)
-    value = logprobs[token_id]
-    rank = int((logprobs > value).sum()) + 1
-    top = ()
-    if n:
-        values, ids = torch.topk(logprobs, n)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id, float(value), rank, top)
 
 
 def rows_of_new_tokens(num_new: int, tree_path: list[int] | None) -> list[int]:
