@@ -2,11 +2,14 @@
 AppConfig (see control/config.py and the README's option table)."""
 from __future__ import annotations
 
+from functools import partial
+
 from ray.serve import Application
 
 from deployments.control.config import AppConfig, AutoscalingConfig
 from deployments.control.controller import GoodputController
 from deployments.http.ingress import OpenAIIngress
+from deployments.replica.parts import EngineFactory, start_engine, start_paced_engine
 from deployments.replica.server import LLMServer
 
 
@@ -48,9 +51,24 @@ def autoscaling_config(a: AutoscalingConfig) -> dict:
 
 
 def build_app(args: dict | None = None) -> Application:
-    cfg = AppConfig.model_validate(args or {})
+    return _application(AppConfig.model_validate(args or {}), start_engine)
+
+
+def build_paced_app(args: dict | None = None) -> Application:
+    """The same application over an engine without a model that emits a token to every running request each
+    `paced_step_s` seconds (given beside AppConfig's fields; default 0.05): the serving path alone, for
+    scripts/bench_serving_path.py."""
+    args = dict(args or {})
+    step_s = args.pop("paced_step_s", 0.05)
+    if not (isinstance(step_s, (int, float)) and step_s > 0):
+        raise ValueError(f"paced_step_s must be seconds > 0, got {step_s!r}")
+    return _application(AppConfig.model_validate({"model": "paced", "speculation": None, **args}),
+                        partial(start_paced_engine, float(step_s)))
+
+
+def _application(cfg: AppConfig, engine_factory: EngineFactory) -> Application:
     controller = GoodputController.bind()
-    server = LLMServer.options(**llm_server_options(cfg)).bind(cfg.model_dump(), controller)
+    server = LLMServer.options(**llm_server_options(cfg)).bind(cfg.model_dump(), controller, engine_factory)
     # the ingress holds its streams until they end: replaced in a redeploy, it finishes them first, as long as a
     # replica does (Serve's default of 20 s cut streams that a loaded replica was still generating)
     ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s)

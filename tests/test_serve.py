@@ -969,3 +969,28 @@ def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):
     assert tally.requests == 100 and tally.by_status.get("200", 0) > 0
     assert (tally.server_errors, tally.hangs, tally.unnamed) == (0, 0, 0), tally.failures[:3]
     assert back
+
+
+def test_the_paced_application_streams_without_a_model(ray_serve):
+    """deployments.app:build_paced_app, what scripts/bench_serving_path.py deploys: the replica over an engine
+    that emits a token a step, streamed as chat chunks; its steps' own time reported; a bad interval refused."""
+    from deployments.app import build_paced_app
+
+    with pytest.raises(ValueError, match="paced_step_s"):
+        build_paced_app({"paced_step_s": 0})
+    serve.run(build_paced_app({"paced_step_s": 0.002, "max_num_seqs": 4, "max_model_len": 512,
+                               "replica_num_cpus": 0.1}), name="paced", route_prefix="/paced")
+    url = f"{ray_serve}/paced"
+    wait_ready(url)
+    try:
+        body = {"model": "paced", "messages": [{"role": "user", "content": "go"}], "max_tokens": 12, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        last = [c for c in chunks if c["choices"]][-1]
+        assert text == "the quick br" and last["choices"][0]["finish_reason"] == "length"
+        stats = serve.get_deployment_handle("LLMServer", "paced").stats.remote().result(timeout_s=30)
+        assert stats["steps"]["generated_tokens"] >= 12 and stats["steps"]["busy_s"] > 0
+    finally:
+        serve.delete("paced")

@@ -76,6 +76,9 @@ class AppConfig(Strict):
     max_ongoing_requests: int = Field(32, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
     max_waiting: int = Field(64, ge=1)
+    # a streamed answer's tokens after its first: sent as they come (0), or gathered and sent at most every this
+    # many milliseconds, fewer messages for the ingress and Serve's proxy to carry at a GPU's token rates
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000)
     controller_interval_s: float = Field(1.0, gt=0)
     # how often a replica checks that the ingress replicas asking for its generations live (replica/orphans.py)
     orphan_check_s: float = Field(1.0, gt=0)

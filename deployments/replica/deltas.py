@@ -1,8 +1,10 @@
 """What the replica streams back for a generation: the engine's outputs as the wire's `Delta`s, and the batching
-of deltas for an answer sent whole."""
+of deltas into messages (an answer sent whole; a stream with an interval)."""
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from deployments.wire import Delta, PredictionUsage, TokenEntry
 from smartspec.engine.outputs import RequestOutput
@@ -36,20 +38,43 @@ def delta_of(out: RequestOutput, first: bool, tokenizer) -> Delta:
                  else None)
 
 
-class HeldDeltas:
-    """A streamed call gets a delta a step. An answer sent whole gets its first tokens at once (failover counts
-    them as sent), then a batch at most every HELD_DELTAS_S: a message a token costs the ingress CPU for every
-    token (and Ray's threads here more), taken from the decode step where the replica shares the ingress's cores."""
-
-    def __init__(self, streamed: bool) -> None:
-        self.streamed = streamed
-        self.held: Delta | None = None
-        self.sent = time.monotonic()
-
-    def add(self, delta: Delta) -> Delta | None:
-        """The delta to send now (this one and any held before it, as one), or None while it is held."""
-        self.held = delta if self.held is None else self.held.then(delta)
-        if self.streamed or delta.first or delta.finished or time.monotonic() - self.sent >= HELD_DELTAS_S:
-            out, self.held, self.sent = self.held, None, time.monotonic()
-            return out
-        return None
+async def held(deltas: AsyncGenerator[Delta, None], hold_s: float) -> AsyncIterator[Delta]:
+    """The deltas as messages: each as it comes where hold_s is 0; else the first at once (the ingress sends
+    headers on it, failover counts it as sent), then what came since as one delta at most every hold_s, and the
+    last at once. A message a token costs the ingress and Serve's proxy CPU for every token (docs/benchmarks.md,
+    "The serving path"); held tokens are sent when hold_s has passed even if no more come (a request preempted,
+    a slow step), by waiting on the next delta with a timeout instead of for it."""
+    pending: Delta | None = None
+    sent = time.monotonic()
+    upcoming: asyncio.Future | None = None  # the next delta, awaited across timeouts (never cancelled mid-wait)
+    try:
+        while True:
+            if pending is not None and upcoming is None:
+                upcoming = asyncio.ensure_future(anext(deltas))
+            if upcoming is not None:
+                done, _ = await asyncio.wait({upcoming}, timeout=max(0.0, sent + hold_s - time.monotonic()))
+                if not done:  # held long enough
+                    yield pending
+                    pending, sent = None, time.monotonic()
+                    continue
+                nxt, upcoming = upcoming, None
+                try:
+                    delta = nxt.result()
+                except StopAsyncIteration:
+                    break
+            else:
+                try:
+                    delta = await anext(deltas)
+                except StopAsyncIteration:
+                    break
+            pending = delta if pending is None else pending.then(delta)
+            if hold_s <= 0 or delta.first or delta.finished or time.monotonic() - sent >= hold_s:
+                yield pending
+                pending, sent = None, time.monotonic()
+        if pending is not None:
+            yield pending
+    finally:
+        if upcoming is not None and not upcoming.done():  # the caller left while a delta was awaited
+            upcoming.cancel()
+            await asyncio.gather(upcoming, return_exceptions=True)
+        await deltas.aclose()  # its own cleanup now, not when collected

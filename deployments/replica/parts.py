@@ -40,8 +40,19 @@ def draft_factory(cfg: AppConfig, replica_id: str, named: Callable[[str], None])
     return make
 
 
+EngineFactory = Callable[[AppConfig, str, Callable[[str], None]], EngineClient]
+
+
 def start_engine(cfg: AppConfig, replica_id: str, named: Callable[[str], None]) -> EngineClient:
     """The replica's engine, stepping on its own thread, with its parts placed as configured (named: as in
     draft_factory)."""
     return AsyncEngine(build=lambda: LLMEngine(cfg.engine_config(replica_id), runner_factory=runner_factory(cfg),
                                                draft_factory=draft_factory(cfg, replica_id, named)))
+
+
+def start_paced_engine(step_s: float, cfg: AppConfig, replica_id: str, named: Callable[[str], None]) -> EngineClient:
+    """An engine without a model that emits a token to every running request each step_s seconds
+    (smartspec/bench/paced_engine.py): the serving path measured alone (scripts/bench_serving_path.py)."""
+    from smartspec.bench.paced_engine import PacedEngine
+
+    return AsyncEngine(engine=PacedEngine(step_s, cfg.max_num_seqs, cfg.max_model_len or 4096))

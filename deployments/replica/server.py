@@ -20,10 +20,10 @@ from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.ledger import RoutingLedger
 from deployments.replica.orphans import OrphanWatch
-from deployments.replica.deltas import HeldDeltas, delta_of
-from deployments.replica.parts import start_engine
+from deployments.replica.deltas import HELD_DELTAS_S, delta_of, held
+from deployments.replica.parts import EngineFactory, start_engine
 from deployments.replica.prompts import ending_at_first_call, prompt_of
-from deployments.wire import Accepted, Event, GenerateCall, Refused, ReplicaGauges, ReplicaReport
+from deployments.wire import Accepted, Delta, Event, GenerateCall, Refused, ReplicaGauges, ReplicaReport
 from smartspec.engine.client import EngineClient
 from smartspec.engine.start_phases import StartPhases
 from smartspec.runtime.heap import freeze_startup_heap
@@ -55,7 +55,9 @@ def _engine_logs_to_replica_log() -> None:
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
-    def __init__(self, config: dict, controller=None) -> None:
+    def __init__(self, config: dict, controller=None, engine_factory: EngineFactory = start_engine) -> None:
+        """engine_factory: what starts the engine (parts.start_engine; the serving path's benchmark starts one
+        without a model, parts.start_paced_engine)."""
         phases = StartPhases(f"LLMServer {os.getpid()}", logger)
         _engine_logs_to_replica_log()
         if (age := _process_age_s()) is not None:
@@ -69,7 +71,7 @@ class LLMServer:
             self.draft_actor_name = name
 
         with phases.phase("engine"):  # its own phases are logged as it builds (engine/start_phases.py)
-            self.engine: EngineClient = start_engine(self.cfg, self.replica_id, named)
+            self.engine: EngineClient = engine_factory(self.cfg, self.replica_id, named)
         self.engine.warm_grammars()
         freeze_startup_heap()  # the engine lives as long as this process: its start is no collector's work
         self.controller = controller
@@ -104,18 +106,23 @@ class LLMServer:
         self.orphans.add(call.request_id, call.caller)
         try:
             yield accepted
-            deltas, first = HeldDeltas(call.streamed), True
-            async for out in stream:
-                if out.finished:
-                    self.generations["completed"] += out.finish_reason in ("stop", "length")
-                    self.routing.finished(time.monotonic() - started)
-                if (ready := deltas.add(delta_of(out, first, self.engine.tokenizer))) is not None:
-                    yield ready
-                first = False
+            hold_s = self.cfg.stream_interval_ms / 1e3 if call.streamed else HELD_DELTAS_S
+            async for ready in held(self._deltas(stream, started), hold_s):
+                yield ready
         finally:
             self.orphans.remove(call.request_id)
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
             self.engine.discard(call.request_id)  # (aclose of a stream never started runs none of its cleanup)
+
+    async def _deltas(self, stream: AsyncIterator, started: float) -> AsyncIterator[Delta]:
+        """The engine's outputs as the wire's deltas, a finished generation counted."""
+        first = True
+        async for out in stream:
+            if out.finished:
+                self.generations["completed"] += out.finish_reason in ("stop", "length")
+                self.routing.finished(time.monotonic() - started)
+            yield delta_of(out, first, self.engine.tokenizer)
+            first = False
 
     def _submit(self, call: GenerateCall) -> tuple[Accepted, AsyncIterator]:
         prompt = prompt_of(call, self.engine.tokenizer, self.cfg.name)
