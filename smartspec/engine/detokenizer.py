@@ -35,8 +35,8 @@ def append_step_text(tokenizer, req: Request, count: int) -> None:
 
 def decode(tokenizer, token_ids: list[int]) -> str:
     """tokenizer.decode(token_ids, skip_special_tokens=True): by its Rust tokenizer directly where transformers
-    would add nothing to that text (no clean-up of spaces), for transformers' wrapper took ~10 us a call, two calls
-    a token of every request, more than the rest of committing it."""
+    would add nothing to that text (no clean-up of spaces), for transformers' wrapper around it, two calls a token
+    of every request, cost more than the rest of committing the token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return backend.decode(token_ids, skip_special_tokens=True)

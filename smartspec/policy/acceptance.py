@@ -300,8 +300,8 @@ class ChainAcceptance:
     first * later^(j - 1).
 
     One rate for every depth (alpha^j) fits a draft model, whose tokens are about equally hard at every depth, but not
-    prompt lookup: measured here, its first token was accepted 82-88% of the time and each later one, after an
-    accepted predecessor, 90-100% (a copy that starts right goes on right). A single rate averages the two, so a
+    prompt lookup, whose later tokens, after an accepted predecessor, are accepted far more often than its first
+    (a copy that starts right goes on right; docs/policy.md). A single rate averages the two, so a
     rejected first token also lowered the value of every deeper one, and at batch 5 that made drafts of 1-2 tokens
     look best where the copy would have given five. Two stages keep a first-token miss where it belongs: it lowers
     every depth's value alike, so drafting either pays with a long chain or not at all. When the stages agree (a
@@ -312,7 +312,7 @@ class ChainAcceptance:
         self.later = AcceptanceEstimator(prior_alpha=prior_alpha)
         # until later tokens have been tried, guess them as likely accepted as first ones (the single-rate model).
         # A fixed guess would trap the policy: at k = 1 the later stage hears nothing, and a pessimistic guess
-        # keeps k at 1 (measured: a draft model accepted 100% of its drafts and stayed at k = 1)
+        # keeps k at 1 (a draft model whose every draft was accepted stayed at k = 1)
         self.later.follows = self.first
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:

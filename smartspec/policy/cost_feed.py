@@ -1,8 +1,8 @@
 """Each step's measured time into the step-cost model, refitted once every `refit_every` steps and `REFIT_GAP_S`
-seconds of steps rather than after each: a fit is a few robust least-squares solves (about a millisecond of Python
-and numpy), and a fit a fraction of a second old predicts the next step as well as a fresh one. Counted in steps
-alone, fits took 2% of a CPU decode step but 5% of a GPU's (4-5 ms), the host time the policy must not take; with
-the gap, one fit serves ~40 such steps and still follows a change of speed within a fifth of a second. Until the
+seconds of steps rather than after each: a fit is a few robust least-squares solves in Python and numpy, and a fit
+a fraction of a second old predicts the next step as well as a fresh one. Counted in steps alone, fits would take a
+GPU step's worth of host time every few steps (a GPU's steps are tens of times shorter than a CPU's); with the gap,
+one fit serves dozens of such steps and still follows a change of speed within a fifth of a second. Until the
 model has a fit at all, it is refitted after every step.
 
 A fit that keeps predicting the steps waits twice as long for the next, up to MAX_REFIT_GAP_S: a batch in steady

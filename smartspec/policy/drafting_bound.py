@@ -70,7 +70,7 @@ def _candidates(k_top: int, rows: int, alpha: float, base_tokens: int, kinks: np
     """The draft counts m the bound prices, and the m largest gains' sum for each: whole layers of rows * a^j
     below m's own layer, then the part of that layer."""
     ends = np.arange(k_top) * rows
-    # sorted and deduplicated in Python: a few dozen numbers (np.unique's first call imports numpy.ma, 17 ms)
+    # sorted and deduplicated in Python: a few dozen numbers (np.unique's first call imports numpy.ma, slowly)
     m = np.array(sorted(set(np.concatenate((ends + 1, ends + rows, np.asarray(kinks, dtype=np.int64) - base_tokens))
                             .tolist())), dtype=np.int64)
     m = m[(m >= 1) & (m <= rows * k_top)]

@@ -1,6 +1,6 @@
 """RMSNorm in one kernel on a GPU. transformers' RMSNorm is eight elementwise kernels (cast, square, mean, add,
 rsqrt, multiply, cast, scale), 57 of them a step for the default target, and a one-stream decode step on a GPU is
-bound by such small kernels (an H200 ran ~400 of them in a 4.3 ms step, 3.4 ms of it GPU time). torch's
+bound by such small kernels (docs/benchmarks.md, "On a GPU"). torch's
 `rms_norm` is one kernel on CUDA that normalises in fp32 as transformers does; it scales before the cast back,
 transformers after, so the two differ by one rounding of a 16-bit value. Speculation and plain decoding run the
 same modules, so the engine's lossless contract is untouched; its output against transformers' own differs only

@@ -1,9 +1,9 @@
 """The Python heap a serving process keeps once it has started.
 
 A full (oldest-generation) collection walks every tracked object, and a started process holds hundreds of thousands
-(torch, the tokenizer, Ray): each such collection stalls whichever step it lands in, measured at 0.3 s with 400k
-objects on an AMD EPYC VM, far more than a step. What start built lives as long as the process; freezing it
-leaves the collector the objects serving makes."""
+(torch, the tokenizer, Ray): each such collection stalls whichever step it lands in, for longer than a step
+(docs/architecture.md). What start built lives as long as the process; freezing it leaves the collector the objects
+serving makes."""
 from __future__ import annotations
 
 import gc

@@ -1,7 +1,7 @@
 """Tensors that live in 2 MiB pages.
 
 A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB (costlier still under a
-hypervisor's nested paging); in 2 MiB pages the 1.5B's decode step is about 4% faster (docs/benchmarks.md).
+hypervisor's nested paging); in 2 MiB pages a decode step is faster (docs/architecture.md gives the figure).
 Linux gives anonymous memory huge pages only where asked (`madvise` mode, the usual
 default), so the weights are packed into one mapping that asks before any page is touched. Where huge pages are
 off or unknown (another OS), or with SMARTSPEC_HUGE_PAGES=0, the mapping is ordinary memory and nothing else

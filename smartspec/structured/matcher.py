@@ -1,11 +1,10 @@
 """A request's grammar as a matcher (llguidance): which tokens may come next after the committed output and after
 each draft prefix, how far a draft stays valid, and the tokens the grammar forces.
 
-llguidance over xgrammar: on the 151,936-token Qwen2.5 vocabulary on this project's CPUs both compute a mask in
-well under 0.1 ms a token (xgrammar ~0.01 ms, llguidance ~0.04 ms; `scripts/bench_structured.py --parts mask`,
-docs/benchmarks.md), a thousandth of a decode step either way; llguidance installs with no dependencies (xgrammar
-pulls triton into a CPU install), rolls back consumed tokens (rejected drafts) and reports the tokens and bytes a
-grammar forces (`forced_tokens`: jump-forward)."""
+llguidance over xgrammar: on the Qwen2.5 vocabulary both compute a mask in a small share of a decode step
+(`scripts/bench_structured.py --parts mask`; a grammar's cost per step: docs/benchmarks.md); llguidance installs
+with no dependencies (xgrammar pulls triton into a CPU install), rolls back consumed tokens (rejected drafts) and
+reports the tokens and bytes a grammar forces (`forced_tokens`: jump-forward)."""
 from __future__ import annotations
 
 import threading
