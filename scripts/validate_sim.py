@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from smartspec.sim import SimProfile, simulate
+from smartspec.sim import Arrivals, ReplicaSize, SimProfile, simulate
 
 PROPOSERS = ("draft_model", "draft_tree", "ngram_tree", "ngram")
 
@@ -68,8 +68,9 @@ def main() -> int:
         if profile is None:
             print(f"skipping {config} @ {rate}: no traces of its proposer in {args.traces}", file=sys.stderr)
             continue
-        sim = simulate(profile, policy, args.k_max, arrivals, [r["prompt_tokens"] for r in rows],
-                       [r["output_tokens"] for r in rows], seed=args.seed, max_num_seqs=16, max_model_len=2048)
+        requests = Arrivals(arrivals, [r["prompt_tokens"] for r in rows], [r["output_tokens"] for r in rows])
+        sim = simulate(profile, policy, args.k_max, requests, seed=args.seed,
+                       size=ReplicaSize(max_num_seqs=16, max_model_len=2048))
         real, simulated = np.mean([r["latency_s"] for r in rows]), np.mean([r["latency_s"] for r in sim])
         out.append({"config": config, "rate": rate, "repeat": repeat, "measured_mean_latency_s": float(real),
                     "simulated_mean_latency_s": float(simulated), "rel_error": float(simulated / real - 1)})

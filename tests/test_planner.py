@@ -3,7 +3,7 @@ checked and capped (max_tokens, the request's own cap, the context, the step's b
 failing or nonsensical policy costs speculation for the step, never a request."""
 import pytest
 
-from smartspec.engine.planner import Speculation, plan_step, step_view
+from smartspec.engine.planner import DraftRoom, Speculation, plan_step, step_view
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import FixedPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
@@ -75,11 +75,11 @@ def test_ks_are_capped_and_their_blocks_reserved():
     for r in reqs:
         blocks.allocate(r, r.num_tokens)
     spec = Speculation(NgramProposer(), FixedPolicy(5), 5)
-    view, plan = plan_step(spec, reqs, [], budget=100, blocks=blocks, max_model_len=13)
+    view, plan = plan_step(spec, reqs, [], DraftRoom(100, blocks, 13))
     # long: the context leaves room for 13 - 10 - 1 drafts; ending: max_tokens 3 leaves 2; capped: its own cap
     assert plan.ks == [2, 2, 1] and view is not None
     assert [len(r.block_table) for r in reqs] == [3, 3, 3]  # 10 + k tokens: blocks for the drafts reserved
-    _, plan = plan_step(spec, [decoding("x", 10)], [], budget=3, blocks=blocks, max_model_len=100)
+    _, plan = plan_step(spec, [decoding("x", 10)], [], DraftRoom(3, blocks, 100))
     assert plan.ks == [3]  # the step's token budget
 
 
@@ -87,7 +87,7 @@ def test_free_blocks_cap_the_drafts():
     blocks = BlockManager(3, 4)
     r = decoding("r", 10)
     blocks.allocate(r, 10)  # 3 blocks, 12 slots: room for 2 drafts and no block left
-    _, plan = plan_step(Speculation(NgramProposer(), FixedPolicy(5), 5), [r], [], 100, blocks, 100)
+    _, plan = plan_step(Speculation(NgramProposer(), FixedPolicy(5), 5), [r], [], DraftRoom(100, blocks, 100))
     assert plan.ks == [2] and blocks.num_free == 0
 
 
@@ -97,7 +97,7 @@ def test_a_failing_or_nonsensical_policy_costs_only_speculation(answer):
     blocks = BlockManager(16, 4)
     r = decoding("r", 10)
     blocks.allocate(r, 10)
-    view, plan = plan_step(Speculation(NgramProposer(), Answer(answer), 4), [r], [], 100, blocks, 100)
+    view, plan = plan_step(Speculation(NgramProposer(), Answer(answer), 4), [r], [], DraftRoom(100, blocks, 100))
     assert view is None and plan.ks == [0] and plan.methods is None and len(r.block_table) == 3
 
 
@@ -107,19 +107,19 @@ def test_lookups_are_shown_before_the_plan_and_proposers_checked():
     blocks = BlockManager(16, 4)
     blocks.allocate(r, 10)
     policy = Answer(SpecPlan([2], [LOOKUP]))
-    view, plan = plan_step(Speculation(SuffixProposer(4), policy, 4), [r], [], 100, blocks, 100)
+    view, plan = plan_step(Speculation(SuffixProposer(4), policy, 4), [r], [], DraftRoom(100, blocks, 100))
     assert plan.ks == [2] and plan.methods == [LOOKUP]
     (tree,) = view.lookups
     assert tree.tokens[:2] == [2, 3] and not view.draft_available  # suffix alone: no draft model to choose
     # the draft model cannot be chosen where none is available
-    _, plan = plan_step(Speculation(SuffixProposer(4), Answer(SpecPlan([2], [DRAFT])), 4), [r], [], 100, blocks,
-                        100)
+    _, plan = plan_step(Speculation(SuffixProposer(4), Answer(SpecPlan([2], [DRAFT])), 4), [r], [],
+                        DraftRoom(100, blocks, 100))
     assert plan.ks == [0]
 
 
 def test_no_proposer_or_no_decoding_asks_no_policy():
     policy = Answer(SpecPlan([1]))
     blocks = BlockManager(16, 4)
-    assert plan_step(Speculation(None, policy, 4), [decoding("r", 5)], [], 100, blocks, 100)[1].ks == [0]
-    assert plan_step(Speculation(NgramProposer(), policy, 4), [], [], 100, blocks, 100)[1].ks == []
+    assert plan_step(Speculation(None, policy, 4), [decoding("r", 5)], [], DraftRoom(100, blocks, 100))[1].ks == [0]
+    assert plan_step(Speculation(NgramProposer(), policy, 4), [], [], DraftRoom(100, blocks, 100))[1].ks == []
     assert policy.views == []

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from smartspec.policy.cost_model import StepCostModel
-from smartspec.sim import SimProfile, simulate
+from smartspec.sim import Arrivals, ReplicaSize, SimProfile, simulate
 from smartspec.sim.profile import trace_rows
 from smartspec.sim.simulator import SimReplica
 
@@ -19,13 +19,14 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
     prof = _profile(0.7)
     arrivals = np.cumsum(np.random.default_rng(0).exponential(0.05, size=40)).tolist()
     lengths = [5 + i % 17 for i in range(40)]
-    rows = simulate(prof, "smartspec", 4, arrivals, [30 + i for i in range(40)], lengths, replicas=3, seed=1)
+    rows = simulate(prof, "smartspec", 4, Arrivals(arrivals, [30 + i for i in range(40)], lengths), replicas=3,
+                    seed=1)
     assert sorted(r["request"] for r in rows) == sorted(f"s{i}" for i in range(40))
     assert {r["request"]: r["output_tokens"] for r in rows} == {f"s{i}": lengths[i] for i in range(40)}
     assert all(0 < r["ttft_s"] <= r["latency_s"] for r in rows)
     assert {r["replica"] for r in rows} == {0, 1, 2}
 
-    rep = SimReplica(prof, "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 64, 512)
+    rep = SimReplica(prof, "fixed:3", 3, np.random.default_rng(0), ReplicaSize(64, 16, 4, 64, 512))
     from smartspec.types.request import Request
     from smartspec.types.sampling_params import SamplingParams
     for i in range(6):
@@ -38,7 +39,7 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
 
 def test_full_acceptance_makes_fixed_k_take_k_plus_one_tokens_a_step():
     # one request, acceptance 1: after the prefill step (1 token), each step yields K + 1 = 4 tokens
-    rep = SimReplica(_profile(1.0), "fixed:3", 3, np.random.default_rng(0), 64, 16, 4, 256, 512)
+    rep = SimReplica(_profile(1.0), "fixed:3", 3, np.random.default_rng(0), ReplicaSize(64, 16, 4, 256, 512))
     from smartspec.types.request import Request
     from smartspec.types.sampling_params import SamplingParams
     rep.add(Request("r", [1] * 20, SamplingParams(max_tokens=21, ignore_eos=True)))
@@ -54,7 +55,7 @@ def test_speculation_pays_at_low_load_with_good_acceptance_and_not_with_none():
     good, bad = _profile(0.9), _profile(0.0)
 
     def mean_latency(prof, policy):
-        return np.mean([r["latency_s"] for r in simulate(prof, policy, 4, arrivals, [50] * 8, 32, seed=0)])
+        return np.mean([r["latency_s"] for r in simulate(prof, policy, 4, Arrivals(arrivals, [50] * 8, 32), seed=0)])
 
     assert mean_latency(good, "fixed:4") < 0.6 * mean_latency(good, "off")
     assert mean_latency(bad, "fixed:4") > mean_latency(bad, "off")
@@ -67,8 +68,8 @@ def test_smartspec_learns_a_good_draft_model_from_a_cold_start_one_request_at_a_
     # a draft whose catch-up on a 150-token prompt costs 0.6 s (12 plain steps), accepted 95% of the time; the
     # policy starts from a prior of 0.5 and must probe to learn better, then draft for every request
     prof = _profile(0.95, catchup_per_token=0.004)
-    arrivals = [100.0 * i for i in range(8)]  # each request finishes long before the next arrives
-    mean = {policy: np.mean([r["latency_s"] for r in simulate(prof, policy, 5, arrivals, [150] * 8, 64, seed=0)[2:]])
+    requests = Arrivals([100.0 * i for i in range(8)], [150] * 8, 64)  # each finishes long before the next comes
+    mean = {policy: np.mean([r["latency_s"] for r in simulate(prof, policy, 5, requests, seed=0)[2:]])
             for policy in ("off", "fixed:5", "smartspec")}
     assert mean["smartspec"] < 0.75 * mean["off"] and mean["smartspec"] < 1.1 * mean["fixed:5"], mean
 
@@ -90,13 +91,13 @@ def test_under_load_smartspec_stays_near_no_speculation_where_drafting_costs_mor
         runs = []
         for seed in range(8):
             arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=8)).tolist()
-            runs += [r["latency_s"] for r in simulate(prof, policy, 5, arrivals, [150] * 8, 32, seed=seed)]
+            runs += [r["latency_s"] for r in simulate(prof, policy, 5, Arrivals(arrivals, [150] * 8, 32), seed=seed)]
         mean[policy] = float(np.mean(runs))
     assert mean["fixed:5"] > 1.1 * mean["off"], mean
     assert mean["smartspec"] < 1.02 * mean["off"], mean
 
 def test_simulation_is_deterministic_for_a_seed():
-    args = (_profile(0.6), "smartspec", 4, [0.1 * i for i in range(20)], [40] * 20, 16)
+    args = (_profile(0.6), "smartspec", 4, Arrivals([0.1 * i for i in range(20)], [40] * 20, 16))
     assert simulate(*args, seed=3) == simulate(*args, seed=3)
 
 

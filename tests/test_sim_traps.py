@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from smartspec.sim.realism import Realism
-from smartspec.sim.simulator import SimReplica
+from smartspec.sim.simulator import ReplicaSize, SimReplica
 from smartspec.sim.surfaces import GPU_NOISE, SURFACES
 from smartspec.sim.workload import RequestAcceptance
 from smartspec.types.request import Request
@@ -17,8 +17,8 @@ def chosen_goodput(profile_scale: tuple[float, float], seed: int, steps: int = 4
     """Per step, the goodput of the plan the policy chose on the exact surface (expected tokens under the true
     acceptance over the surface's seconds): four long requests drafted at 0.9 on the H200's surface, steps noisy."""
     surface = SURFACES["h200"]
-    replica = SimReplica(surface.profile(), "smartspec", 5, np.random.default_rng(seed), 4096, 16, rows, 512, 4096,
-                         Realism(GPU_NOISE, 0.0, (1, 4), profile_scale))
+    replica = SimReplica(surface.profile(), "smartspec", 5, np.random.default_rng(seed),
+                         ReplicaSize(4096, 16, rows, 512, 4096), Realism(GPU_NOISE, 0.0, (1, 4), profile_scale))
     for i in range(rows):
         replica.add(Request(f"r{i}", [1] * 100, SamplingParams(max_tokens=3000, ignore_eos=True)),
                     RequestAcceptance(0.9, 0.9, 0, np.random.default_rng([seed, i])))

@@ -99,7 +99,7 @@ FAULTS = {
     "grammar": [(RequestGrammar, "masks", GrammarOf)],
     "sampling": [(accept_module, "target_probs", params_owner), (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
-    "commit": [(engine_module, "commit_tokens", lambda engine: lambda req, *a: req)],
+    "commit": [(commit_module.TokenCommitter, "commit", lambda engine: lambda committer, req, *a: req)],
     "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req, *end: req),
                      (commit_module, "append_step_text", lambda engine: lambda tokenizer, req, count: req)],
     "logprobs": [(engine_module, "logprobs_of", lambda engine: lambda read, rid: engine.requests.get(rid))],

@@ -3,6 +3,7 @@ dropped, the outcome is counted, tokens are appended (and detokenized, where the
 stop, and a finished request gives back everything it held. The engine and the simulator both commit through here."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from smartspec.engine.detokenizer import append_step_text, append_text, find_stop
@@ -21,52 +22,65 @@ class Committed:
     finish_reason: str | None  # "stop", "length", or None while it runs on
 
 
-def commit_tokens(req: Request, new: list[int], proposed: int, blocks: BlockManager, spec: Speculation,
-                  stop_token_ids, max_model_len: int, now: float, tokenizer=None,
-                  grammar: RequestGrammar | None = None, source: str | None = None) -> Committed:
-    """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
-    source: who drafted them (Draft.source; "prediction": its predicted output). tokenizer None: no text (the
-    simulator's token ids stand for lengths only). grammar: a structured request's, advanced over the tokens
-    taken; once it is complete the request stops. What fails in here escapes labelled by its stage
-    (types/faults.py: commit, detokenizing, grammar); the step ends that request alone."""
-    # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer did
-    # not make, go back
-    with stage("commit"):
-        blocks.truncate(req, req.num_tokens + len(new) - 1)
-    req.spec.record(proposed, len(new) - 1, source)
-    if source == PREDICTION:
-        req.spec.record_prediction(proposed, len(new) - 1)
-    spec.metrics.record(proposed, len(new) - 1, source)
-    if req.first_token_time is None:
-        req.first_token_time = now
-    added, reason = [], None
-    each_text = tokenizer is not None and bool(req.params.stop)  # stop strings are looked for in each token's text
-    for tok in new:
-        req.token_ids.append(tok)
-        added.append(tok)
-        delta = ""
-        if each_text:
+@dataclass(frozen=True)
+class TokenCommitter:
+    """What committing reads of its engine: the KV blocks, the model's stop tokens, the context bound, and the
+    tokenizer (None: no text; the simulator's token ids stand for lengths only)."""
+    blocks: BlockManager
+    stop_token_ids: Collection[int]
+    max_model_len: int
+    tokenizer: object | None = None
+
+    def commit(self, req: Request, new: list[int], proposed: int, spec: Speculation, now: float,
+               grammar: RequestGrammar | None = None, source: str | None = None) -> Committed:
+        """new: the step's tokens for the request (accepted drafts + the target's one); proposed: its draft tokens,
+        source: who drafted them (Draft.source; "prediction": its predicted output). grammar: a structured
+        request's, advanced over the tokens taken; once it is complete the request stops. What fails in here
+        escapes labelled by its stage (types/faults.py: commit, detokenizing, grammar); the step ends that request
+        alone."""
+        # keep the KV of the accepted drafts; rejected drafts' slots, and blocks reserved for drafts the proposer
+        # did not make, go back
+        with stage("commit"):
+            self.blocks.truncate(req, req.num_tokens + len(new) - 1)
+        req.spec.record(proposed, len(new) - 1, source)
+        if source == PREDICTION:
+            req.spec.record_prediction(proposed, len(new) - 1)
+        spec.metrics.record(proposed, len(new) - 1, source)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        added, reason = self._append(req, new, grammar)
+        if self.tokenizer is not None and not req.params.stop:  # text a step at a time (_append: a token at a time)
             with stage("detokenizing"):
-                delta = append_text(tokenizer, req)
-        if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in stop_token_ids):
-            reason = "stop"
-        elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:
-            req.text = req.text[:cut]
-            reason = "stop"
-        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
-            reason = "length"
-        if grammar is not None and reason != "stop":
-            with stage("grammar"):  # a token its masks allowed and it refuses: this request ends, the batch goes on
-                grammar.commit([tok])
-            reason = "stop" if grammar.finished else reason
-        if reason:
-            break
-    if tokenizer is not None and not each_text:
-        with stage("detokenizing"):
-            append_step_text(tokenizer, req, len(added))
-    if reason is None:
-        blocks.register(req)  # committed tokens are final: their full blocks can be shared
-    return Committed(added, reason)
+                append_step_text(self.tokenizer, req, len(added))
+        if reason is None:
+            self.blocks.register(req)  # committed tokens are final: their full blocks can be shared
+        return Committed(added, reason)
+
+    def _append(self, req: Request, new: list[int], grammar: RequestGrammar | None) -> tuple[list[int], str | None]:
+        """The tokens appended up to the first stop, and the finish reason it gave (None: the request runs on)."""
+        added, reason = [], None
+        each_text = self.tokenizer is not None and bool(req.params.stop)  # stop strings: in each token's text
+        for tok in new:
+            req.token_ids.append(tok)
+            added.append(tok)
+            delta = ""
+            if each_text:
+                with stage("detokenizing"):
+                    delta = append_text(self.tokenizer, req)
+            if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in self.stop_token_ids):
+                reason = "stop"
+            elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:
+                req.text = req.text[:cut]
+                reason = "stop"
+            elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if grammar is not None and reason != "stop":
+                with stage("grammar"):  # a token its masks allowed and it refuses: this request ends, the batch goes on
+                    grammar.commit([tok])
+                reason = "stop" if grammar.finished else reason
+            if reason:
+                break
+        return added, reason
 
 
 def finish_request(req: Request, reason: str, scheduler: Scheduler, spec: Speculation, now: float) -> None:

@@ -15,10 +15,10 @@ from typing import NamedTuple
 import torch
 
 from smartspec.config import EngineConfig
-from smartspec.engine.commit import commit_tokens, finish_request
+from smartspec.engine.commit import TokenCommitter, finish_request
 from smartspec.engine.drafter import Drafted, cut_to_grammars, propose
 from smartspec.engine.outputs import RequestOutput, output_of, take_prompt_logprobs, take_text
-from smartspec.engine.planner import Speculation, plan_step
+from smartspec.engine.planner import DraftRoom, Speculation, plan_step
 from smartspec.engine.profile_cache import KeptProfile, KeptProfileCheck, load_profile, profile_path, save_profile
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
 from smartspec.engine.step_logprobs import logprobs_of, step_logprobs
@@ -41,7 +41,6 @@ from smartspec.structured.feasible import refuse_impossible
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import TokenLogprob
-from smartspec.types.padding import PaddedShapes
 from smartspec.types.plan import SpecPlan, fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
@@ -57,6 +56,22 @@ class StepResult(NamedTuple):
     record: StepRecord | None  # None: nothing was scheduled
     generated: int  # tokens the step yielded (before stops cut them)
     plan_s: float = 0.0  # host seconds the policy's plan took, its view included (engine/planner.py plan_step)
+
+
+class StepTimes(NamedTuple):
+    """A step's seconds: proposing, the target's forward, and all of it (schedule to commit)."""
+    draft_s: float
+    verify_s: float
+    total_s: float
+
+
+class PlannedStep(NamedTuple):
+    """What a step planned, for its record: the decoding requests and their lengths as planned (before the step
+    commits tokens), the plan, and the drafts the forward verified."""
+    decoding: list[Request]
+    lengths: list[int]
+    plan: SpecPlan
+    drafted: Drafted
 
 
 # Where the target runs (the serving layer puts tensor-parallel shards in Ray actors); default: in-process.
@@ -85,6 +100,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(loaded)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.committer = TokenCommitter(self.blocks, self.stop_token_ids, self.max_model_len, self.tokenizer)
         with phases.phase("model runner"):
             self.runner = (runner_factory(loaded, self.blocks) if runner_factory is not None
                            else ModelRunner(self.model, self.blocks, config.use_kernels, config.device,
@@ -351,8 +367,8 @@ class LLMEngine:
         hints = (self.hints.step_hints(decoding, self.grammars, spec.k_max)
                  if spec.proposer is not None and self.request_hints else None)
         t_plan = time.perf_counter()
-        view, plan = plan_step(spec, decoding, prefill, budget, self.blocks, self.max_model_len, hints=hints,
-                               shapes=self.runner.padded_shapes)
+        view, plan = plan_step(spec, decoding, prefill, DraftRoom(budget, self.blocks, self.max_model_len),
+                               hints=hints, shapes=self.runner.padded_shapes)
         t_draft = time.perf_counter()
         drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)
         t_verify = time.perf_counter()
@@ -368,9 +384,8 @@ class LLMEngine:
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, verdicts)
         t_end = time.perf_counter()
         new_tokens = verdicts.tokens
-        record = self._record(step_number, items, decoding, lengths, sum(s.num_tokens for s in prefill), plan,
-                              drafted, new_tokens, trees, t_verify - t_draft, t_accept - t_verify, t_end - t_start,
-                              self.runner.padded_shapes)
+        record = self._record(step_number, items, PlannedStep(decoding, lengths, plan, drafted), new_tokens, trees,
+                              StepTimes(t_verify - t_draft, t_accept - t_verify, t_end - t_start))
         return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()), t_draft - t_plan)
 
     def _verify(self, batch: list[ScheduledRequest], drafted: Drafted) \
@@ -457,9 +472,8 @@ class LLMEngine:
         if req.params.logprobs is not None:
             with stage("logprobs"):
                 mine = logprobs_of(logprobs, req.request_id)
-        done = commit_tokens(req, new, len(draft.tokens) if draft is not None else 0, self.blocks, spec,
-                             self.stop_token_ids, self.max_model_len, now, self.tokenizer,
-                             self.grammars.get(req.request_id), draft.source if draft is not None else None)
+        done = self.committer.commit(req, new, len(draft.tokens) if draft is not None else 0, spec, now,
+                                     self.grammars.get(req.request_id), draft.source if draft is not None else None)
         if done.finish_reason is not None:
             self.requests.pop(req.request_id, None)
             self.grammars.pop(req.request_id, None)
@@ -481,14 +495,13 @@ class LLMEngine:
             self.runner.copy_kv([self.blocks.slot(item.request, p) for p in src],
                                 [self.blocks.slot(item.request, p) for p in dst])
 
-    @staticmethod
-    def _record(step_number: int, items: list[ForwardItem], decoding: list[Request], lengths: list[int],
-                num_prefill: int, plan: SpecPlan, drafted: Drafted, new_tokens: dict[str, list[int]],
-                trees: dict[str, VerifiedTree], draft_s: float, verify_s: float, total_s: float,
-                shapes: PaddedShapes | None) -> StepRecord:
+    def _record(self, step_number: int, items: list[ForwardItem], planned: PlannedStep,
+                new_tokens: dict[str, list[int]], trees: dict[str, VerifiedTree], times: StepTimes) -> StepRecord:
+        decoding, plan, drafted, shapes = planned.decoding, planned.plan, planned.drafted, self.runner.padded_shapes
         drafts = drafted.drafts
         tokens = sum(len(it.tokens) for it in items)
         decoding_ids = {r.request_id for r in decoding}
+        num_prefill = sum(len(it.tokens) for it in items if it.request.request_id not in decoding_ids)
         proposed = [len(drafts[r.request_id].tokens) if r.request_id in drafts else 0 for r in decoding]
         return StepRecord(
             step=step_number, batch_size=len(items), ks=list(plan.ks), proposed=proposed,
@@ -500,10 +513,10 @@ class LLMEngine:
             num_prefill_tokens=num_prefill,
             num_context_tokens=sum(fed_context(it.start, len(it.tokens), it.request.request_id not in decoding_ids)
                                    for it in items),
-            draft_s=draft_s, verify_s=verify_s, total_s=total_s,
+            draft_s=times.draft_s, verify_s=times.verify_s, total_s=times.total_s,
             predicted_s=drafted.predicted_s if decoding else None,
             draft_catchup_tokens=drafted.catchup_tokens if drafts else 0,
-            methods=plan.methods, trees=trees, num_tokens=lengths, probes=list(plan.probes))
+            methods=plan.methods, trees=trees, num_tokens=planned.lengths, probes=list(plan.probes))
 
 
 def tree_item(req: Request, tree: TokenTree) -> ForwardItem:

@@ -68,11 +68,19 @@ def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: i
                     now=now, lookups=lookups, draft_available=draft_available, shapes=shapes)
 
 
-def plan_step(spec: Speculation, decoding: list[Request], prefill: list[ScheduledRequest], budget: int,
-              blocks: BlockManager, max_model_len: int, now: float | None = None,
-              hints: list[Hint] | None = None, shapes: PaddedShapes | None = None) -> tuple[StepView | None, SpecPlan]:
+@dataclass(frozen=True)
+class DraftRoom:
+    """Where a step's drafts must fit: the step's tokens left for them, the KV blocks, and the context bound."""
+    budget: int
+    blocks: BlockManager
+    max_model_len: int
+
+
+def plan_step(spec: Speculation, decoding: list[Request], prefill: list[ScheduledRequest], room: DraftRoom,
+              now: float | None = None, hints: list[Hint] | None = None,
+              shapes: PaddedShapes | None = None) -> tuple[StepView | None, SpecPlan]:
     """The step's view (None where no policy was asked) and its plan, capped, with the drafts' blocks reserved.
-    budget: the step's tokens left for drafts; now: the clock of arrival_time (None: time.monotonic()); hints: the
+    room: where the drafts must fit; now: the clock of arrival_time (None: time.monotonic()); hints: the
     drafts requests carry (spec_decode/hints.py), offered to the policy as lookups beside the proposer's own;
     shapes: the buckets the target's forward is padded to (ModelRunner.padded_shapes)."""
     b = len(decoding)
@@ -94,7 +102,7 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
     ks = plan.ks
     if hints is not None and own is None:  # a lookup chosen where there is none drafts nothing
         ks = [0 if m == LOOKUP and not len(t) else k for k, m, t in zip(ks, plan.methods, lookups)]
-    ks = cap_and_reserve(ks, decoding, budget, blocks, max_model_len)
+    ks = cap_and_reserve(ks, decoding, room)
     return view, SpecPlan(ks, plan.methods, plan.predicted_s, plan.probes)
 
 
@@ -110,12 +118,12 @@ def _check(plan: SpecPlan, view: StepView) -> None:
         raise ValueError(f"invalid k {plan.ks!r} for {b} requests (K={k_max})")
 
 
-def cap_and_reserve(ks: list[int], decoding: list[Request], budget: int, blocks: BlockManager,
-                    max_model_len: int) -> list[int]:
+def cap_and_reserve(ks: list[int], decoding: list[Request], room: DraftRoom) -> list[int]:
     """Each k capped by the request's max_tokens and own cap, the context, the step's token budget and the free
     KV blocks; the blocks for the drafts are allocated."""
     if not any(ks):  # no speculation: nothing to cap or reserve (a loaded batch's steady state, walked for nothing)
         return list(ks)
+    budget, blocks, max_model_len = room.budget, room.blocks, room.max_model_len
     out = []
     for req, k in zip(decoding, ks):
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)

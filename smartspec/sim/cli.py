@@ -9,7 +9,7 @@ import numpy as np
 
 from smartspec.bench.report import plot_latency_vs_rate, print_table, summarise
 from smartspec.sim.profile import SimProfile
-from smartspec.sim.simulator import simulate
+from smartspec.sim.simulator import Arrivals, ReplicaSize, simulate
 
 
 def add_arguments(p) -> None:
@@ -50,9 +50,9 @@ def run(args) -> int:
             pooled, wall = [], 0.0
             for seed in range(args.seed, args.seed + args.seeds):
                 gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=args.requests)
-                result = simulate(profile, policy, args.k_max, np.cumsum(gaps).tolist(),
-                                  [args.prompt_len] * args.requests, args.max_tokens, replicas=args.replicas,
-                                  seed=seed, max_num_seqs=args.max_num_seqs)
+                requests = Arrivals(np.cumsum(gaps).tolist(), [args.prompt_len] * args.requests, args.max_tokens)
+                result = simulate(profile, policy, args.k_max, requests, replicas=args.replicas, seed=seed,
+                                  size=ReplicaSize(max_num_seqs=args.max_num_seqs))
                 wall += max(r["arrival_s"] + r["latency_s"] for r in result)
                 pooled += [{**r, "label": policy, "rate": rate, "replicas": args.replicas, "seed": seed}
                            for r in result]

@@ -14,7 +14,7 @@ from smartspec.sim.oracle import OraclePolicy
 from smartspec.sim.profile import SimProfile
 from smartspec.engine.profile import CALIBRATION_QUESTIONS
 from smartspec.sim.realism import Realism, calibration_records
-from smartspec.sim.simulator import SimReplica, SimStep
+from smartspec.sim.simulator import ReplicaSize, SimReplica, SimStep
 from smartspec.sim.workload import Workload
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ def _replica(profile: SimProfile, policy: str | Policy, k_max: int, concurrency:
         return replica.acceptance[request_id].rate(position)
 
     chosen = OraclePolicy(profile.cost, rate_of) if policy == "oracle" else policy
-    replica = SimReplica(profile, chosen, k_max, np.random.default_rng([seed, 7]),
-                         concurrency * (-(-longest // BLOCK_SIZE) + 1), BLOCK_SIZE, concurrency,
-                         max(512, concurrency * (k_max + 1) + 256), longest + 1, realism)
+    size = ReplicaSize(concurrency * (-(-longest // BLOCK_SIZE) + 1), BLOCK_SIZE, concurrency,
+                       max(512, concurrency * (k_max + 1) + 256), longest + 1)
+    replica = SimReplica(profile, chosen, k_max, np.random.default_rng([seed, 7]), size, realism)
     return replica

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smartspec.engine.commit import commit_tokens, finish_request
+from smartspec.engine.commit import TokenCommitter, finish_request
 from smartspec.engine.drafter import propose
-from smartspec.engine.planner import Speculation, plan_step
+from smartspec.engine.planner import DraftRoom, Speculation, plan_step
 from smartspec.engine.scheduler import Scheduler, split_batch
 from smartspec.policy import Policy, make_policy
 from smartspec.runtime.block_manager import BlockManager
@@ -76,18 +76,41 @@ class SimStep:
         return self.expected_tokens / self.surface_s
 
 
+@dataclass(frozen=True)
+class ReplicaSize:
+    """A simulated replica's engine limits, as EngineConfig sets a real one's."""
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Requests to simulate: each one's arrival (seconds), prompt length and output length (one for all, or each
+    request's own, to replay a measured run whose requests stopped at EOS)."""
+    times: list[float]
+    prompt_lens: list[int]
+    max_tokens: int | list[int]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens] * len(self.times)
+
+
 class SimReplica:
     def __init__(self, profile: SimProfile, policy: str | Policy, k_max: int, rng: np.random.Generator,
-                 num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 realism: Realism = Realism()) -> None:
+                 size: ReplicaSize = ReplicaSize(), realism: Realism = Realism()) -> None:
         self.profile, self.rng, self.realism = profile, rng, realism
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.blocks = BlockManager(size.num_blocks, size.block_size)
+        self.scheduler = Scheduler(self.blocks, size.max_num_seqs, size.max_num_batched_tokens)
         self.speculation = Speculation(_SimProposer() if policy != "off" else None, make_policy(policy, k_max),
                                        k_max)
         if self.speculation.policy.wants_profile:  # the engine's warm-up profile, through the machine's noise
             self.speculation.policy.observe_profile(profile_records(profile, realism, k_max, rng))
-        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.max_num_batched_tokens, self.max_model_len = size.max_num_batched_tokens, size.max_model_len
+        self.committer = TokenCommitter(self.blocks, (), size.max_model_len)  # no tokenizer: ids stand for lengths
         self.acceptance: dict[str, RequestAcceptance] = {}
         self.steps = 0
 
@@ -109,9 +132,9 @@ class SimReplica:
         decoding, prefill = split_batch(batch)
         lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
         began = time.perf_counter()
-        view, plan = plan_step(self.speculation, decoding, prefill,
-                               self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
-                               self.max_model_len, now=now)
+        room = DraftRoom(self.max_num_batched_tokens - sum(s.num_tokens for s in batch), self.blocks,
+                         self.max_model_len)
+        view, plan = plan_step(self.speculation, decoding, prefill, room, now=now)
         host_s = time.perf_counter() - began
         ks = plan.ks
         catchup = propose(self.speculation, view, decoding, plan).catchup_tokens
@@ -159,7 +182,7 @@ class SimReplica:
         finished = []
         for req, a, k in outcomes:
             # token ids stand for lengths (requests ignore EOS and have no stop tokens)
-            done = commit_tokens(req, [0] * (a + 1), k, self.blocks, self.speculation, (), self.max_model_len, at)
+            done = self.committer.commit(req, [0] * (a + 1), k, self.speculation, at)
             if done.finish_reason is not None:
                 finish_request(req, done.finish_reason, self.scheduler, self.speculation, at)
                 finished.append(req)
@@ -168,15 +191,12 @@ class SimReplica:
         return finished
 
 
-def simulate(profile: SimProfile, policy: str, k_max: int, arrivals: list[float], prompt_lens: list[int],
-             max_tokens: int | list[int], replicas: int = 1, seed: int = 0, num_blocks: int = 4096, block_size: int = 16,
-             max_num_seqs: int = 16, max_num_batched_tokens: int = 256, max_model_len: int = 4096) -> list[dict]:
-    """Per request: arrival, ttft_s, latency_s, tpot_s, output_tokens, replica. max_tokens: one for all, or the
-    output length of each request (to replay a measured run whose requests stopped at EOS)."""
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(arrivals)
+def simulate(profile: SimProfile, policy: str, k_max: int, requests: Arrivals, replicas: int = 1, seed: int = 0,
+             size: ReplicaSize = ReplicaSize()) -> list[dict]:
+    """Per request: arrival, ttft_s, latency_s, tpot_s, output_tokens, replica."""
+    arrivals, prompt_lens, lengths = requests.times, requests.prompt_lens, requests.lengths
     rng = np.random.default_rng(seed)
-    reps = [SimReplica(profile, policy, k_max, np.random.default_rng(seed + 1 + i), num_blocks, block_size,
-                       max_num_seqs, max_num_batched_tokens, max_model_len) for i in range(replicas)]
+    reps = [SimReplica(profile, policy, k_max, np.random.default_rng(seed + 1 + i), size) for i in range(replicas)]
     events: list[tuple[float, int, str, int]] = []  # (time, order, kind, index)
     order = itertools.count()
     for i, t in enumerate(arrivals):
