@@ -1,26 +1,20 @@
 """A policy from its configured name."""
 from __future__ import annotations
 
-import inspect
-
 from smartspec.policy.base import Policy
 from smartspec.policy.baselines import BatchTablePolicy, FixedPolicy, OffPolicy, default_batch_table
-from smartspec.policy.goodput_policy import GoodputPolicy
+from smartspec.policy.goodput_policy import GoodputOptions, GoodputPolicy
 
 
 def make_policy(policy: str | Policy, k_max: int, batch_table: dict[int, int] | None = None,
                 key: str = "default", options: dict | None = None, tree_depth: int | None = None) -> Policy:
     """policy: a name ("smartspec", "off", "fixed", "fixed:K", "batch_table") or a Policy, returned as it is.
-    key: what acceptance priors are shared by; options: GoodputPolicy's keyword arguments; tree_depth: the proposer
+    key: what acceptance priors are shared by; options: GoodputOptions' fields by name; tree_depth: the proposer
     grows token trees this deep, and k is a node budget."""
     if isinstance(policy, Policy):
         return policy
     if policy == "smartspec":
-        known = set(inspect.signature(GoodputPolicy).parameters) - {"key", "tree_depth"}
-        unknown = sorted(set(options or {}) - known)
-        if unknown:
-            raise ValueError(f"unknown policy_options {unknown}; known: {sorted(known)}")
-        return GoodputPolicy(key=key, tree_depth=tree_depth, **(options or {}))
+        return GoodputPolicy(key=key, tree_depth=tree_depth, options=GoodputOptions.of(options))
     if policy == "batch_table":
         return BatchTablePolicy(batch_table or default_batch_table(k_max))
     if policy == "off":

@@ -19,6 +19,7 @@ Its parts:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -45,39 +46,68 @@ from smartspec.types.tree import TokenTree
 PROBE_SPREAD_STEPS = 8  # the decoding steps a learning probe's catch-up is weighed against (_probe_draft)
 
 
+@dataclass(frozen=True)
+class GoodputOptions:
+    """The goodput policy's tunables (`speculative_config["policy_options"]`; docs/policy.md explains each)."""
+    prior_alpha: float = 0.5  # the acceptance prior before any outcome
+    explore_interval: int = 16  # exploration probes of requests at k = 0 (Exploration)
+    explore_fraction: float = 0.1
+    max_explore_interval: int = 256
+    catchup_horizon: float = 32.0  # the most steps a draft's catch-up is spread over (CatchupLedger)
+    min_prior_evidence: float = 32.0
+    # at most once every shape_probe_interval steps, at a full plan of a decode step, the plan of another draft
+    # length whose predicted goodput is within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
+    shape_probe_interval: int = 8
+    shape_probe_loss: float = 0.1
+    refit_every: int = 4  # steps between two fits of the cost model, at least (CostFeed)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.shape_probe_interval, int) and self.shape_probe_interval >= 0
+                and 0 <= self.shape_probe_loss < 1):
+            raise ValueError(f"shape_probe_interval must be an integer >= 0 and shape_probe_loss in [0, 1): got "
+                             f"{self.shape_probe_interval!r}, {self.shape_probe_loss!r}")
+
+    @classmethod
+    def of(cls, options: dict | None) -> GoodputOptions:
+        """From a configuration's dict, an unknown name refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options or {}) - known)
+        if unknown:
+            raise ValueError(f"unknown policy_options {unknown}; known: {sorted(known)}")
+        return cls(**(options or {}))
+
+
 class GoodputPolicy(Policy):
     """Chooses k_i in {0..K} for every decoding request so as to maximise the batch's goodput,
 
         goodput(k) = sum_i g(k_i, alpha_i) / T(k),    g(k, a) = 1 + a + ... + a^k,
 
     the tokens the step is expected to generate per second of step time (its parts: the module's docstring).
-    docs/policy.md explains each part and links the evidence. Options are the constructor's keyword arguments
+    docs/policy.md explains each part and links the evidence. Its tunables: GoodputOptions
     (`speculative_config["policy_options"]`)."""
 
     name = "smartspec"
     wants_profile = True  # the engine seeds the cost model with a short warm-up profile
 
-    def __init__(self, key: str = "default", prior_alpha: float = 0.5, explore_interval: int = 16,
-                 explore_fraction: float = 0.1, max_explore_interval: int = 256, tree_depth: int | None = None,
-                 catchup_horizon: float = 32.0, min_prior_evidence: float = 32.0, shape_probe_interval: int = 8,
-                 shape_probe_loss: float = 0.1, refit_every: int = 4) -> None:
-        # at most once every shape_probe_interval steps, at a full plan of a decode step, the plan of another draft
-        # length whose predicted goodput is within shape_probe_loss of the best (chain_plan.shape_probe); 0: never
-        if not (isinstance(shape_probe_interval, int) and shape_probe_interval >= 0 and 0 <= shape_probe_loss < 1):
-            raise ValueError(f"shape_probe_interval must be an integer >= 0 and shape_probe_loss in [0, 1): got "
-                             f"{shape_probe_interval!r}, {shape_probe_loss!r}")
-        self.key = key  # proposer and model pair: acceptance priors are shared only between equal keys
-        self.prior_alpha = prior_alpha
-        self.acceptance = ChainAcceptance(prior_alpha=prior_alpha)
+    def __init__(self, key: str = "default", tree_depth: int | None = None, options: GoodputOptions | None = None,
+                 **named: float) -> None:
+        """key: the proposer and model pair (acceptance priors are shared only between equal keys); tree_depth:
+        token trees this deep (k is then a node budget); options: the tunables (GoodputOptions), or given by name."""
+        o = self.options = options if options is not None else GoodputOptions(**named)
+        self.key = key
+        self.prior_alpha = o.prior_alpha
+        self.acceptance = ChainAcceptance(prior_alpha=o.prior_alpha)
         # token trees (k is a node budget, trees this deep): node values from calibrated draft confidence
         self.tree_depth = tree_depth
         self.calibration = NodeCalibration()
         self.tree_gains: TreeGains | None = None
         self.cost = StepCostModel()
-        self.cost_feed = CostFeed(self.cost, refit_every, self._depth)
-        self.exploration = Exploration(explore_interval, explore_fraction, max_explore_interval, min_prior_evidence)
-        self.catchup = CatchupLedger(catchup_horizon)
-        self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = shape_probe_interval, shape_probe_loss, 0
+        self.cost_feed = CostFeed(self.cost, o.refit_every, self._depth)
+        self.exploration = Exploration(o.explore_interval, o.explore_fraction, o.max_explore_interval,
+                                       o.min_prior_evidence)
+        self.catchup = CatchupLedger(o.catchup_horizon)
+        self.shape_probe_interval, self.shape_probe_loss, self.shape_probes = \
+            o.shape_probe_interval, o.shape_probe_loss, 0
         self.last_shape_probe = 0  # the step of the last one
         self.draft_check = DraftPriceCheck()
         self.drafted_last = False  # whether the last chain plan drafted (plan: when the bound is worth trying)

@@ -56,7 +56,7 @@ class SpeculativeConfig:
     # "smartspec" (goodput), "off", "fixed" (k = k_max), "fixed:K", "batch_table", or a Policy instance
     policy: str | Policy = "smartspec"
     batch_table: dict[int, int] | None = None  # for policy "batch_table": {batch size: k}
-    policy_options: dict | None = None  # for policy "smartspec": GoodputPolicy's keyword arguments
+    policy_options: dict | None = None  # for policy "smartspec": GoodputOptions' fields by name
     tree: TreeConfig | dict | None = None  # token trees instead of chains
     # Served only (the offline engine runs the draft in-process): the draft model in its own Ray actor, restarted
     # if it dies, with these Ray CPUs and torch threads (None: the replica's num_threads)
