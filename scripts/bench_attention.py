@@ -96,15 +96,21 @@ def timed(fn, device, reps):
     return statistics.median(samples)
 
 
-def main(argv=None) -> int:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="small shapes: check the script itself")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="results")
+    return ap
+
+
+def main(argv=None) -> int:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ap = arguments()
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     heads, kv_heads, dim, block = (12, 2, 128, 16) if not args.quick else (4, 2, 16, 16)

@@ -259,7 +259,8 @@ def hf_speed(path: str, device: str, dtype, batch: int, prompt_len: int, max_new
     return batch * max_new / (time.perf_counter() - t)
 
 
-def main(argv=None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -272,6 +273,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results")
+    return ap
+
+
+def checked_args(argv) -> tuple[argparse.Namespace, list[int]]:
+    """The command line's arguments, and its batches, or a usage error."""
+    ap = arguments()
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no GPU here (use --device cpu --tiny to check the script)")
@@ -281,9 +288,14 @@ def main(argv=None) -> int:
         ap.error(f"--batches: comma-separated integers, got {args.batches!r}")
     if args.repeats < 1:
         ap.error(f"--repeats: at least 1, got {args.repeats}")
+    return args, batches
+
+
+def main(argv=None) -> int:
+    args, batches = checked_args(argv)
+    # the device's image runs the checkout as it is, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from smartspec import EngineConfig, SamplingParams
-    from smartspec.engine.llm_engine import LLMEngine
+    from smartspec import SamplingParams
     from smartspec.policy.factory import make_policy
     from smartspec.runtime.attention import attention_kernels
     from smartspec.spec_decode.config import SpeculativeConfig
@@ -299,22 +311,13 @@ def main(argv=None) -> int:
           f"agreement {built['agreement']:.2f}", flush=True)
     results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "torch": torch.__version__, "args": vars(args), "built": built, "runs": {}}
-
-    def engine_for(dtype: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(
-            model=built["target"], device=args.device, dtype=dtype, use_kernels=False, quantization=None,
-            max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * (K + 1)),
-            kv_cache_gib=8.0 if args.device.startswith("cuda") else 0.25, max_model_len=1024,
-            warmup_profile=False, cuda_graphs=not args.no_cuda_graphs))
-
-    engine = engine_for(args.dtype)
+    engine = engine_for(built, args, max(batches), args.dtype)
     results["dtype"] = engine.config.dtype
     results["backend"] = engine.runner.backend.name
     spec = SpeculativeConfig.parse({"method": "draft_model", "model": built["draft"], "num_speculative_tokens": K})
     blocks = draft_blocks(spec, engine.blocks.num_blocks, engine.config.max_num_seqs, engine.blocks.blocks_for)
     proposer = make_draft_proposer(spec, engine.draft_runtime(blocks, spec))
     gen = torch.Generator().manual_seed(args.seed)
-    greedy = SamplingParams(max_tokens=args.max_new, ignore_eos=True)
 
     def prompts(n: int) -> list[list[int]]:
         return torch.randint(0, 256, (n, 17), generator=gen).tolist()
@@ -324,6 +327,37 @@ def main(argv=None) -> int:
     engine.profile_steps()  # the batches a served engine's start profiles on this runner, up to max(batches)
     print("the step cost of 1 and 5 tokens ...", flush=True)
     results["step_cost"] = step_cost(engine, args.device, 200, 5 if args.tiny else 20)
+    greedy = SamplingParams(max_tokens=args.max_new, ignore_eos=True)
+    timed_runs(engine, proposer, smart, batches, prompts, greedy, args, results)
+    results["graphs_captured"] = captured_graphs(engine, proposer)
+    results["attention_kernels"] = attention_kernels()  # CUDA: the SDPA kernel each kind of call runs on
+    check_outputs(engine, built, spec, blocks, prompts(8), args, results)
+    results["cost_model"] = fitted_costs(results, smart)
+    results["elapsed_s"] = time.perf_counter() - t_start
+    (out_dir / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    print_table(results, batches)
+    plot(results, out_dir / "bench_gpu.png")
+    print(f"\nwrote {out_dir / 'bench_gpu.json'} and {out_dir / 'bench_gpu.png'}")
+    return 0
+
+
+def engine_for(built: dict, args, rows: int, dtype: str):
+    """The engine over the built target, sized for `rows` streams."""
+    from smartspec import EngineConfig
+    from smartspec.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=built["target"], device=args.device, dtype=dtype, use_kernels=False, quantization=None,
+        max_num_seqs=rows, max_num_batched_tokens=max(2048, rows * (K + 1)),
+        kv_cache_gib=8.0 if args.device.startswith("cuda") else 0.25, max_model_len=1024,
+        warmup_profile=False, cuda_graphs=not args.no_cuda_graphs))
+
+
+def timed_runs(engine, proposer, smart, batches: list[int], prompts, greedy, args, results: dict) -> None:
+    """off, fixed k = K and smartspec at each batch, interleaved over the repeats, into results["runs"]; and
+    transformers' generate at each batch for reference."""
+    from smartspec.policy.factory import make_policy
+
     configs = [("off", make_policy("off", K)), (f"fixed:{K}", make_policy(f"fixed:{K}", K)), ("smartspec", smart)]
     for b in batches:
         # every configuration's buckets captured before any is timed; a bucket first met later is captured in a
@@ -347,27 +381,34 @@ def main(argv=None) -> int:
                   f"{r['captures']} captures while timed", flush=True)
         dt = getattr(torch, engine.config.dtype)
         results["runs"][f"b={b} transformers generate"] = {
-            "steady_tok_s": hf_speed(built["target"], args.device, dt, b, 17, min(args.max_new, 64))}
-    results["graphs_captured"] = captured_graphs(engine, proposer)
-    results["attention_kernels"] = attention_kernels()  # CUDA: the SDPA kernel each kind of call runs on
+            "steady_tok_s": hf_speed(results["built"]["target"], args.device, dt, b, 17, min(args.max_new, 64))}
 
-    # lossless: greedy speculation against plain decoding, 8 prompts, same batch composition
-    def outputs(eng, policy, ps, params, k_max: int = K) -> list[list[int]]:
-        eng.set_speculation(eng.speculation.proposer, policy, k_max)
-        ids = [eng.add_request(p, params) for p in ps]
-        got = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                got[o.request_id] = list(o.token_ids)
-        return [got[i] for i in ids]
 
-    check = prompts(8)
+def outputs(eng, policy, ps, params, k_max: int = K) -> list[list[int]]:
+    """Each prompt's output tokens, the prompts decoded together under `policy`."""
+    eng.set_speculation(eng.speculation.proposer, policy, k_max)
+    ids = [eng.add_request(p, params) for p in ps]
+    got = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] = list(o.token_ids)
+    return [got[i] for i in ids]
+
+
+def check_outputs(engine, built: dict, spec, blocks: int, check: list[list[int]], args, results: dict) -> None:
+    """Lossless: greedy speculation against plain decoding on `check` (the same batch composition), in the run's
+    dtype and, where that is not fp32, in fp32 (whose contract is bitwise); sampled chains and trees, seeded, run
+    and repeat themselves."""
+    from smartspec import SamplingParams
+    from smartspec.policy.factory import make_policy
+    from smartspec.spec_decode.config import SpeculativeConfig
+    from smartspec.spec_decode.factory import draft_blocks, make_draft_proposer
+
     short = SamplingParams(max_tokens=32, ignore_eos=True)
     plain = outputs(engine, make_policy("off", K), check, short)
     spec_out = outputs(engine, make_policy(f"fixed:{K}", K), check, short)
     results["lossless"] = {results["dtype"]: lossless(built["target"], args.device, results["dtype"], check, plain,
                                                       spec_out)}
-    # sampled speculation, a chain and a tree, seeded: it runs and repeats itself
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=7)
     chains = [outputs(engine, make_policy(f"fixed:{K}", K), check[:2], sampled) for _ in range(2)]
     tree_spec = SpeculativeConfig.parse({"method": "draft_model", "model": built["draft"], "num_speculative_tokens": 8,
@@ -379,25 +420,21 @@ def main(argv=None) -> int:
     trees = [outputs(engine, make_policy("fixed:8", 8), check[:2], sampled, k_max=8) for _ in range(2)]
     results["sampled"] = {"chain_repeats": chains[0] == chains[1], "tree_repeats": trees[0] == trees[1],
                           "tree_accepted": engine.speculation.metrics.num_accepted_tokens}
-    if results["dtype"] != "float32":  # fp32 on the same device: the contract there is bitwise
-        del engine, proposer
-        fp32 = engine_for("float32")
+    if results["dtype"] != "float32":
+        fp32 = engine_for(built, args, engine.config.max_num_seqs, "float32")
         fp32.set_speculation(make_draft_proposer(spec, fp32.draft_runtime(blocks, spec)), make_policy("off", K), K)
         plain = outputs(fp32, make_policy("off", K), check, short)
         spec_out = outputs(fp32, make_policy(f"fixed:{K}", K), check, short)
         results["lossless"]["float32"] = lossless(built["target"], args.device, "float32", check, plain, spec_out)
-    # the fitted step time by batched tokens, at the context per token the measured steady steps had
+
+
+def fitted_costs(results: dict, smart) -> dict:
+    """The fitted step time by batched tokens, at the context per token the measured steady steps had."""
     steady = [s for r in results["runs"].values() for s in r.get("steps", []) if s["steady"]]
     per_token = statistics.median(s["context"] / s["tokens"] for s in steady)
-    results["cost_model"] = {"coefficients": smart.stats().get("cost_coefficients"), "context_per_token": per_token,
-                             "predicted_ms": {n: 1000 * s for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320)
-                                              if (s := smart.load.step_seconds(n, round(n * per_token))) is not None}}
-    results["elapsed_s"] = time.perf_counter() - t_start
-    (out_dir / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str))
-    print_table(results, batches)
-    plot(results, out_dir / "bench_gpu.png")
-    print(f"\nwrote {out_dir / 'bench_gpu.json'} and {out_dir / 'bench_gpu.png'}")
-    return 0
+    return {"coefficients": smart.stats().get("cost_coefficients"), "context_per_token": per_token,
+            "predicted_ms": {n: 1000 * s for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320)
+                             if (s := smart.load.step_seconds(n, round(n * per_token))) is not None}}
 
 
 def print_table(results: dict, batches: list[int]) -> None:

@@ -31,7 +31,6 @@ box ran the two runs' plain decode steps of the same batch size, read where thos
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -39,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from smartspec import EngineConfig, SamplingParams
+from smartspec import EngineConfig
 from smartspec.bench.box_speed import print_probe_spread, record_probe
+from smartspec.bench.engine_load import run_rate, summarize
 from smartspec.bench.workloads import humaneval_prompts, proposer_prompts
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.trace import StepTraceWriter
@@ -51,38 +51,6 @@ from smartspec.spec_decode.factory import make_proposer
 from smartspec.spec_decode.ngram import NgramProposer
 
 POLICIES = ["off", "fixed:1", "fixed:3", "fixed:5", "batch_table", "smartspec"]
-
-
-def run_rate(engine: LLMEngine, prompts: list[str], rate: float, max_tokens: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    t, schedule = 0.0, []
-    for p in prompts:  # Poisson arrivals: exponential gaps
-        t += rng.expovariate(rate)
-        schedule.append((t, p))
-    params = SamplingParams(max_tokens=max_tokens)
-    start = time.monotonic()
-    arrival, done, pending = {}, {}, list(enumerate(schedule))
-    while pending or engine.has_unfinished():
-        now = time.monotonic() - start
-        while pending and pending[0][1][0] <= now:
-            i, (at, prompt) = pending.pop(0)
-            rid = engine.add_request(prompt, params, request_id=f"q{i}")
-            arrival[rid] = start + at
-        if engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        elif pending:
-            time.sleep(max(0.0, pending[0][1][0] - (time.monotonic() - start)))
-    rows = []
-    for rid, out in done.items():
-        m, n = out.metrics, len(out.token_ids)
-        spec = {f"spec_{k}": v for k, v in m.spec_decode.as_dict().items() if k != "accepted_per_position"}
-        rows.append(dict(request=rid, latency_s=m.finish_time - arrival[rid],
-                         ttft_s=m.first_token_time - arrival[rid],
-                         tpot_s=(m.finish_time - m.first_token_time) / max(1, n - 1), output_tokens=n,
-                         prompt_tokens=out.num_prompt_tokens, **spec))
-    return rows
 
 
 def workload_prompts(workload: str, variant: str, n: int, tokenizer) -> list[str]:
@@ -96,16 +64,8 @@ def workload_prompts(workload: str, variant: str, n: int, tokenizer) -> list[str
     return [kinds[i % 3][i // 3] for i in range(n)]
 
 
-def summarize(rows: list[dict]) -> dict:
-    lat = sorted(r["latency_s"] for r in rows)
-    return dict(mean_latency_s=statistics.mean(lat), p50_latency_s=statistics.median(lat),
-                p99_latency_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-                mean_ttft_s=statistics.mean(r["ttft_s"] for r in rows),
-                mean_tpot_s=statistics.mean(r["tpot_s"] for r in rows),
-                output_tokens=sum(r["output_tokens"] for r in rows))
-
-
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -130,29 +90,53 @@ def main() -> int:
     ap.add_argument("--report", nargs="+", type=Path, default=None, metavar="DIR",
                     help="run nothing: pool the runs of these earlier --out folders and print the bar over all their "
                          "repeats (written to --out)")
+    return ap
+
+
+def main() -> int:
+    ap = arguments()
     args = ap.parse_args()
     if args.report:
         return report(args.report, Path(args.out))
     if args.repeats < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.rates) <= 0:
         ap.error("--repeats, --requests and --max-tokens must be at least 1, and every rate above 0")
+    try:
+        tree = TreeConfig(*(int(x) for x in args.tree.split(":")))
+    except (TypeError, ValueError) as exc:
+        ap.error(f"--tree {args.tree!r}: {exc}")
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(
         model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k_max,
                             "policy": "off"}))
+    configs = configurations(args, engine, tree)
+    prompts = workload_prompts(args.workload, args.variant, args.requests, engine.tokenizer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    requests, summary = run_all(engine, configs, prompts, args, out)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(requests), out / "bench_policies.parquet")
+    pq.write_table(pa.Table.from_pylist(summary), out / "bench_policies_summary.parquet")
+    print_runs(summary)
+    write_bar(summary, out)
+    print_probe_spread([out])
+    _plot(summary, out / "bench_policies.png")
+    return 0
+
+
+def configurations(args, engine: LLMEngine, tree: TreeConfig) -> list[tuple]:
+    """(label, proposer, policy name, policy, K) per configuration: one policy object for the whole run, a
+    learning one profiled as an engine's start would."""
     proposers = {"draft_model": engine.speculation.proposer, "ngram": NgramProposer(4, 1)}
-    try:
-        tree = TreeConfig(*(int(x) for x in args.tree.split(":")))
-    except (TypeError, ValueError) as exc:
-        ap.error(f"--tree {args.tree!r}: {exc}")
     for name in ("ngram_tree", "draft_tree"):
         if name in args.proposers:
             method = "ngram" if name == "ngram_tree" else "draft_model"
             spec = SpeculativeConfig(method=method, model=args.draft if method == "draft_model" else None,
                                      policy="off", tree=tree)
             proposers[name] = make_proposer(spec, engine.draft_runtime(engine.speculation.proposer.blocks.num_blocks))
-    prompts = workload_prompts(args.workload, args.variant, args.requests, engine.tokenizer)
-    configs = []  # (label, proposer, policy name, policy, K): one policy object per config for the whole run
+    configs = []
     for proposer_name in args.proposers:
         for policy_name in args.policies:
             if policy_name == "off" and proposer_name != args.proposers[0]:
@@ -165,21 +149,24 @@ def main() -> int:
                 engine.set_speculation(proposers[proposer_name], policy, k_max)
                 engine.profile_steps()
             label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"
-            configs.append((label, proposer_name, policy_name, policy, k_max))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+            configs.append((label, proposers[proposer_name], proposer_name, policy_name, policy, k_max))
+    return configs
+
+
+def run_all(engine: LLMEngine, configs: list[tuple], prompts, args, out: Path) -> tuple[list[dict], list[dict]]:
+    """Every configuration at every rate, repeated: the rows per request and per run."""
     requests, summary = [], []
     total, n = args.repeats * len(args.rates) * len(configs), 0
     for repeat in range(args.repeats):
         for rate in args.rates:
             # Every configuration at one rate runs back to back, and each repeat reverses the order (A B C, C B A):
             # the box's speed drifts over minutes, and this way a drift falls on all configurations alike.
-            for label, proposer_name, policy_name, policy, k_max in configs[:: 1 if repeat % 2 == 0 else -1]:
+            for label, proposer, proposer_name, policy_name, policy, k_max in configs[:: 1 if repeat % 2 == 0 else -1]:
                 n += 1
                 print(f"[{n}/{total}] {label} rate {rate} req/s, repeat {repeat + 1}/{args.repeats}",
                       file=sys.stderr, flush=True)
                 probe = record_probe(out, f"{label}@{rate}#{repeat}")
-                engine.set_speculation(proposers[proposer_name], policy, k_max)
+                engine.set_speculation(proposer, policy, k_max)
                 trace_path = None
                 if args.trace_dir:  # every step of this run, for the simulator (smartspec sim --trace ...)
                     suffix = f"#{repeat}" if args.repeats > 1 else ""
@@ -192,20 +179,16 @@ def main() -> int:
                     engine.trace.close()
                     engine.trace = None
                 stats = getattr(policy, "stats", lambda: {})()
-                for r in rows:
-                    requests.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate,
-                                         repeat=repeat, **r))
-                summary.append(dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate,
-                                    repeat=repeat, wall_s=wall,
-                                    throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
+                tags = dict(config=label, proposer=proposer_name, policy=policy_name, rate=rate, repeat=repeat)
+                requests += [{**tags, **r} for r in rows]
+                summary.append(dict(**tags, wall_s=wall, throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
                                     step_time_rel_error=stats.get("mean_relative_error"),
                                     probe_read_gb_s=probe["read_gb_s"], probe_matmul_gflop_s=probe["matmul_gflop_s"],
                                     trace_path=str(trace_path) if trace_path else None, **summarize(rows)))
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    return requests, summary
 
-    pq.write_table(pa.Table.from_pylist(requests), out / "bench_policies.parquet")
-    pq.write_table(pa.Table.from_pylist(summary), out / "bench_policies_summary.parquet")
+
+def print_runs(summary: list[dict]) -> None:
     print(f"\n{'config':26s} {'rate':>5s} {'rep':>3s} {'mean s':>7s} {'p50 s':>6s} {'p99 s':>6s} {'TTFT s':>7s} "
           f"{'TPOT s':>7s} {'tok/s':>6s} {'pred err':>8s} {'GB/s':>5s}")
     for s in summary:
@@ -213,10 +196,6 @@ def main() -> int:
         print(f"{s['config']:26s} {s['rate']:5.2f} {s['repeat'] + 1:3d} {s['mean_latency_s']:7.2f} "
               f"{s['p50_latency_s']:6.2f} {s['p99_latency_s']:6.2f} {s['mean_ttft_s']:7.2f} {s['mean_tpot_s']:7.3f} "
               f"{s['throughput_tok_s']:6.2f} {err:>8s} {s['probe_read_gb_s']:5.1f}")
-    write_bar(summary, out)
-    print_probe_spread([out])
-    _plot(summary, out / "bench_policies.png")
-    return 0
 
 
 def write_bar(summary: list[dict], out: Path) -> None:
@@ -299,9 +278,9 @@ def bar_table(summary: list[dict]) -> str:
 
 def adjusted_table(summary: list[dict]) -> str:
     """Smartspec against off and the best fixed setting, pooled over repeats: the ratio of the pooled means, the
-    geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.bench.report.speed_adjusted, on
-    each repeat's plain-forward speed ratio from the two runs' step traces, smartspec.bench.report.plain_forward_ratio),
-    with standard errors. Empty where no run has a trace."""
+    geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.bench.report.speed_adjusted,
+    on each repeat's plain-forward speed ratio from the two runs' step traces,
+    smartspec.bench.report.plain_forward_ratio), with standard errors. Empty where no run has a trace."""
     import pyarrow.parquet as pq
 
     from smartspec.bench.report import paired_ratio, plain_forward_ratio, speed_adjusted

@@ -38,7 +38,8 @@ def chat_prompts(tokenizer, system_tokens: int, n: int) -> tuple[list[str], int]
     return prompts, len(tokenizer(system)["input_ids"])
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--system-tokens", type=int, default=1000)
@@ -47,6 +48,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results")
+    return parser
+
+
+def main() -> int:
+    parser = arguments()
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engines = {caching: LLM(args.model, kv_cache_gib=1.0, max_model_len=4096, enable_prefix_caching=caching)

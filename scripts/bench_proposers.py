@@ -8,8 +8,8 @@ model or suffix speculation, chosen per request and step).
 
 --repeats R runs every (method, rate) R times, back to back per rate and in reversed order on odd repeats, so a
 drift of the box's speed falls on all methods alike; each (workload, method) keeps one policy for the whole run, as
-a server would, and each run starts with empty prefix caches and an empty cache of finished outputs. Prints a table per run and the bar (the
-mixed choice against the best single method, per workload and rate, pooled over repeats: ratio of mean latencies
+a server would, and each run starts with empty prefix caches and an empty cache of finished outputs. Prints a table
+per run and the bar (the mixed choice against the best single method, per workload and rate, pooled over repeats: ratio of mean latencies
 with its standard error over repeats); writes <out>/bench_proposers.parquet (one row per request),
 <out>/bench_proposers_summary.parquet (one row per run), <out>/bench_proposers_bar.md and <out>/bench_proposers.png.
 
@@ -27,10 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policies import run_rate, summarize
-
 from smartspec import EngineConfig
+from smartspec.bench.engine_load import run_rate, summarize
 from smartspec.bench.workloads import PROPOSER_WORKLOADS, proposer_prompts
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.engine.trace import StepTraceWriter
@@ -57,7 +55,8 @@ def make_method(method: str, engine: LLMEngine, draft, k_max: int, suffix_k: int
     return proposer, make_policy("smartspec", k, key=f"{method}:{key}"), k
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -76,6 +75,11 @@ def main() -> int:
                     help="write each run's step trace here (Parquet; the proposer per request in its methods column)")
     ap.add_argument("--report", nargs="+", metavar="DIR", default=None,
                     help="run nothing: pool the runs saved in these --out folders into one table and plot in --out")
+    return ap
+
+
+def main() -> int:
+    ap = arguments()
     args = ap.parse_args()
     if args.report:
         return report(args.report, Path(args.out))
@@ -87,50 +91,14 @@ def main() -> int:
         model=args.target, kv_cache_gib=1.0, max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
         speculative_config={"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.suffix_k,
                             "policy": "off"}))
-    draft = engine.speculation.proposer
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     requests, summary = [], []
-    total, n = len(args.workloads) * args.repeats * len(args.rates) * len(args.methods), 0
+    runs = Progress(len(args.workloads) * args.repeats * len(args.rates) * len(args.methods))
     for workload in args.workloads:
-        prompts = proposer_prompts(workload, args.requests, engine.tokenizer)
-        policies = {}
-        for method in args.methods:
-            _, policy, k = make_method(method, engine, draft, args.k_max, args.suffix_k, args.draft)
-            if policy.wants_profile:
-                engine.set_speculation(draft, policy, k)
-                engine.profile_steps()
-            policies[method] = policy
-        for repeat in range(args.repeats):
-            for rate in args.rates:
-                for method in args.methods[:: 1 if repeat % 2 == 0 else -1]:
-                    n += 1
-                    print(f"[{n}/{total}] {workload} {method} rate {rate} req/s, repeat {repeat + 1}/{args.repeats}",
-                          file=sys.stderr, flush=True)
-                    proposer, _, k = make_method(method, engine, draft, args.k_max, args.suffix_k, args.draft)
-                    engine.set_speculation(proposer, policies[method], k)
-                    # every run reads its prompts afresh: a prefix cached by the run before would favour the later
-                    engine.blocks.reset_prefix_cache()
-                    draft.blocks.reset_prefix_cache()
-                    trace_path = None
-                    if args.trace_dir:
-                        trace_path = Path(args.trace_dir) / f"{workload}_{method}@{rate}_r{repeat}.parquet"
-                        engine.trace = StepTraceWriter(trace_path, method)
-                    steps, t0 = engine.stats.steps, time.monotonic()
-                    rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed + repeat)
-                    wall = time.monotonic() - t0
-                    if engine.trace is not None:
-                        engine.trace.close()
-                        engine.trace = None
-                    m = engine.speculation.metrics
-                    for r in rows:
-                        requests.append(dict(workload=workload, method=method, rate=rate, repeat=repeat, **r))
-                    summary.append(dict(workload=workload, method=method, rate=rate, repeat=repeat, wall_s=wall,
-                                        steps=engine.stats.steps - steps, draft_tokens=m.num_draft_tokens,
-                                        accepted_tokens=m.num_accepted_tokens,
-                                        throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
-                                        trace_path=str(trace_path) if trace_path else None,
-                                        **summarize(rows)))
+        rows, sums = run_workload(engine, workload, args, runs)
+        requests += rows
+        summary += sums
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -144,6 +112,59 @@ def main() -> int:
               f"{s['accepted_tokens']:>8d}/{s['draft_tokens']:<8d}")
     write_bar(summary, out)
     return 0
+
+
+class Progress:
+    """Runs done of the whole plan, for the progress lines."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def next(self) -> str:
+        self.done += 1
+        return f"[{self.done}/{self.total}]"
+
+
+def run_workload(engine: LLMEngine, workload: str, args, runs: Progress) -> tuple[list[dict], list[dict]]:
+    """Every method at every rate on one workload, repeated (each repeat in reverse order): rows per request and
+    per run. Each method's policy is profiled once, as an engine's start would."""
+    draft = engine.speculation.proposer
+    prompts = proposer_prompts(workload, args.requests, engine.tokenizer)
+    policies = {}
+    for method in args.methods:
+        _, policy, k = make_method(method, engine, draft, args.k_max, args.suffix_k, args.draft)
+        if policy.wants_profile:
+            engine.set_speculation(draft, policy, k)
+            engine.profile_steps()
+        policies[method] = policy
+    requests, summary = [], []
+    for repeat in range(args.repeats):
+        for rate in args.rates:
+            for method in args.methods[:: 1 if repeat % 2 == 0 else -1]:
+                print(f"{runs.next()} {workload} {method} rate {rate} req/s, repeat {repeat + 1}/{args.repeats}",
+                      file=sys.stderr, flush=True)
+                proposer, _, k = make_method(method, engine, draft, args.k_max, args.suffix_k, args.draft)
+                engine.set_speculation(proposer, policies[method], k)
+                # every run reads its prompts afresh: a prefix cached by the run before would favour the later
+                engine.blocks.reset_prefix_cache()
+                draft.blocks.reset_prefix_cache()
+                trace_path = None
+                if args.trace_dir:
+                    trace_path = Path(args.trace_dir) / f"{workload}_{method}@{rate}_r{repeat}.parquet"
+                    engine.trace = StepTraceWriter(trace_path, method)
+                steps, t0 = engine.stats.steps, time.monotonic()
+                rows = run_rate(engine, prompts, rate, args.max_tokens, args.seed + repeat)
+                wall = time.monotonic() - t0
+                if engine.trace is not None:
+                    engine.trace.close()
+                    engine.trace = None
+                m, tags = engine.speculation.metrics, dict(workload=workload, method=method, rate=rate, repeat=repeat)
+                requests += [{**tags, **r} for r in rows]
+                summary.append(dict(**tags, wall_s=wall, steps=engine.stats.steps - steps,
+                                    draft_tokens=m.num_draft_tokens, accepted_tokens=m.num_accepted_tokens,
+                                    throughput_tok_s=sum(r["output_tokens"] for r in rows) / wall,
+                                    trace_path=str(trace_path) if trace_path else None, **summarize(rows)))
+    return requests, summary
 
 
 def write_bar(summary: list[dict], out: Path) -> None:

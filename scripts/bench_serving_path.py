@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import os
 import statistics
 import subprocess
@@ -31,16 +30,11 @@ import numpy as np
 import psutil
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-PORT = 8000
+from smartspec.bench.servers import OURS_PORT, ROOT, ray_cli
+
+PORT = OURS_PORT
 HOLD_GAP_S, HOLD_SHARE = 0.050, 0.9
 SERVING = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "LLMServer"}
-
-
-def cli(name: str) -> str:
-    """serve / ray: on PATH, or beside this Python (a virtualenv run without activating it)."""
-    beside = Path(sys.executable).with_name(name)
-    return shutil.which(name) or str(beside)
 
 
 def ray_env() -> dict:
@@ -62,9 +56,10 @@ def deploy(streams: int, step_s: float, interval_ms: float, out: Path) -> None:
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(serve_config(streams, step_s, interval_ms), sort_keys=False))
     deployed = time.time()
-    subprocess.run([cli("serve"), "deploy", str(path)], cwd=ROOT, env=ray_env(), check=True, capture_output=True)
+    subprocess.run([ray_cli("serve"), "deploy", str(path)], cwd=ROOT, env=ray_env(), check=True,
+                   capture_output=True)
     while time.time() - deployed < 180:
-        status = subprocess.run([cli("serve"), "status"], cwd=ROOT, env=ray_env(), capture_output=True,
+        status = subprocess.run([ray_cli("serve"), "status"], cwd=ROOT, env=ray_env(), capture_output=True,
                                 text=True).stdout
         app = (yaml.safe_load(status) or {}).get("applications", {}).get("smartspec", {})
         replicas = serving_processes().get("replica", [])
@@ -236,8 +231,8 @@ def main() -> int:
         ap.error("--streams, --steps-ms, --window-s must be positive and --max-tokens at least 2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([cli("ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"], cwd=ROOT, env=ray_env(),
-                   check=True, capture_output=True)
+    subprocess.run([ray_cli("ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"], cwd=ROOT,
+                   env=ray_env(), check=True, capture_output=True)
     rows = []
     try:
         for streams in args.streams:
@@ -245,8 +240,8 @@ def main() -> int:
                 for step_ms in sorted(args.steps_ms, reverse=True):
                     rows.append(run_point(streams, interval_ms, streams / (step_ms / 1e3), args, out))
     finally:
-        subprocess.run([cli("serve"), "shutdown", "-y"], cwd=ROOT, env=ray_env(), capture_output=True)
-        subprocess.run([cli("ray"), "stop", "--force"], cwd=ROOT, env=ray_env(), capture_output=True)
+        subprocess.run([ray_cli("serve"), "shutdown", "-y"], cwd=ROOT, env=ray_env(), capture_output=True)
+        subprocess.run([ray_cli("ray"), "stop", "--force"], cwd=ROOT, env=ray_env(), capture_output=True)
     return report(rows, args, out)
 
 

@@ -115,7 +115,8 @@ def bench_transformers(model: str, reps: int, context: int) -> dict:
     return out
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
     ap.add_argument("--reps", type=int, default=5)
@@ -126,6 +127,11 @@ def main() -> int:
     ap.add_argument("--no-transformers", action="store_true",
                     help="time the engine alone (transformers loads the model as fp32: minutes and GBs)")
     ap.add_argument("--out", default="results")
+    return ap
+
+
+def main() -> int:
+    ap = arguments()
     args = ap.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
     torch.set_num_threads(args.threads)

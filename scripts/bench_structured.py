@@ -125,7 +125,8 @@ def configure(llm: LLM, policy, hints: bool) -> None:
     llm.engine.request_hints = hints
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -135,6 +136,11 @@ def main() -> None:
     ap.add_argument("--num-json", type=int, default=len(ORDERS))
     ap.add_argument("--num-edits", type=int, default=2)
     ap.add_argument("--out", default="results/structured")
+    return ap
+
+
+def main() -> None:
+    ap = arguments()
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -45,8 +45,6 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 PORT, GCS, WORKER_PORT, WORKER_PROXY_PORT = 8000, "127.0.0.1:6390", 6391, 8001
 PROXY_GUARD = "deployments.http.proxy_guard:middlewares"
 URL = f"http://127.0.0.1:{PORT}"

@@ -64,40 +64,55 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
         "parameters": obj(timezone=S)}}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--out", default="results/openai_features.json")
-    args = ap.parse_args()
-    client = OpenAI(base_url=f"{args.url}/v1", api_key="unused", timeout=600, max_retries=0)
-    rows = []
+    return ap
 
-    def ask(messages, no_spec=False, **kw):
+
+class Checker:
+    """Asks the server, with and without speculation, and records each check's row."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+        self.model = model
+        self.rows: list[dict] = []
+
+    def ask(self, messages, no_spec=False, **kw):
         extra = {**kw.pop("extra_body", {}), **({"speculation": {"max_k": 0}} if no_spec else {})}
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model=args.model, messages=messages, temperature=0, extra_body=extra,
-                                           **kw)
+        r = self.client.chat.completions.create(model=self.model, messages=messages, temperature=0,
+                                                extra_body=extra, **kw)
         return r, time.perf_counter() - t0
 
-    def record(check, ok, equal, detail="", seconds=0.0):
-        rows.append({"check": check, "ok": bool(ok), "equal_without_speculation": equal, "detail": detail,
-                     "seconds": round(seconds, 2)})
+    def record(self, check, ok, equal, detail="", seconds=0.0) -> None:
+        self.rows.append({"check": check, "ok": bool(ok), "equal_without_speculation": equal, "detail": detail,
+                          "seconds": round(seconds, 2)})
         print(f"{'ok ' if ok else 'BAD'} {'=' if equal else ('≠' if equal is False else ' ')} {check:44s} "
               f"{seconds:6.1f} s  {detail[:70]}", flush=True)
 
+
+def check_schemas(c: Checker) -> None:
+    """Each JSON schema case: valid against its schema, and equal to the answer without speculation."""
     for i, (prompt, schema) in enumerate(CASES):
         fmt = {"type": "json_schema", "json_schema": {"name": f"case{i}", "schema": schema}}
         messages = [{"role": "user", "content": prompt + " Answer in JSON."}]
-        r, s = ask(messages, response_format=fmt, max_tokens=200)
-        plain, _ = ask(messages, no_spec=True, response_format=fmt, max_tokens=200)
+        r, s = c.ask(messages, response_format=fmt, max_tokens=200)
+        plain, _ = c.ask(messages, no_spec=True, response_format=fmt, max_tokens=200)
         text = r.choices[0].message.content
         try:
             jsonschema.validate(json.loads(text), schema)
             ok = True
         except (ValueError, jsonschema.ValidationError):
             ok = False
-        record(f"json_schema {i:2d}", ok, text == plain.choices[0].message.content, text, s)
+        c.record(f"json_schema {i:2d}", ok, text == plain.choices[0].message.content, text, s)
+
+
+def check_controls(c: Checker) -> None:
+    """json_object, a regex, a choice, and the sampling controls together."""
     for check, prompt, kw, valid in [
         ("json_object", "Describe the planet Mars in JSON, in three short fields.",
          {"response_format": {"type": "json_object"}},
@@ -112,45 +127,64 @@ def main() -> None:
             "extra_body": {"repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 20}}, lambda t: len(t) > 0),
     ]:
         messages = [{"role": "user", "content": prompt}]
-        r, s = ask(messages, max_tokens=160, **dict(kw))
-        plain, _ = ask(messages, no_spec=True, max_tokens=160, **dict(kw))
+        r, s = c.ask(messages, max_tokens=160, **dict(kw))
+        plain, _ = c.ask(messages, no_spec=True, max_tokens=160, **dict(kw))
         text = r.choices[0].message.content
         try:
             ok = bool(valid(text))
         except ValueError:
             ok = False
-        record(check, ok, text == plain.choices[0].message.content, text, s)
-    # tools: question -> call -> result -> answer
-    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        r, s = ask(messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
-        plain, _ = ask(messages, no_spec=True, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
-        def answer(resp):
-            msg = resp.choices[0].message
-            return [c.function.model_dump() for c in msg.tool_calls or []] or msg.content
+        c.record(check, ok, text == plain.choices[0].message.content, text, s)
 
+
+def tool_answer(resp):
+    msg = resp.choices[0].message
+    return [call.function.model_dump() for call in msg.tool_calls or []] or msg.content
+
+
+def check_tool_calls(c: Checker, messages: list[dict]) -> None:
+    """tool_choice auto, required and named; and tool calls streamed."""
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r, s = c.ask(messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
+        plain, _ = c.ask(messages, no_spec=True, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=128)
         calls = r.choices[0].message.tool_calls or []
         ok = r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather" \
             and json.loads(calls[0].function.arguments).get("city")
         if choice == "auto":  # the model's own choice: answered either way, and the detail says which
             ok = r.choices[0].finish_reason in ("stop", "tool_calls")
-        record(f"tool_choice {choice if isinstance(choice, str) else 'named'}", ok, answer(r) == answer(plain),
-               json.dumps(answer(r)), s)
-    stream = client.chat.completions.create(model=args.model, messages=messages, tools=[WEATHER, TIME],
-                                            tool_choice="required", temperature=0, max_tokens=128, stream=True)
-    deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    record("tool_calls streamed", deltas and deltas[0].function.name == "get_weather", None,
-           json.dumps([d.function.model_dump() for d in deltas]))
-    first, _ = ask(messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=128)
+        c.record(f"tool_choice {choice if isinstance(choice, str) else 'named'}", ok,
+                 tool_answer(r) == tool_answer(plain), json.dumps(tool_answer(r)), s)
+    stream = c.client.chat.completions.create(model=c.model, messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", temperature=0, max_tokens=128, stream=True)
+    deltas = [d for chunk in stream if chunk.choices for d in (chunk.choices[0].delta.tool_calls or [])]
+    c.record("tool_calls streamed", deltas and deltas[0].function.name == "get_weather", None,
+             json.dumps([d.function.model_dump() for d in deltas]))
+
+
+def check_tool_results(c: Checker, messages: list[dict]) -> None:
+    """A call's result sent back: answered with tool_choice none, the model's choice with auto."""
+    first, _ = c.ask(messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=128)
     follow = messages + [first.choices[0].message.model_dump(exclude_none=True)] + [
-        {"role": "tool", "tool_call_id": c.id, "content": "18 C and sunny"}
-        for c in first.choices[0].message.tool_calls]
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}
+        for call in first.choices[0].message.tool_calls]
     for choice in ("none", "auto"):  # auto: the model's choice (answer, or call again); the detail says which
-        r, s = ask(follow, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64)
+        r, s = c.ask(follow, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64)
         answer = r.choices[0].message.content or ""
         ok = "18" in answer if choice == "none" else r.choices[0].finish_reason in ("stop", "tool_calls")
-        record(f"tool result -> answer ({choice})", ok and r.choices[0].finish_reason != "length", None,
-               answer or json.dumps([c.function.model_dump() for c in r.choices[0].message.tool_calls or []]), s)
+        c.record(f"tool result -> answer ({choice})", ok and r.choices[0].finish_reason != "length", None,
+                 answer or json.dumps([call.function.model_dump() for call in r.choices[0].message.tool_calls or []]),
+                 s)
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    c = Checker(args.url, args.model)
+    check_schemas(c)
+    check_controls(c)
+    weather = [{"role": "user", "content": "What is the weather in Paris right now?"}]  # question -> call -> answer
+    check_tool_calls(c, weather)
+    check_tool_results(c, weather)
+    rows = c.rows
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": args.model, "rows": rows},
                                          indent=1))

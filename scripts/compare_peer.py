@@ -35,11 +35,9 @@ from types import SimpleNamespace
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_serving import ROOT, start_server, stop_server  # noqa: E402
-
-from smartspec.bench.box_speed import cpu_description, print_probe_spread, record_probe  # noqa: E402
-from smartspec.bench.workloads import COMPARE_PROMPTS, compare_messages  # noqa: E402
+from smartspec.bench.box_speed import cpu_description, print_probe_spread, record_probe
+from smartspec.bench.servers import ROOT, start_server, stop_server
+from smartspec.bench.workloads import COMPARE_PROMPTS, compare_messages
 
 PLAIN, FIRST, CHECK = "max_k 0", "first round", "greedy check"
 
@@ -272,7 +270,8 @@ def start(server: dict, start_args, log: Path) -> tuple:
         return start_server(server["kind"], server["settings"], start_args, log.with_stem(log.stem + "-no-repack"))
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ours", nargs="*", default=["smartspec"], metavar="LABEL[=CONFIG]",
                     help="our servers: a label and a Serve config (default config.yaml); none: llama.cpp only")
@@ -287,6 +286,11 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=Path("results/compare_peer"))
     ap.add_argument("--report", action="store_true", help="run nothing: print the table of <out>/runs.jsonl")
+    return ap
+
+
+def main() -> int:
+    ap = arguments()
     args = ap.parse_args()
     if args.cycles < 1 or args.rounds < 1:
         ap.error("--cycles and --rounds must be at least 1")
