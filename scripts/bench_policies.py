@@ -276,63 +276,73 @@ def bar_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class Traces:
+    """Each run's step trace, read once (None: a run without one)."""
+
+    def __init__(self) -> None:
+        self.read: dict[str, list[dict]] = {}
+
+    def steps(self, run: dict) -> list[dict] | None:
+        import pyarrow.parquet as pq
+
+        path = run.get("trace_path")
+        if not path or not Path(path).exists():
+            return None
+        if path not in self.read:
+            self.read[path] = pq.read_table(path).to_pylist()
+        return self.read[path]
+
+
 def adjusted_table(summary: list[dict]) -> str:
     """Smartspec against off and the best fixed setting, pooled over repeats: the ratio of the pooled means, the
     geometric mean of the per-repeat ratios, and that ratio at equal box speed (smartspec.bench.report.speed_adjusted,
     on each repeat's plain-forward speed ratio from the two runs' step traces,
     smartspec.bench.report.plain_forward_ratio), with standard errors. Empty where no run has a trace."""
-    import pyarrow.parquet as pq
-
-    from smartspec.bench.report import paired_ratio, plain_forward_ratio, speed_adjusted
-
-    runs = {(s["config"], s["rate"], s["repeat"]): s for s in summary}
-    traces: dict[str, list[dict]] = {}
-
-    def steps(run: dict) -> list[dict] | None:
-        path = run.get("trace_path")
-        if not path or not Path(path).exists():
-            return None
-        if path not in traces:
-            traces[path] = pq.read_table(path).to_pylist()
-        return traces[path]
-
-    if not any(steps(run) is not None for run in summary):
+    traces = Traces()
+    if not any(traces.steps(run) is not None for run in summary):
         return ""
     means = pooled(summary)
-    repeats = sorted({s["repeat"] for s in summary})
     lines = ["| proposer | rate | against | repeats | pooled means | geo. mean | at equal box speed (slope) | plain "
              "steps compared |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for proposer in dict.fromkeys(s["proposer"] for s in summary if s["policy"] != "off"):
         ours = f"{proposer} smartspec"
         for rate in dict.fromkeys(s["rate"] for s in summary):
             best = best_fixed(means, proposer, rate)
-            refs = ([best] if best else []) + (["off"] if ("off", rate) in means else [])
-            for ref in refs:
-                raw, paired, speeds, compared = [], [], [], 0
-                for repeat in repeats:
-                    run, other = runs.get((ours, rate, repeat)), runs.get((ref, rate, repeat))
-                    if run is None or other is None:
-                        continue
-                    ratio = run["mean_latency_s"] / other["mean_latency_s"]
-                    raw.append(ratio)
-                    a, b = steps(run), steps(other)
-                    speed = plain_forward_ratio(a, b) if a is not None and b is not None else None
-                    if speed is not None:
-                        paired.append(ratio)
-                        speeds.append(speed[0])
-                        compared += speed[1]
-                if not raw:
-                    continue
-                g, g_se = paired_ratio(raw)
-                adjusted = speed_adjusted(paired, speeds)
-                # a repeat whose two runs share no plain batch size has no speed ratio and is left out: say how many
-                at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} of "
-                            f"{len(raw)} repeats)"
-                            if adjusted else "-")
-                pooled_ratio = means[(ours, rate)] / means[(ref, rate)]
-                lines.append(f"| {proposer} | {rate:g} | {ref} | {len(raw)} | {pooled_ratio - 1:+.1%} | "
-                             f"{g - 1:+.1%} ± {g_se:.1%} | {at_speed} | {compared} |")
+            for ref in ([best] if best else []) + (["off"] if ("off", rate) in means else []):
+                row = adjusted_row(summary, traces, ours, ref, rate, means[(ours, rate)] / means[(ref, rate)])
+                if row:
+                    lines.append(f"| {proposer} | {rate:g} | {ref} | {row} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def adjusted_row(summary: list[dict], traces: Traces, ours: str, ref: str, rate: float,
+                 pooled_ratio: float) -> str | None:
+    """Ours against `ref` at one rate over the repeats both ran (None: none), as table cells: the repeats, the
+    pooled means' ratio, the geometric mean, the ratio at equal box speed, the plain steps compared."""
+    from smartspec.bench.report import paired_ratio, plain_forward_ratio, speed_adjusted
+
+    runs = {(s["config"], s["rate"], s["repeat"]): s for s in summary}
+    raw, paired, speeds, compared = [], [], [], 0
+    for repeat in sorted({s["repeat"] for s in summary}):
+        run, other = runs.get((ours, rate, repeat)), runs.get((ref, rate, repeat))
+        if run is None or other is None:
+            continue
+        ratio = run["mean_latency_s"] / other["mean_latency_s"]
+        raw.append(ratio)
+        a, b = traces.steps(run), traces.steps(other)
+        speed = plain_forward_ratio(a, b) if a is not None and b is not None else None
+        if speed is not None:
+            paired.append(ratio)
+            speeds.append(speed[0])
+            compared += speed[1]
+    if not raw:
+        return None
+    g, g_se = paired_ratio(raw)
+    adjusted = speed_adjusted(paired, speeds)
+    # a repeat whose two runs share no plain batch size has no speed ratio and is left out: say how many
+    at_speed = (f"{adjusted[0] - 1:+.1%} ± {adjusted[1]:.1%} ({adjusted[2]:.2f}; {len(paired)} of {len(raw)} repeats)"
+                if adjusted else "-")
+    return f"{len(raw)} | {pooled_ratio - 1:+.1%} | {g - 1:+.1%} ± {g_se:.1%} | {at_speed} | {compared}"
 
 
 def _plot(summary, path) -> None:

@@ -52,12 +52,37 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    parser = arguments()
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(args.threads)
     engines = {caching: LLM(args.model, kv_cache_gib=1.0, max_model_len=4096, enable_prefix_caching=caching)
                for caching in (False, True)}
     prompts, system_len = chat_prompts(engines[True].tokenizer, args.system_tokens, args.requests)
+    import pandas as pd
+
+    df = pd.DataFrame(run(engines, prompts, args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(out / "bench_prefix.parquet")
+    print(f"\nsystem prompt {system_len} tokens; prompts {df.prompt_tokens.min()}-{df.prompt_tokens.max()} tokens; "
+          f"{args.max_tokens} output tokens; {args.repeats} repeats")
+    print(f"{'caching':8s} {'requests':>8s} {'TTFT first':>11s} {'TTFT later':>11s} {'latency later':>14s}")
+    for caching in (False, True):
+        d = df[df.caching == caching]
+        first, later = d[d.request == 0], d[d.request > 0]
+        print(f"{'on' if caching else 'off':8s} {len(d):8d} {first.ttft_s.mean():10.2f}s {later.ttft_s.mean():10.2f}s "
+              f"{later.latency_s.mean():13.2f}s")
+    ratio = [b / a for a, b in zip(df[(~df.caching) & (df.request > 0)].ttft_s,
+                                   df[df.caching & (df.request > 0)].ttft_s)]
+    print(f"TTFT with caching / without, requests after the first: {statistics.mean(ratio):.3f} "
+          f"(min {min(ratio):.3f}, max {max(ratio):.3f})")
+    plot(df, f"{args.model}: chat sharing a {system_len}-token system prompt", out / "bench_prefix.png")
+    print(f"wrote {out / 'bench_prefix.parquet'} and {out / 'bench_prefix.png'}")
+    return 0
+
+
+def run(engines: dict, prompts: list[str], args) -> list[dict]:
+    """The prompts one after another on each engine (caching off and on), the order reversed every other repeat;
+    per request its TTFT and latency."""
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for repeat in range(args.repeats):
@@ -73,42 +98,25 @@ def main() -> int:
                              "wall_s": time.perf_counter() - start})
                 print(f"  repeat {repeat} caching {caching!s:5s} request {i}: ttft {out.ttft_s:.2f} s, "
                       f"latency {out.latency_s:.2f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def plot(df, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    df = pd.DataFrame(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_parquet(out / "bench_prefix.parquet")
-    print(f"\nsystem prompt {system_len} tokens; prompts {df.prompt_tokens.min()}-{df.prompt_tokens.max()} tokens; "
-          f"{args.max_tokens} output tokens; {args.repeats} repeats")
-    print(f"{'caching':8s} {'requests':>8s} {'TTFT first':>11s} {'TTFT later':>11s} {'latency later':>14s}")
-    summary = {}
-    for caching in (False, True):
-        d = df[df.caching == caching]
-        first, later = d[d.request == 0], d[d.request > 0]
-        summary[caching] = (first.ttft_s.mean(), later.ttft_s.mean(), later.latency_s.mean())
-        print(f"{'on' if caching else 'off':8s} {len(d):8d} {summary[caching][0]:10.2f}s {summary[caching][1]:10.2f}s "
-              f"{summary[caching][2]:13.2f}s")
-    ratio = [b / a for a, b in zip(df[(~df.caching) & (df.request > 0)].ttft_s,
-                                   df[df.caching & (df.request > 0)].ttft_s)]
-    print(f"TTFT with caching / without, requests after the first: {statistics.mean(ratio):.3f} "
-          f"(min {min(ratio):.3f}, max {max(ratio):.3f})")
     fig, ax = plt.subplots(figsize=(7, 4))
     for caching, d in df.groupby("caching"):
         ax.plot(d.groupby("request").ttft_s.mean(), marker="o", label=f"prefix caching {'on' if caching else 'off'}")
     ax.set_xlabel("request (one after another)")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"{args.model}: chat sharing a {system_len}-token system prompt")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "bench_prefix.png", dpi=120)
-    print(f"wrote {out / 'bench_prefix.parquet'} and {out / 'bench_prefix.png'}")
-    return 0
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

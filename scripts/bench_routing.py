@@ -120,6 +120,31 @@ def settled_counts(base: str, previous: dict | None = None) -> dict[str, dict]:
     return last
 
 
+def routing_run(model: str, router: str, cycle: int, args) -> dict:
+    """One cycle's conversations against one router's application: prefix-cache hits, TTFT, the load per replica."""
+    base = f"{URL}/{router}"
+    rng = random.Random(f"{cycle}-{router}")
+    systems = {t: system_prompt(rng, t) for t in rng.sample(TOPICS, args.conversations)}
+    before = settled_counts(base)
+    t0 = time.monotonic()
+    records = conversations(base, model, systems, args.turns, args.max_tokens)
+    wall = time.monotonic() - t0
+    after = settled_counts(base)
+    queries = sum(after[r].get("queries", 0) - before.get(r, {}).get("queries", 0) for r in after)
+    hits = sum(after[r].get("hits", 0) - before.get(r, {}).get("hits", 0) for r in after)
+    ttfts = [rec["ttft_s"] for rec in records if rec["ttft_s"] is not None]
+    per_replica = {r: after[r].get("queries", 0) - before.get(r, {}).get("queries", 0) for r in after}
+    costs = {rid: {k: r.get(k) for k in ("request_speed", "prefill_s_per_token")}
+             for rid, r in httpx.get(f"{base}/v1/smartspec/status", timeout=60).json()["replicas"].items()}
+    row = {"cycle": cycle, "router": router, "queries": queries, "hits": hits, "per_replica": per_replica,
+           "costs": costs, "hit_rate": hits / queries if queries else 0.0, "mean_ttft_s": statistics.mean(ttfts),
+           "requests": len(records), "wall_s": wall, "records": records}
+    print(f"  cycle {cycle} {router:8s} hit rate {row['hit_rate']:.3f} ({hits}/{queries} prompt tokens), "
+          f"mean TTFT {row['mean_ttft_s']:.3f} s, {row['requests']} requests in {wall:.0f} s; prompt tokens per "
+          f"replica {sorted(per_replica.values())}", flush=True)
+    return row
+
+
 def run_routing(model: str, args, results: dict) -> None:
     from ray import serve
 
@@ -134,28 +159,7 @@ def run_routing(model: str, args, results: dict) -> None:
     for cycle in range(args.cycles):
         order = ("default", "goodput") if cycle % 2 == 0 else ("goodput", "default")
         for router in order:
-            base = f"{URL}/{router}"
-            rng = random.Random(f"{cycle}-{router}")
-            systems = {t: system_prompt(rng, t) for t in rng.sample(TOPICS, args.conversations)}
-            before = settled_counts(base)
-            t0 = time.monotonic()
-            records = conversations(base, model, systems, args.turns, args.max_tokens)
-            wall = time.monotonic() - t0
-            after = settled_counts(base)
-            queries = sum(after[r].get("queries", 0) - before.get(r, {}).get("queries", 0) for r in after)
-            hits = sum(after[r].get("hits", 0) - before.get(r, {}).get("hits", 0) for r in after)
-            ttfts = [rec["ttft_s"] for rec in records if rec["ttft_s"] is not None]
-            per_replica = {r: after[r].get("queries", 0) - before.get(r, {}).get("queries", 0) for r in after}
-            costs = {rid: {k: r.get(k) for k in ("request_speed", "prefill_s_per_token")}
-                     for rid, r in httpx.get(f"{base}/v1/smartspec/status", timeout=60).json()["replicas"].items()}
-            row = {"cycle": cycle, "router": router, "queries": queries, "hits": hits, "per_replica": per_replica,
-                   "costs": costs,
-                   "hit_rate": hits / queries if queries else 0.0, "mean_ttft_s": statistics.mean(ttfts),
-                   "requests": len(records), "wall_s": wall, "records": records}
-            rows.append(row)
-            print(f"  cycle {cycle} {router:8s} hit rate {row['hit_rate']:.3f} ({hits}/{queries} prompt tokens), "
-                  f"mean TTFT {row['mean_ttft_s']:.3f} s, {row['requests']} requests in {wall:.0f} s; prompt tokens per "
-                  f"replica {sorted(per_replica.values())}", flush=True)
+            rows.append(routing_run(model, router, cycle, args))
     pooled = {}
     for router in ("default", "goodput"):
         mine = [r for r in rows if r["router"] == router]
@@ -266,6 +270,9 @@ def run_kill(model: str, args, results: dict) -> None:
 
 
 # ---- autoscale -----------------------------------------------------------------------------------------------------
+AUTOSCALE_PHASES = [(0.5, 15), (2.0, 15), (5.0, 40), (0.0, 75)]  # requests a second, for seconds: rise, plateau, stop
+
+
 def run_autoscale(model: str, args, results: dict) -> None:
     from ray import serve
 
@@ -280,49 +287,59 @@ def run_autoscale(model: str, args, results: dict) -> None:
     serve.run(build_app(config), name="autoscale", route_prefix="/autoscale", blocking=False)
     base = f"{URL}/autoscale"
     wait_ready([base])
-    log, stop, in_flight = [], threading.Event(), [0]
-    # requests per second by phase: a rise, a plateau and a stop
-    phases = [(0.5, 15), (2.0, 15), (5.0, 40), (0.0, 75)]
-
-    def request() -> None:
-        in_flight[0] += 1
-        try:
-            httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
-                "model": model, "max_tokens": 128, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"Tell me about {random.choice(TOPICS)}."}]})
-        finally:
-            in_flight[0] -= 1
-
-    def watch() -> None:
-        t0 = time.monotonic()
-        while not stop.is_set():
-            deployment = serve.status().applications["autoscale"].deployments["LLMServer"]
-            running = sum(n for state, n in deployment.replica_states.items() if str(state).endswith("RUNNING"))
-            log.append({"t_s": round(time.monotonic() - t0, 1), "replicas": running,
-                        "target": getattr(deployment, "target_num_replicas", None), "in_flight": in_flight[0]})
-            time.sleep(1.0)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    log = ReplicaLog()
+    log.start()
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        for rate, seconds in phases:
+        for rate, seconds in AUTOSCALE_PHASES:
             print(f"autoscale: {rate} requests/s for {seconds} s", flush=True)
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 if rate:
-                    pool.submit(request)
+                    pool.submit(log.counted, lambda: httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
+                        "model": model, "max_tokens": 128, "temperature": 0, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"Tell me about {random.choice(TOPICS)}."}]}))
                     time.sleep(random.expovariate(rate))
                 else:
                     time.sleep(0.5)
-    stop.set()
-    watcher.join()
-    seen = [e["replicas"] for e in log]
+    log.stop.set()
+    log.join()
+    seen = [e["replicas"] for e in log.rows]
     peak = max(seen, default=0)
-    up = next((e["t_s"] for e in log if e["replicas"] >= 2), None)
-    down = next((e["t_s"] for e in log if up is not None and e["t_s"] > up and e["replicas"] == 1), None)
+    up = next((e["t_s"] for e in log.rows if e["replicas"] >= 2), None)
+    down = next((e["t_s"] for e in log.rows if up is not None and e["t_s"] > up and e["replicas"] == 1), None)
     print(f"autoscale: replicas {seen[0] if seen else '?'} -> {peak} (at {up} s) -> {seen[-1] if seen else '?'} "
           f"(1 again at {down} s)\n", flush=True)
-    results["autoscale"] = {"phases": phases, "log": log, "scaled_up_at_s": up, "scaled_down_at_s": down}
+    results["autoscale"] = {"phases": AUTOSCALE_PHASES, "log": log.rows, "scaled_up_at_s": up,
+                            "scaled_down_at_s": down}
+
+
+class ReplicaLog(threading.Thread):
+    """Once a second until stopped: the autoscaled deployment's running and target replicas, and the requests in
+    flight (counted by `counted`)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.rows: list[dict] = []
+        self.stop = threading.Event()
+        self.in_flight = 0
+
+    def counted(self, send) -> None:
+        self.in_flight += 1
+        try:
+            send()
+        finally:
+            self.in_flight -= 1
+
+    def run(self) -> None:
+        from ray import serve
+
+        t0 = time.monotonic()
+        while not self.stop.is_set():
+            deployment = serve.status().applications["autoscale"].deployments["LLMServer"]
+            running = sum(n for state, n in deployment.replica_states.items() if str(state).endswith("RUNNING"))
+            self.rows.append({"t_s": round(time.monotonic() - t0, 1), "replicas": running,
+                              "target": getattr(deployment, "target_num_replicas", None), "in_flight": self.in_flight})
+            time.sleep(1.0)
 
 
 # ---- plumbing ----------------------------------------------------------------------------------------------------

@@ -131,8 +131,7 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    ap = arguments()
-    args = ap.parse_args()
+    args = arguments().parse_args()
     quantization = None if args.quantization == "none" else args.quantization
     torch.set_num_threads(args.threads)
     import pyarrow as pa
@@ -142,34 +141,46 @@ def main() -> int:
     print(f"measured read bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads)", file=sys.stderr)
     rows = []
     for model in args.models:
-        print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
-        ours, weight_bytes = bench_engine(model, args.reps, quantization, args.context)
-        theirs = {}
-        if not args.no_transformers:
-            print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
-            theirs = bench_transformers(model, args.reps, args.context)
-        for (b, n), samples in ours.items():
-            ratio, ratio_se = paired_ratio(samples, ours[(1, 1)])
-            for impl, sec in (("smartspec", statistics.median(samples)), ("transformers", theirs.get((b, n)))):
-                if sec is None:
-                    continue
-                paired = (dict(vs_one_token=ratio, vs_one_token_se=ratio_se) if impl == "smartspec"
-                          else dict(vs_one_token=None, vs_one_token_se=None))
-                rows.append(dict(model=model, impl=impl, quantization=args.quantization, context=args.context, batch=b,
-                                 new_tokens=n, ms=sec * 1e3,
-                                 tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
-                                 bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads,
-                                 **paired))
+        rows += model_rows(model, args, quantization, bandwidth)
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     for r in rows:
         r["peak_rss_gib"] = peak_rss_gib
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out / "bench_step.parquet")
+    print_table(rows, args.models)
+    print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB. vs 1-tok: ratio of medians; paired: "
+          f"geometric mean of the per-round ratios to 1 x 1, with its standard error")
+    _plot(rows, args.models, out / "bench_step.png", args.context)
+    return 0
 
+
+def model_rows(model: str, args, quantization: str | None, bandwidth: float) -> list[dict]:
+    """One model's rows: every step shape on the engine (with its paired ratio to 1 x 1) and on transformers."""
+    print(f"[{model}] SmartSpec engine...", file=sys.stderr, flush=True)
+    ours, weight_bytes = bench_engine(model, args.reps, quantization, args.context)
+    theirs = {}
+    if not args.no_transformers:
+        print(f"[{model}] plain transformers...", file=sys.stderr, flush=True)
+        theirs = bench_transformers(model, args.reps, args.context)
+    rows = []
+    for (b, n), samples in ours.items():
+        ratio, ratio_se = paired_ratio(samples, ours[(1, 1)])
+        for impl, sec in (("smartspec", statistics.median(samples)), ("transformers", theirs.get((b, n)))):
+            if sec is None:
+                continue
+            paired = (dict(vs_one_token=ratio, vs_one_token_se=ratio_se) if impl == "smartspec"
+                      else dict(vs_one_token=None, vs_one_token_se=None))
+            rows.append(dict(model=model, impl=impl, quantization=args.quantization, context=args.context, batch=b,
+                             new_tokens=n, ms=sec * 1e3, tokens_per_s=b * n / sec, gb_per_s=weight_bytes / sec / 1e9,
+                             bandwidth_gb_per_s=bandwidth, weight_bytes=weight_bytes, threads=args.threads, **paired))
+    return rows
+
+
+def print_table(rows: list[dict], models: list[str]) -> None:
     print(f"\n{'model':20s} {'batch':>5s} {'new':>4s} {'smartspec ms':>13s} {'tf ms':>9s} {'speedup':>8s} "
           f"{'tok/s':>7s} {'GB/s':>6s} {'vs 1-tok':>8s} {'paired':>15s}")
-    for model in args.models:
+    for model in models:
         mine = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "smartspec"}
         tf = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == model and r["impl"] == "transformers"}
         base = mine[(1, 1)]["ms"]
@@ -179,10 +190,6 @@ def main() -> int:
             paired = f"{a['vs_one_token']:.3f}x ± {a['vs_one_token_se'] * 100:.1f}%"
             print(f"{model:20s} {key[0]:5d} {key[1]:4d} {a['ms']:13.1f} {theirs} "
                   f"{a['tokens_per_s']:7.1f} {a['gb_per_s']:6.1f} {a['ms'] / base:7.2f}x {paired:>15s}")
-    print(f"\nbandwidth {bandwidth:.1f} GB/s; peak RSS {peak_rss_gib:.1f} GiB. vs 1-tok: ratio of medians; paired: "
-          f"geometric mean of the per-round ratios to 1 x 1, with its standard error")
-    _plot(rows, args.models, out / "bench_step.png", args.context)
-    return 0
 
 
 def _plot(rows, models, path, context: int) -> None:

@@ -132,36 +132,40 @@ async def send(client: httpx.AsyncClient, fault: str, kind: str, model: str, max
                         return outcome(what, r.status_code, detail)
                     except ValueError:
                         return outcome("lost", r.status_code, "error without a JSON body")
-                finished, done, error, tokens = {}, False, None, False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        error = chunk["error"]
-                        continue
-                    for c in chunk.get("choices", []):
-                        tokens = tokens or bool((c.get("delta") or {}).get("content"))
-                        if c.get("finish_reason"):
-                            finished[c["index"]] = finished.get(c["index"], 0) + 1
-                    if kind == "hangup":
-                        return outcome("hung_up", r.status_code)
-                if error is not None:  # allowed once tokens were read: what the client has seen cannot be redone
-                    return outcome("named" if tokens else "lost", error.get("code"),
-                                   str(error.get("message"))[:120])
-                if any(v > 1 for v in finished.values()):
-                    return outcome("duplicated", r.status_code, f"finish events {finished}")
-                if done and finished:
-                    return outcome("completed", r.status_code)
-                return outcome("lost", r.status_code, f"stream ended: done={done}, finished={finished}")
+                return outcome(*await judge_stream(r, kind))
     except TimeoutError:
         return outcome("hung", None, f"no end in {hang_s:.0f} s")
     except httpx.HTTPError as exc:
         return outcome("lost", None, f"{type(exc).__name__}: {exc}"[:120])
+
+
+async def judge_stream(r: httpx.Response, kind: str) -> tuple[str, int | None, str]:
+    """A streamed answer read to its end (a hang-up: to its first chunk): what became of it, the status, detail."""
+    finished, done, error, tokens = {}, False, None, False
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            error = chunk["error"]
+            continue
+        for c in chunk.get("choices", []):
+            tokens = tokens or bool((c.get("delta") or {}).get("content"))
+            if c.get("finish_reason"):
+                finished[c["index"]] = finished.get(c["index"], 0) + 1
+        if kind == "hangup":
+            return "hung_up", r.status_code, ""
+    if error is not None:  # allowed once tokens were read: what the client has seen cannot be redone
+        return "named" if tokens else "lost", error.get("code"), str(error.get("message"))[:120]
+    if any(v > 1 for v in finished.values()):
+        return "duplicated", r.status_code, f"finish events {finished}"
+    if done and finished:
+        return "completed", r.status_code, ""
+    return "lost", r.status_code, f"stream ended: done={done}, finished={finished}"
 
 
 async def load(fault: str, model: str, max_tokens: int, clients: int, in_flight: int, stop: asyncio.Event,

@@ -88,7 +88,7 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return ctx, whole[len(ctx):]
 
 
-def arguments(sample: dict) -> list[tuple[str, str]]:
+def choice_pairs(sample: dict) -> list[tuple[str, str]]:
     """A logged loglikelihood sample's (context, continuation) per choice."""
     args = sample["arguments"]
     if isinstance(args, dict):  # {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
@@ -96,7 +96,7 @@ def arguments(sample: dict) -> list[tuple[str, str]]:
     return [tuple(a) for a in args]
 
 
-def main() -> int:
+def command_line() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lm-eval", default=".venv-lmeval/bin/lm_eval", help="lm-eval's command (its own venv)")
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -104,7 +104,11 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/lm_eval")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = command_line().parse_args()
     out = Path(args.out).resolve()
     tasks = out / "tasks"
     write_tasks(tasks, args.docs, args.seed)
@@ -113,14 +117,31 @@ def main() -> int:
                      args.model, path, tasks, out / "mc", chat=False)
     gen = run_lm_eval(args.lm_eval, "local-chat-completions", "smartspec_names_gen",
                       f"{args.url}/v1/chat/completions", args.model, path, tasks, out / "gen", chat=True)
-
     llm = LLM(args.model, kv_cache_gib=0.5, max_model_len=4096)
-    tok = llm.tokenizer
+    mc_rows, same_values, correct = score_choices(llm, mc["samples"])
+    gen_rows, gen_same, gen_correct = score_generations(llm, gen["samples"])
+    n_values = sum(len(r["served"]) for r in mc_rows)  # values kept as repr: exact
+    print(f"\nloglikelihood multiple choice ({len(mc['samples'])} docs): lm-eval acc {mc['results'].get('acc,none')}, "
+          f"offline engine acc {correct / len(mc['samples'])}; per-choice loglikelihoods bitwise equal: "
+          f"{same_values}/{n_values}")
+    print(f"chat generate_until ({len(gen['samples'])} docs): lm-eval exact_match "
+          f"{gen['results'].get('exact_match,none')}, offline engine {gen_correct / len(gen['samples'])}; "
+          f"generations identical: {gen_same}/{len(gen['samples'])}")
+    import pandas as pd
+
+    pd.DataFrame(mc_rows + gen_rows).to_parquet(out / "check.parquet")
+    print(f"wrote {out}")
+    return 0 if same_values == n_values and gen_same == len(gen["samples"]) else 1
+
+
+def score_choices(llm, samples: list[dict]) -> tuple[list[dict], int, int]:
+    """Each multiple-choice sample's loglikelihoods scored offline (prompt logprobs of the continuation): rows,
+    values bitwise equal to the served ones, and answers the offline values get right."""
     rows, same_values, correct = [], 0, 0
-    for s in mc["samples"]:
+    for s in samples:
         values = []
-        for context, continuation in arguments(s):
-            ctx, cont = encode_pair(tok, context, continuation)
+        for context, continuation in choice_pairs(s):
+            ctx, cont = encode_pair(llm.tokenizer, context, continuation)
             out_ = llm.generate(ctx + cont, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
             values.append(sum(p.logprob for p in out_.prompt_logprobs[len(ctx):]))
         served = [float(r[0][0]) for r in s["resps"]]
@@ -128,27 +149,21 @@ def main() -> int:
         correct += int(max(range(len(values)), key=values.__getitem__) == int(s["doc"]["answer"]))
         rows.append({"task": "mc", "doc": s["doc_id"], "served": list(map(repr, served)),
                      "offline": list(map(repr, values))})
-    offline_acc = correct / len(mc["samples"])
-    gen_same, gen_correct = 0, 0
-    for s in gen["samples"]:
+    return rows, same_values, correct
+
+
+def score_generations(llm, samples: list[dict]) -> tuple[list[dict], int, int]:
+    """Each chat sample generated offline: rows, generations identical to the served ones, and exact matches."""
+    rows, same, correct = [], 0, 0
+    for s in samples:
         messages = [{"role": "user", "content": GEN_TEXT.replace("{{code}}", s["doc"]["code"])}]
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text = llm.generate(prompt, SamplingParams(max_tokens=16, stop=["\n"]))[0].text
         served = s["resps"][0][0]
-        gen_same += int(text == served)
-        gen_correct += int(text.strip() == s["target"].strip())
+        same += int(text == served)
+        correct += int(text.strip() == s["target"].strip())
         rows.append({"task": "gen", "doc": s["doc_id"], "served": [served], "offline": [text]})
-    n_values = sum(len(r["served"]) for r in rows if r["task"] == "mc")  # values kept as repr: exact
-    print(f"\nloglikelihood multiple choice ({len(mc['samples'])} docs): lm-eval acc {mc['results'].get('acc,none')}, "
-          f"offline engine acc {offline_acc}; per-choice loglikelihoods bitwise equal: {same_values}/{n_values}")
-    print(f"chat generate_until ({len(gen['samples'])} docs): lm-eval exact_match "
-          f"{gen['results'].get('exact_match,none')}, offline engine {gen_correct / len(gen['samples'])}; "
-          f"generations identical: {gen_same}/{len(gen['samples'])}")
-    import pandas as pd
-
-    pd.DataFrame(rows).to_parquet(out / "check.parquet")
-    print(f"wrote {out}")
-    return 0 if same_values == n_values and gen_same == len(gen["samples"]) else 1
+    return rows, same, correct
 
 
 if __name__ == "__main__":

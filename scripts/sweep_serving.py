@@ -215,13 +215,12 @@ def arguments() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> int:
+def checked_args() -> argparse.Namespace:
+    """The command line, each configuration's prerequisites checked (a usage error names what is missing)."""
     ap = arguments()
     args = ap.parse_args()
     if args.report:
-        print_comparison(Path(args.out), args.report, args.pool)
-        print_step_work(Path(args.out), args.report)
-        return 0
+        return args
     fixed_ks = [FIXED_LABELS[c] for c in args.configs if c in FIXED_LABELS]
     if fixed_ks and max(fixed_ks) > args.k:
         ap.error("--k must be at least the largest fixed:K asked for")
@@ -237,6 +236,15 @@ def main() -> int:
             and not (ray_cli("serve") and ray_cli("ray")):
         ap.error("our configurations need Ray Serve's `serve` and `ray` commands: pip install -e '.[serve]' "
                  "(or activate the virtualenv that has them)")
+    return args
+
+
+def main() -> int:
+    args = checked_args()
+    if args.report:
+        print_comparison(Path(args.out), args.report, args.pool)
+        print_step_work(Path(args.out), args.report)
+        return 0
     out = Path(args.out)
     plan = server_plan(args.configs, tuple(args.proposers))
     folders = [out] if args.cycles == 1 else [out / f"cycle-{c + 1}" for c in range(args.cycles)]
@@ -247,21 +255,7 @@ def main() -> int:
         for n, (kind, settings, labels) in enumerate(plan[:: -1 if cycle % 2 else 1], 1):
             print(f"[cycle {cycle + 1}/{len(folders)}, server {n}/{len(plan)}] {kind} {settings}: "
                   f"{', '.join(label for label, _ in labels)}", flush=True)
-            name = "-".join(str(v) for v in settings.values())
-            record_probe(folder, f"{kind}-{name}")
-            try:
-                proc, url = start_server(kind, settings, args, folder / f"server-{kind}-{name}.log")
-            except Exception as exc:
-                print(f"  could not start: {exc}", flush=True)
-                failed += [label for label, _ in labels]
-                continue
-            try:
-                for label, max_k in labels:
-                    if bench(url, label, max_k, args, folder):
-                        failed.append(label)
-                save_metrics(url, folder / f"metrics-{kind}-{name}.txt")
-            finally:
-                stop_server(kind, proc)
+            failed += serve_and_drive(kind, settings, labels, args, folder)
         record_probe(folder, "end")
     if args.cycles == 1:
         print_comparison(out)
@@ -271,6 +265,26 @@ def main() -> int:
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def serve_and_drive(kind: str, settings: dict, labels: list[tuple[str, int | None]], args, folder: Path) -> list[str]:
+    """One server started, driven for each of its labels, its metrics saved, stopped; the labels that failed."""
+    name = "-".join(str(v) for v in settings.values())
+    record_probe(folder, f"{kind}-{name}")
+    try:
+        proc, url = start_server(kind, settings, args, folder / f"server-{kind}-{name}.log")
+    except Exception as exc:
+        print(f"  could not start: {exc}", flush=True)
+        return [label for label, _ in labels]
+    failed = []
+    try:
+        for label, max_k in labels:
+            if bench(url, label, max_k, args, folder):
+                failed.append(label)
+        save_metrics(url, folder / f"metrics-{kind}-{name}.txt")
+    finally:
+        stop_server(kind, proc)
+    return failed
 
 
 if __name__ == "__main__":

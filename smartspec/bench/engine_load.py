@@ -2,6 +2,7 @@
 scripts/bench_policies.py and scripts/bench_proposers.py."""
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -36,7 +37,9 @@ def run_rate(engine: LLMEngine, prompts: list[str], rate: float, max_tokens: int
     rows = []
     for rid, out in done.items():
         m, n = out.metrics, len(out.token_ids)
-        spec = {f"spec_{k}": v for k, v in m.spec_decode.as_dict().items() if k != "accepted_per_position"}
+        # per-source counters as JSON text: Parquet has no column type for an empty dict (a run that drafted nothing)
+        spec = {f"spec_{k}": json.dumps(v) if isinstance(v, dict) else v
+                for k, v in m.spec_decode.as_dict().items() if k != "accepted_per_position"}
         rows.append(dict(request=rid, latency_s=m.finish_time - arrival[rid],
                          ttft_s=m.first_token_time - arrival[rid],
                          tpot_s=(m.finish_time - m.first_token_time) / max(1, n - 1), output_tokens=n,

@@ -52,87 +52,122 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
     above)."""
     faults: dict[str, RequestFault] = {}
-    reshaped = controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults)
-    live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
-    chosen = logits.argmax(dim=-1)
-    if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
-        at_rows = torch.cat([torch.arange(start, start + len(block), device=chosen.device)
-                             for start, block in reshaped.values()])
-        blocks = torch.cat([block for _, block in reshaped.values()])
-        live = live.index_put((at_rows,), torch.isfinite(blocks.amax(dim=-1)))
-        chosen = chosen.index_put((at_rows,), blocks.argmax(dim=-1))
-
-    def rows_of(rid: str, start: int, n: int) -> torch.Tensor:
-        """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
-        return reshaped[rid][1] if rid in reshaped else logits[start:start + n]
-
-    seeded, on_device, at = [], [], 2 * logits.shape[0]  # what the read brings after chosen and live
-    out, later, plain, row = {}, [], [], 0
+    step = _StepRows(logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults), faults)
+    row = 0
     for it in items:
-        req, n, start = it.request, it.num_logits, row
+        start, n = row, it.num_logits
         row += n
-        rid = req.request_id
-        if not n or rid in faults:
-            continue
-        draft = drafts.get(rid)
-        part = _Rows(req, draft, start, n)
+        if n and it.request.request_id not in faults:
+            step.take(_Rows(it.request, drafts.get(it.request.request_id), start, n))
+    step.draw_plain()
+    return step.verdicts(step.read(), grammars or {})
+
+
+class _StepRows:
+    """A step's rows on their way to its one host read: each row's liveness and chosen token (argmax, a
+    controlled request's from its reshaped rows, a seeded request's draw), the sampled chains' verdicts and the
+    plain rows' draws; and what reads each request's part of the read."""
+
+    def __init__(self, logits: torch.Tensor, reshaped: dict[str, tuple[int, torch.Tensor]],
+                 faults: dict[str, RequestFault]) -> None:
+        self.logits, self.reshaped, self.faults = logits, reshaped, faults
+        self.live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
+        self.chosen = logits.argmax(dim=-1)
+        if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
+            at_rows = torch.cat([torch.arange(start, start + len(block), device=self.chosen.device)
+                                 for start, block in reshaped.values()])
+            blocks = torch.cat([block for _, block in reshaped.values()])
+            self.live = self.live.index_put((at_rows,), torch.isfinite(blocks.amax(dim=-1)))
+            self.chosen = self.chosen.index_put((at_rows,), blocks.argmax(dim=-1))
+        self.seeded: list[tuple[int, torch.Tensor]] = []  # (first row, its tokens): seeded requests' draws
+        self.on_device: list[torch.Tensor] = []  # what the read brings after chosen and live
+        self.at = 2 * logits.shape[0]  # where the next of them sits in the read
+        self.out: dict[str, list[int]] = {}  # sampled trees' tokens (they read on their own)
+        self.later: list[_Rows] = []  # parts read from the step's read
+        self.plain: list[_Rows] = []  # unseeded sampled parts without drafts: drawn together
+
+    def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
+        """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
+        return self.reshaped[rid][1] if rid in self.reshaped else self.logits[start:start + n]
+
+    def _probs(self, part: _Rows) -> torch.Tensor:
+        rid, start, n = part.request.request_id, part.start, part.count
+        return target_probs(_sampleable(self.rows_of(rid, start, n), self.live[start:start + n]), part.request.params)
+
+    def take(self, part: _Rows) -> None:
+        """A request's part: by its sampling and draft, what it puts on the device for the read (a fault in it is
+        the request's)."""
+        req, draft, rid = part.request, part.draft, part.request.request_id
         try:
             if not req.params.greedy and req.params.seed is not None:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
-                    seeded.append((start, seeded_tokens(probs, req.params.seed, _positions(req, draft, n))))
-                later.append(part)
+                    probs = self._probs(part)
+                    self.seeded.append((part.start, seeded_tokens(probs, req.params.seed,
+                                                                  _positions(req, draft, part.count))))
+                self.later.append(part)
             elif req.params.greedy:
-                later.append(part)
+                self.later.append(part)
             elif draft is None:
-                plain.append(part)
+                self.plain.append(part)
             elif draft.tree is not None:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
+                    probs = self._probs(part)
                 with stage("acceptance"):
-                    out[rid] = accept_tree_sampled(probs, draft.tree, req.generator)
-                later.append(part)
+                    self.out[rid] = accept_tree_sampled(probs, draft.tree, req.generator)
+                self.later.append(part)
             else:
                 with stage("sampling"):
-                    probs = target_probs(_sampleable(rows_of(rid, start, n), live[start:start + n]), req.params)
+                    probs = self._probs(part)
                 with stage("acceptance"):
-                    on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
-                later.append(part._replace(verdict_at=at))
-                at += 2
+                    self.on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
+                self.later.append(part._replace(verdict_at=self.at))
+                self.at += 2
         except Exception as exc:
-            faults[rid] = fault_of(exc, rid, "sampling")
-    if seeded:
-        rows = torch.cat([torch.arange(s, s + len(t), device=chosen.device) for s, t in seeded])
-        chosen = chosen.index_put((rows,), torch.cat([t for _, t in seeded]))
-    if plain:
-        plain_rows = [p.start for p in plain]
-        rows = logits[plain_rows]
-        for i, p in enumerate(plain):
-            if p.request.request_id in reshaped:
-                rows[i] = reshaped[p.request.request_id][1][0]
-        draws, failed = draw_tokens(_sampleable(rows, live[plain_rows]), chosen[plain_rows],
-                                    [p.request.params for p in plain], [p.request.generator for p in plain])
-        on_device.append(draws)
+            self.faults[rid] = fault_of(exc, rid, "sampling")
+
+    def draw_plain(self) -> None:
+        """The seeded draws into the chosen tokens; the plain parts' tokens drawn in one batched call."""
+        if self.seeded:
+            rows = torch.cat([torch.arange(s, s + len(t), device=self.chosen.device) for s, t in self.seeded])
+            self.chosen = self.chosen.index_put((rows,), torch.cat([t for _, t in self.seeded]))
+        if not self.plain:
+            return
+        plain_rows = [p.start for p in self.plain]
+        rows = self.logits[plain_rows]
+        for i, p in enumerate(self.plain):
+            if p.request.request_id in self.reshaped:
+                rows[i] = self.reshaped[p.request.request_id][1][0]
+        draws, failed = draw_tokens(_sampleable(rows, self.live[plain_rows]), self.chosen[plain_rows],
+                                    [p.request.params for p in self.plain], [p.request.generator for p in self.plain])
+        self.on_device.append(draws)
         for i, exc in failed.items():
-            faults[plain[i].request.request_id] = fault_of(exc, plain[i].request.request_id, "sampling")
-    r = logits.shape[0]
-    host = torch.cat([chosen, live.long(), *on_device]).tolist()
-    tokens = {p.request.request_id: [t] for p, t in zip(plain, host[at:])}
-    for part in later:
-        rid = part.request.request_id
-        try:
-            with stage("acceptance"):
-                tokens[rid] = out[rid] if rid in out else _verdict(part, host)
-        except Exception as exc:
-            faults[rid] = fault_of(exc, rid, "acceptance")
-    for part in [*later, *plain]:
-        rid = part.request.request_id
-        if rid in tokens and rid not in faults and (dead := _first_dead_row(part, tokens[rid], host[r:2 * r])):
-            faults[rid] = no_token_fault(part.request, dead - part.start, bool(torch.isfinite(logits[dead].amax())),
-                                         rid in (grammars or {}))
-    for rid in faults:
-        tokens.pop(rid, None)
-    return Verdicts(tokens, faults)
+            self.faults[self.plain[i].request.request_id] = fault_of(exc, self.plain[i].request.request_id,
+                                                                     "sampling")
+
+    def read(self) -> list[int]:
+        """The step's one host read: chosen tokens, liveness, then verdicts and draws."""
+        return torch.cat([self.chosen, self.live.long(), *self.on_device]).tolist()
+
+    def verdicts(self, host: list[int], grammars: dict[str, RequestGrammar]) -> Verdicts:
+        """Each part's new tokens from the read; a part whose tokens came from a dead row ends with a fault naming
+        what left it empty."""
+        r, faults = self.logits.shape[0], self.faults
+        tokens = {p.request.request_id: [t] for p, t in zip(self.plain, host[self.at:])}
+        for part in self.later:
+            rid = part.request.request_id
+            try:
+                with stage("acceptance"):
+                    tokens[rid] = self.out[rid] if rid in self.out else _verdict(part, host)
+            except Exception as exc:
+                faults[rid] = fault_of(exc, rid, "acceptance")
+        for part in [*self.later, *self.plain]:
+            rid = part.request.request_id
+            if rid in tokens and rid not in faults and (dead := _first_dead_row(part, tokens[rid], host[r:2 * r])):
+                faults[rid] = no_token_fault(part.request, dead - part.start,
+                                             bool(torch.isfinite(self.logits[dead].amax())), rid in grammars)
+        for rid in faults:
+            tokens.pop(rid, None)
+        return Verdicts(tokens, faults)
 
 
 def _verdict(part: _Rows, host: list[int]) -> list[int]:
