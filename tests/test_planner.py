@@ -35,12 +35,12 @@ class Answer(Policy):
 
 
 def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them():
-    a = decoding("a", 10, k_max=2)
+    a = decoding("a", 10, k_cap=2)
     p = Request("p", list(range(30)), SamplingParams(), arrival_time=3.0)
     p.num_computed_tokens = 8
     view = step_view([a], [ScheduledRequest(p, 16)], k_max=4, now=9.0)
     (r,) = view.requests
-    assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.k_max,
+    assert (r.request_id, r.num_tokens, r.num_output_tokens, r.max_tokens, r.k_cap,
             r.arrival_time) == ("a", 10, 0, 64, 2, 1.5)
     # 16 tokens from position 8: each attends over its own prefix (9 + 10 + ... + 24)
     assert (view.prefill_tokens, view.prefill_context) == (16, 264)
@@ -49,14 +49,14 @@ def test_the_view_holds_numbers_of_decoding_requests_and_the_prefill_beside_them
 
 
 def request_view(r):
-    return RequestView(r.request_id, r.num_tokens, r.num_output_tokens, r.params.max_tokens, r.params.k_max,
+    return RequestView(r.request_id, r.num_tokens, r.num_output_tokens, r.params.max_tokens, r.params.k_cap,
                        r.arrival_time)
 
 
 def test_the_views_rows_are_made_when_first_read_and_its_ids_and_context_without_them():
     """A held plan reads the batch's ids and total context alone: the rows are not made for it, and once read
     they are each request's numbers."""
-    reqs = [decoding(f"r{i}", 10 + i, k_max=i or None) for i in range(5)]
+    reqs = [decoding(f"r{i}", 10 + i, k_cap=i or None) for i in range(5)]
     reqs[1].token_ids.extend([7, 7])  # two output tokens
     views = step_view(reqs, [], k_max=4).requests
     assert views.ids == ("r0", "r1", "r2", "r3", "r4") and len(views) == 5
@@ -70,8 +70,7 @@ def test_the_views_rows_are_made_when_first_read_and_its_ids_and_context_without
 
 def test_ks_are_capped_and_their_blocks_reserved():
     blocks = BlockManager(64, 4)
-    reqs = [decoding("long", 10), decoding("ending", 10, max_tokens=3), decoding("capped", 10,
-                                                                                k_max=1)]
+    reqs = [decoding("long", 10), decoding("ending", 10, max_tokens=3), decoding("capped", 10, k_cap=1)]
     for r in reqs:
         blocks.allocate(r, r.num_tokens)
     spec = Speculation(NgramProposer(), FixedPolicy(5), 5)

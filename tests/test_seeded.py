@@ -54,7 +54,7 @@ def test_seeded_requests_equal_plain_seeded_decoding_under_every_proposer(name, 
     batched = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
     again = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]  # answer memory now holds the first answers
     alone = [llm.generate(p, s)[0].token_ids for p, s in zip(PROMPTS, SEEDED)]
-    capped = [o.token_ids for o in llm.generate(PROMPTS, [SamplingParams(**{**vars(s), "k_max": 0})
+    capped = [o.token_ids for o in llm.generate(PROMPTS, [SamplingParams(**{**vars(s), "k_cap": 0})
                                                           for s in SEEDED])]
     assert batched == plain and again == plain and alone == plain and capped == plain
     assert llm.engine.speculation.metrics.num_draft_tokens > 0  # it did speculate

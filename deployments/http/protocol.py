@@ -192,7 +192,7 @@ class _Common(BaseModel):
                                 repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
                                 min_p=self.min_p, min_tokens=self.min_tokens,
                                 prediction=self.prediction.content if self.prediction else None,
-                                structured=output, k_max=self.speculation.max_k if self.speculation else None,
+                                structured=output, k_cap=self.speculation.max_k if self.speculation else None,
                                 **self.logprob_fields())
         return params, max_tokens is None, tools
 

@@ -42,15 +42,15 @@ class Speculation:
 
 _REQUEST_ID, _TOKEN_IDS = attrgetter("request_id"), attrgetter("token_ids")
 _PROMPT_IDS, _ARRIVAL = attrgetter("prompt_token_ids"), attrgetter("arrival_time")
-_MAX_TOKENS, _OWN_K_MAX = attrgetter("params.max_tokens"), attrgetter("params.k_max")
+_MAX_TOKENS, _K_CAP = attrgetter("params.max_tokens"), attrgetter("params.k_cap")
 
 
 def _view_columns(decoding: list[Request]) -> tuple[list, ...]:
     """RequestViews' columns past the ids and contexts, read from the requests in C (map, attrgetter), no Python
-    per request: num_output_tokens, max_tokens, k_max, arrival_time. Read while the step plans, before it commits
+    per request: num_output_tokens, max_tokens, k_cap, arrival_time. Read while the step plans, before it commits
     a token, as the ids and contexts were."""
     outputs = list(map(sub, map(len, map(_TOKEN_IDS, decoding)), map(len, map(_PROMPT_IDS, decoding))))
-    return outputs, list(map(_MAX_TOKENS, decoding)), list(map(_OWN_K_MAX, decoding)), list(map(_ARRIVAL, decoding))
+    return outputs, list(map(_MAX_TOKENS, decoding)), list(map(_K_CAP, decoding)), list(map(_ARRIVAL, decoding))
 
 
 _INT_TYPES = {int, bool}  # what isinstance(k, int) takes
@@ -127,8 +127,8 @@ def cap_and_reserve(ks: list[int], decoding: list[Request], room: DraftRoom) -> 
     out = []
     for req, k in zip(decoding, ks):
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
-        if req.params.k_max is not None:
-            k = min(k, req.params.k_max)
+        if req.params.k_cap is not None:
+            k = min(k, req.params.k_cap)
         room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
         k = max(0, min(k, room))
         if k:

@@ -40,7 +40,7 @@ class RequestView(NamedTuple):
     num_tokens: int  # prompt + output so far (its context once the step's last token is fed)
     num_output_tokens: int
     max_tokens: int
-    k_max: int | None  # the request's own cap on k (None: none)
+    k_cap: int | None  # the request's own cap on k (None: none; the engine's is StepView.k_max)
     arrival_time: float
 
 
@@ -59,7 +59,7 @@ class RequestViews(Sequence):
     def __init__(self, source: list, ids: tuple[str, ...], num_tokens: list[int],
                  rest_of: Callable[[list], tuple]) -> None:
         """source: the requests, in order; ids and num_tokens: their RequestView fields; rest_of(source): the
-        other fields' columns in RequestView's order (num_output_tokens, max_tokens, k_max, arrival_time)."""
+        other fields' columns in RequestView's order (num_output_tokens, max_tokens, k_cap, arrival_time)."""
         self._source, self._rest_of, self._columns, self._rows = source, rest_of, None, None
         self.ids, self.num_tokens, self.context = ids, num_tokens, sum(num_tokens)
 

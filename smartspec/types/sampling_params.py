@@ -76,9 +76,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # Cap this request's speculation length (0 = never speculate); None = the engine's k_max (the config's
-    # num_speculative_tokens). The server's speculation.max_k maps here. For experiments.
-    k_max: int | None = None
+    # Cap this request's speculation length (0 = never speculate); None = the engine's K (the config's
+    # num_speculative_tokens, `k_max` in the engine). The server's speculation.max_k maps here.
+    k_cap: int | None = None
     # Log-probabilities (the target's log-softmax) of each output token with this many alternatives (0-20);
     # None = not computed. prompt_logprobs: the same for the prompt's tokens (the first has none).
     logprobs: int | None = None
@@ -121,7 +121,7 @@ class SamplingParams:
             if not is_int(value) or value < low or (high is not None and value > high):
                 raise ParamError(name, f"{name} must be {what}, got {value!r}")
         for name, high, what in (("seed", None, "a non-negative integer"),
-                                 ("k_max", None, "an integer >= 0"),
+                                 ("k_cap", None, "an integer >= 0"),
                                  ("logprobs", 20, "an integer in [0, 20] (alternatives per token)"),
                                  ("prompt_logprobs", 20, "an integer in [0, 20] (alternatives per token)")):
             value = getattr(self, name)  # these may be None: unset
