@@ -9,7 +9,7 @@ from policy_views import view
 
 from smartspec import SamplingParams
 from smartspec.policy import GoodputPolicy
-from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance, log_gamma
+from smartspec.policy.acceptance import AcceptanceEstimator, ChainAcceptance, EstimatorSettings, log_gamma
 from smartspec.policy.goodput import chain_gains, select_from_gains
 from smartspec.types.request import Request
 
@@ -135,7 +135,8 @@ def test_log_gamma_matches_the_standard_library():
 def test_a_cold_estimator_trusts_a_new_requests_outcomes_as_they_accumulate():
     """Before any request finished: one rejected first draft barely moves a request (prompt lookup often misses on
     an answer's first tokens), a run of rejections moves it as far as the weakest prior would."""
-    cold, weak, strong = (AcceptanceEstimator(prior_alpha=0.5, prior_strength=s) for s in (None, 4.0, 64.0))
+    cold, weak, strong = (AcceptanceEstimator(prior_alpha=0.5, settings=EstimatorSettings(prior_strength=s))
+                          for s in (None, 4.0, 64.0))
     for est in (cold, weak, strong):
         for _ in range(50):  # other requests: 0.9
             est.observe("other", 5, 5)
@@ -189,7 +190,7 @@ def test_a_step_of_outcomes_counts_as_its_outcomes_one_at_a_time():
     assert many.prior_counts.accepted == pytest.approx(one.prior_counts.accepted, rel=1e-12)
     assert many.prior_counts.rejected == pytest.approx(one.prior_counts.rejected, rel=1e-12)
     assert many.alphas(ids) == pytest.approx(one.alphas(ids), rel=1e-12)
-    manual = AcceptanceEstimator(prior_alpha=0.5, request_decay=0.5)
+    manual = AcceptanceEstimator(prior_alpha=0.5, settings=EstimatorSettings(request_decay=0.5))
     manual.observe("x", 4, 4)
     for _ in range(3):
         manual.tick()

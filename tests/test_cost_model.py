@@ -9,7 +9,8 @@ from costs import runs_verify, seen_verify, true_verify
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy
-from smartspec.policy.cost_model import NormalEquations, StepCostModel, nonnegative_lstsq, verify_features
+from smartspec.policy.cost_model import (CostFitSettings, NormalEquations, StepCostModel, nonnegative_lstsq,
+                                         verify_features)
 from smartspec.types.plan import chunk_context
 from smartspec.types.step_record import StepRecord
 
@@ -63,7 +64,7 @@ def test_a_fit_on_some_features_equals_one_built_on_those_features_alone():
 
 
 def test_cost_model_refuses_nonsense_and_keeps_the_last_good_fit():
-    model = StepCostModel(window=16)
+    model = StepCostModel(CostFitSettings(window=16))
     for n in (1, 2, 4, 8, 12, 16):
         model.observe(n, 100, 0, 0, 0.0, true_verify(n, 100))
     good = list(model.v)
@@ -105,7 +106,7 @@ def stalled_steps(model, steps, rng, stall_rate, speed=1.0):
 def test_cost_model_leaves_stalled_steps_out_of_the_fit():
     fits = {}
     for cut in (0.0, 3.5):  # 0: plain least squares, the fit before stalls were left out
-        model = StepCostModel(outlier_cut=cut)
+        model = StepCostModel(CostFitSettings(outlier_cut=cut))
         stalled_steps(model, 300, random.Random(0), stall_rate=0.08)
         fits[cut] = [model.predict_verify(n, 400) / true_verify(n, 400) for n in range(1, 9)]
     assert all(r == pytest.approx(1.0, abs=0.06) for r in fits[3.5])

@@ -92,11 +92,30 @@ class Counts:
 ACCEPTED, REJECTED, AT, TOTAL_ACCEPTED, TOTAL_REJECTED = range(5)
 
 
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """How AcceptanceEstimator weighs evidence: the prior's strength (None: learned from finished requests, within
+    strength_range, from the last finished_window of them once min_finished with min_outcomes each have finished;
+    until then averaged over cold_strengths strengths), how fast a request's and the prior's counts decay, and the
+    ceiling of an estimate."""
+    prior_strength: float | None = None
+    request_decay: float = 0.9
+    prior_decay: float = 0.995
+    max_alpha: float = 0.99
+    strength_range: tuple[float, float] = (4.0, 64.0)
+    finished_window: int = 64
+    min_finished: int = 8
+    min_outcomes: int = 8
+    cold_strengths: int = 5
+
+
 class AcceptanceEstimator:
-    def __init__(self, prior_alpha: float = 0.5, prior_strength: float | None = None, request_decay: float = 0.9,
-                 prior_decay: float = 0.995, max_alpha: float = 0.99, strength_range: tuple[float, float] = (4.0, 64.0),
-                 finished_window: int = 64, min_finished: int = 8, min_outcomes: int = 8,
-                 cold_strengths: int = 5) -> None:
+    def __init__(self, prior_alpha: float = 0.5, settings: EstimatorSettings = EstimatorSettings()) -> None:
+        prior_strength, request_decay, prior_decay, max_alpha, strength_range = (
+            settings.prior_strength, settings.request_decay, settings.prior_decay, settings.max_alpha,
+            settings.strength_range)
+        finished_window, min_finished, min_outcomes, cold_strengths = (
+            settings.finished_window, settings.min_finished, settings.min_outcomes, settings.cold_strengths)
         self.initial_prior = prior_alpha
         # an estimator whose prior stands in for initial_prior (ChainAcceptance: later tokens start as first ones)
         self.follows: AcceptanceEstimator | None = None

@@ -34,6 +34,7 @@ does not keep a quiet machine's fit, nor the draft cost it has not re-measured s
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -145,18 +146,31 @@ def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     return float(values[order][np.searchsorted(cumulative, 0.5 * cumulative[-1])])
 
 
+@dataclass(frozen=True)
+class CostFitSettings:
+    """How StepCostModel fits: the steps it keeps and how they age, its ridge, the robust fit's cut and rounds,
+    the profile prior's weight, and what reads as a change of speed (SpeedChange)."""
+    window: int = 256  # steps kept
+    forget: float = 0.99  # a step's weight a step later
+    ridge: float = 1e-6
+    min_samples: int = 4
+    # a step whose relative residual lies this many robust deviations from the typical one is left out of the
+    # fit (0: plain least squares); robust_rounds: refits at most, until the set left out stops changing
+    outlier_cut: float = 3.5
+    robust_rounds: int = 4
+    prior_weight: float = 4.0  # steps the warm-up profile's fit weighs as (hold_prior)
+    change_steps: int = 16
+    change_factor: float = 1.3
+
+
 class StepCostModel:
-    def __init__(self, window: int = 256, forget: float = 0.99, ridge: float = 1e-6, min_samples: int = 4,
-                 outlier_cut: float = 3.5, robust_rounds: int = 4, prior_weight: float = 4.0,
-                 change_steps: int = 16, change_factor: float = 1.3) -> None:
-        self.window = window
-        # a step whose relative residual lies this many robust deviations from the typical one is left out of the
-        # fit (0: plain least squares); robust_rounds: refits at most, until the set left out stops changing
-        self.outlier_cut = outlier_cut
-        self.robust_rounds = robust_rounds
-        self.forget = forget
-        self.ridge = ridge
-        self.min_samples = min_samples
+    def __init__(self, settings: CostFitSettings = CostFitSettings()) -> None:
+        self.window = window = settings.window
+        self.outlier_cut = settings.outlier_cut
+        self.robust_rounds = settings.robust_rounds
+        self.forget = settings.forget
+        self.ridge = settings.ridge
+        self.min_samples = settings.min_samples
         self.steps = 0  # steps observed: the clock samples age by
         self.verify_samples: deque = deque(maxlen=window)  # (n, c, seconds, step)
         self.draft_samples: deque = deque(maxlen=window)  # (depth, sum_k, catch-up tokens, seconds, step)
@@ -165,14 +179,14 @@ class StepCostModel:
         self.refused = 0
         # the warm-up profile's fit, which the running fit is drawn toward with the weight of prior_weight steps
         # (see hold_prior); None until held
-        self.prior_weight = prior_weight
+        self.prior_weight = settings.prior_weight
         self.v_prior: np.ndarray | None = None
         self.d_prior: np.ndarray | None = None
         # relative errors of the fit's prediction of each step, for the shape that step really had (made before
         # the step is added to the fit)
         self.errors: deque = deque(maxlen=window)
         # a run of steps far off the fit after steps it predicted well: a load came or went (see forget_before)
-        self.speed = SpeedChange(change_steps, change_factor)
+        self.speed = SpeedChange(settings.change_steps, settings.change_factor)
 
     # ---- prediction ---------------------------------------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from smartspec.policy.cost_model import StepCostModel
+from smartspec.policy.cost_model import CostFitSettings, StepCostModel
 
 
 def trace_rows(paths: list[str | Path]) -> list[dict]:
@@ -30,7 +30,7 @@ class SimProfile:
         rows = trace_rows(paths)
         if not rows:
             raise ValueError(f"no steps in {paths}")
-        cost = StepCostModel(window=len(rows), forget=1.0)  # every measured step counts the same
+        cost = StepCostModel(CostFitSettings(window=len(rows), forget=1.0))  # every measured step counts the same
         counts: dict[str, list[float]] = {}
         for r in rows:
             cost.observe(r["num_batched_tokens"], r["num_context_tokens"], max(r["proposed"], default=0),
