@@ -28,12 +28,12 @@ def _greedy(engine: LLMEngine, n: int = 24) -> list[list[int]]:
 def test_tp2_equals_tp1(ray_serve, tiny_qwen):
     from transformers import AutoModelForCausalLM
 
-    from deployments.replica.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner, TPSettings
 
     config = EngineConfig(model=tiny_qwen, num_kv_blocks=64, max_model_len=256, use_kernels=False)
     single = LLMEngine(config)
     sharded = LLMEngine(config, runner_factory=lambda loaded, blocks: TPModelRunner(
-        loaded, blocks, 2, "float32", "cpu", num_cpus=0.1, num_threads=1))
+        loaded, blocks, TPSettings(2, num_cpus=0.1, num_threads=1)))
     try:
         assert sharded.model is None  # the replica holds no weights: the ranks do
         assert [len(w) for w in [sharded.runner.workers]] == [2]
@@ -61,7 +61,7 @@ def test_tp2_on_quantized_weights_equals_tp1(ray_serve, tiny_gguf, quantization)
     """Each rank holds its part of the GGUF blocks (768 intermediate features in 256-weight superblocks: 256 and
     512); the sharded target, speculating, gives the sharded target's plain greedy output token for token, and one
     process's (where the two part, only at a proven near-tie)."""
-    from deployments.replica.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner, TPSettings
     from smartspec.runtime import kernels
 
     if kernels.load() is None or (quantization == "gguf" and not kernels.load().q8_linear_available()):
@@ -71,7 +71,7 @@ def test_tp2_on_quantized_weights_equals_tp1(ray_serve, tiny_gguf, quantization)
 
     def tp2(engine_config: EngineConfig) -> LLMEngine:
         return LLMEngine(engine_config, runner_factory=lambda loaded, blocks: TPModelRunner(
-            loaded, blocks, 2, "float32", "cpu", num_cpus=0.1, num_threads=1, quantization=quantization))
+            loaded, blocks, TPSettings(2, quantization=quantization, num_cpus=0.1, num_threads=1)))
 
     single = LLMEngine(config)
     sharded, sharded_plain = tp2(EngineConfig(**{**config.__dict__, "speculative_config": spec})), tp2(config)
@@ -120,9 +120,9 @@ def _check_served_tp_app(url, model, sharded, options):
 
 
 def test_tp_refuses_heads_it_cannot_split(ray_serve, tiny_qwen):
-    from deployments.replica.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner, TPSettings
 
     config = EngineConfig(model=tiny_qwen, num_kv_blocks=64, max_model_len=256, use_kernels=False)
     with pytest.raises(ValueError, match="cannot be split over tensor_parallel_size=3"):
         LLMEngine(config, runner_factory=lambda loaded, blocks: TPModelRunner(
-            loaded, blocks, 3, "float32", "cpu", num_cpus=0.1, num_threads=1))
+            loaded, blocks, TPSettings(3, num_cpus=0.1, num_threads=1)))

@@ -15,14 +15,12 @@ def runner_factory(cfg: AppConfig) -> Callable | None:
     """Tensor-parallel workers for the target where tensor_parallel_size > 1; None: the engine's own runner."""
     if cfg.tensor_parallel_size == 1:
         return None
-    from deployments.replica.tp_workers import TPModelRunner
+    from deployments.replica.tp_workers import TPModelRunner, TPSettings
 
-    gpus = 1 if cfg.device == "cuda" else 0
     engine = cfg.engine_config()  # quantization and dtype as the engine reads them ("auto" resolved)
-    quantization, dtype = engine.quantization, engine.dtype
-    return lambda loaded, blocks: TPModelRunner(loaded, blocks, cfg.tensor_parallel_size, dtype, cfg.device,
-                                                cfg.tp_num_cpus, cfg.threads, num_gpus=gpus,
-                                                quantization=quantization)
+    settings = TPSettings(cfg.tensor_parallel_size, engine.dtype, cfg.device, engine.quantization, cfg.tp_num_cpus,
+                          1 if cfg.device == "cuda" else 0, cfg.threads)
+    return lambda loaded, blocks: TPModelRunner(loaded, blocks, settings)
 
 
 def draft_factory(cfg: AppConfig, replica_id: str, named: Callable[[str], None]) -> Callable:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -73,13 +74,26 @@ class TPWorker:
         self.runner.copy_kv(src_slots, dst_slots)
 
 
+@dataclass(frozen=True)
+class TPSettings:
+    """The ranks of a sharded target: how many, the weights' dtype, device and format, and each rank actor's
+    Ray resources and torch threads."""
+    size: int
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str | None = None
+    num_cpus: float = 0.25
+    num_gpus: float = 0
+    num_threads: int | None = None
+
+
 class TPModelRunner:
     """Stands in for the engine's ModelRunner: same forward(items) -> logits, computed by the rank actors."""
     padded_shapes = None  # and unpadded
 
-    def __init__(self, loaded: LoadedModel, blocks: BlockManager, tp_size: int, dtype: str, device: str,
-                 num_cpus: float, num_threads: int | None, num_gpus: float = 0,
-                 quantization: str | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, blocks: BlockManager, settings: TPSettings) -> None:
+        tp_size, dtype, device, quantization = settings.size, settings.dtype, settings.device, settings.quantization
+        num_cpus, num_gpus, num_threads = settings.num_cpus, settings.num_gpus, settings.num_threads
         self.blocks = blocks
         try:  # refuse here, before any worker starts
             kv_heads_per_rank(loaded.config, tp_size)

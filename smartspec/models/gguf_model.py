@@ -11,6 +11,8 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -90,14 +92,27 @@ def _dense(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
 
-def _place(model: nn.Module, f, tensor, order: np.ndarray | None, linear, ext,
-           biases: dict[str, torch.Tensor], plan: ShardPlan | None, requantize: bool) -> PackedRows | None:
+@dataclass
+class _Placing:
+    """What placing every tensor of a file shares: the model, how a quantized linear is made (linear(blocks, ext)),
+    the biases gathered for after, this rank's shard plan, and whether wide blocks are requantized."""
+    model: nn.Module
+    linear: Callable
+    ext: object
+    biases: dict[str, torch.Tensor]
+    plan: ShardPlan | None
+    requantize: bool
+
+
+def _place(into: _Placing, f, tensor, order: np.ndarray | None) -> PackedRows | None:
     """Put one GGUF tensor in the model (this rank's part of it, under a shard plan); returns the token
     embedding's blocks when this is it."""
     from accelerate.utils import set_module_tensor_to_device
 
     from smartspec.runtime.quant_linear import QuantEmbedding
 
+    model, linear, ext, biases, plan, requantize = (into.model, into.linear, into.ext, into.biases, into.plan,
+                                                     into.requantize)
     name, kind = hf_name(tensor.name), tensor.tensor_type.name
     (n, k), vector = _shape(tensor), len(tensor.shape) == 1
     module_name, _, attr = name.rpartition(".")
@@ -178,6 +193,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
     if shard is not None and shard.world > 1:
         kinds = {hf_name(t.name).rpartition(".")[0]: t.tensor_type.name for t in tensors if t.name.endswith("weight")}
         plan = ShardPlan(config, shard, lambda module: FORMATS[kinds[module]][1] if kinds.get(module) in FORMATS else 1)
+    placing = _Placing(model, linear, ext, biases, plan, requantize)
     with open(gguf_file, "rb") as f:
         for tensor in tensors:
             release_freed_memory()  # the last tensor's temporaries, before the next one's
@@ -185,7 +201,7 @@ def load_gguf_model(model_dir: str, gguf_file: str, ext, int8_activations: bool 
             permuted = config.model_type == "llama" and part in heads
             order = _rotary_order(_shape(tensor)[0] if len(tensor.shape) > 1 else int(tensor.shape[0]),
                                   heads[part]) if permuted else None
-            embedding_rows = _place(model, f, tensor, order, linear, ext, biases, plan, requantize) or embedding_rows
+            embedding_rows = _place(placing, f, tensor, order) or embedding_rows
     for module_name, bias in biases.items():
         bias = bias if plan is None else plan.bias(module_name, bias)
         model.get_submodule(module_name).bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
