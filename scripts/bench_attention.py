@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,18 @@ SHAPES = [(1, 1, 256), (1, 5, 256), (1, 1, 4096), (64, 1, 256), (64, 5, 256), (6
 QUICK = [(1, 1, 40), (3, 5, 70), (2, 64, 64)]
 
 
-def make_case(rows, width, ctx, heads, kv_heads, dim, block, dtype, device, seed=0):
+class Heads(NamedTuple):
+    """The attention's shape: query heads, KV heads, head dim, and the KV cache's block size."""
+    heads: int
+    kv_heads: int
+    dim: int
+    block: int
+
+
+def make_case(rows: int, width: int, ctx: int, shape: Heads, dtype, device, seed: int = 0):
+    """rows of `width` queries each over up to `ctx` cached positions in scattered blocks: q, K and V caches, and
+    the query group that reads them."""
+    heads, kv_heads, dim, block = shape
     g = torch.Generator().manual_seed(seed)
     lengths = [ctx] + [int(x) for x in torch.randint(max(width, ctx // 2), ctx + 1, (rows - 1,), generator=g)]
     nblocks = [-(-n // block) for n in lengths]
@@ -113,13 +125,14 @@ def main(argv=None) -> int:
     ap = arguments()
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    heads, kv_heads, dim, block = (12, 2, 128, 16) if not args.quick else (4, 2, 16, 16)
+    shape = Heads(12, 2, 128, 16) if not args.quick else Heads(4, 2, 16, 16)
+    heads, kv_heads, dim, block = shape
     backends = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     rows_out = []
     print(f"{'rows':>4s} {'width':>5s} {'ctx':>5s} {'form':12s} {'kernel':9s} {'ms':>8s} {'max err':>8s}", flush=True)
     for rows, width, ctx in (QUICK if args.quick else SHAPES):
-        q, k, v, g = make_case(rows, width, ctx, heads, kv_heads, dim, block, dtype, args.device)
+        q, k, v, g = make_case(rows, width, ctx, shape, dtype, args.device)
         scale = dim ** -0.5
         ref = reference(q, k, v, g, scale)
         layout = lay_out(g, block, heads // kv_heads)  # once per step: what a layer reuses
@@ -146,7 +159,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     attention._kernels.clear()
-    q, k, v, g = make_case(1, 1, 64, heads, kv_heads, dim, block, dtype, args.device)
+    q, k, v, g = make_case(1, 1, 64, shape, dtype, args.device)
     _torch_paged_attention(q, k, v, [lay_out(g, block, heads // kv_heads)], dim ** -0.5, 0)
     print(f"the kernel the folded form chooses on its own: {attention.attention_kernels()}")
     (out / "bench_attention.json").write_text(json.dumps(

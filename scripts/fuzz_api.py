@@ -299,10 +299,33 @@ def draw_requests(model: str, num_requests: int, seed: int) -> list[tuple[str, d
     return drawn[:num_requests]
 
 
-def fuzz(url: str, model: str, num_requests: int, timeout: float = 120, handle=None, key: str | None = None,
-         out: Path | None = None, seed: int = 0, progress: bool = True, clients: int = 1) -> tuple[Tally, bool]:
-    """Send num_requests drawn requests from `clients` at once (every fourth through the handle, when given); the
-    tally and whether the server is healthy with its KV blocks free afterwards."""
+@dataclass(frozen=True)
+class FuzzTarget:
+    """The server fuzzed: its URL, the model name clients send, its Serve handle (None: HTTP alone), its API key."""
+    url: str
+    model: str
+    handle: object = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class FuzzRun:
+    """How many requests, from how many clients at once, each waited on for at most timeout seconds; the seed
+    they are drawn from, where raw rows go (None: nowhere) and whether progress is printed."""
+    num_requests: int
+    timeout: float = 120
+    clients: int = 1
+    seed: int = 0
+    out: Path | None = None
+    progress: bool = True
+
+
+def fuzz(target: FuzzTarget, run: FuzzRun) -> tuple[Tally, bool]:
+    """Send run.num_requests drawn requests from run.clients at once (every fourth through the handle, when
+    given); the tally and whether the server is healthy with its KV blocks free afterwards."""
+    url, model, handle, key = target.url, target.model, target.handle, target.key
+    num_requests, timeout, out, seed, progress, clients = (run.num_requests, run.timeout, run.out, run.seed,
+                                                           run.progress, run.clients)
     tally, rows, lock = Tally(), [], threading.Lock()
     local = threading.local()
 
@@ -380,13 +403,14 @@ def main() -> None:
     handle = None if args.no_handle else serve_handle(args.app)
     print(f"fuzzing {args.url} ({model}) with {args.requests} requests from {args.clients} clients"
           f"{' and its Serve handle' if handle is not None else ''}", file=sys.stderr)
-    tally, back = fuzz(args.url, model, args.requests, args.timeout, handle=handle, key=args.api_key,
-                       out=Path(args.out), seed=args.seed, clients=args.clients)
+    tally, back = fuzz(FuzzTarget(args.url, model, handle, args.api_key),
+                       FuzzRun(args.requests, args.timeout, args.clients, args.seed, Path(args.out)))
     for failure in tally.failures[:20]:
         print(json.dumps(failure, default=repr)[:600])
     print(f"statuses {dict(sorted(tally.by_status.items()))}; 4xx without a message {tally.unnamed}; "
           f"raw rows: {args.out}")
-    print(f"requests {tally.requests}; 5xx {tally.server_errors}; hangs {tally.hangs}; kv back {'yes' if back else 'no'}")
+    print(f"requests {tally.requests}; 5xx {tally.server_errors}; hangs {tally.hangs}; "
+          f"kv back {'yes' if back else 'no'}")
 
 
 if __name__ == "__main__":

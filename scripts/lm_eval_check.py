@@ -63,11 +63,19 @@ def write_tasks(folder: Path, docs: int, seed: int) -> None:
         "    higher_is_better: true\n    regexes_to_ignore: [\"\\\\s\", \"`\"]\n")
 
 
-def run_lm_eval(lm_eval: str, model_type: str, task: str, url: str, model: str, tokenizer: str, tasks: Path,
-                out: Path, chat: bool) -> dict:
-    args = f"model={model},base_url={url},tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=1," \
-           "max_retries=1,timeout=600"
-    cmd = [lm_eval, "--model", model_type, "--model_args", args, "--include_path", str(tasks), "--tasks", task,
+# what lm-eval runs against the server, per kind of check: its model type, the task, the endpoint, whether chat
+LM_EVAL_RUNS = {"mc": ("local-completions", "smartspec_names_mc", "/v1/completions", False),
+                "gen": ("local-chat-completions", "smartspec_names_gen", "/v1/chat/completions", True)}
+
+
+def run_lm_eval(args, kind: str, tokenizer: str, tasks: Path) -> dict:
+    """lm-eval's run of one check (LM_EVAL_RUNS) against the server, its outputs under args.out/<kind>: the
+    logged samples and the task's results."""
+    model_type, task, endpoint, chat = LM_EVAL_RUNS[kind]
+    lm_eval, url, model, out = args.lm_eval, f"{args.url}{endpoint}", args.model, Path(args.out).resolve() / kind
+    model_args = f"model={model},base_url={url},tokenizer={tokenizer},tokenizer_backend=huggingface," \
+                 "num_concurrent=1,max_retries=1,timeout=600"
+    cmd = [lm_eval, "--model", model_type, "--model_args", model_args, "--include_path", str(tasks), "--tasks", task,
            "--output_path", str(out), "--log_samples", "--batch_size", "1"]
     if chat:
         cmd.append("--apply_chat_template")
@@ -113,10 +121,7 @@ def main() -> int:
     tasks = out / "tasks"
     write_tasks(tasks, args.docs, args.seed)
     path = resolve(args.model)
-    mc = run_lm_eval(args.lm_eval, "local-completions", "smartspec_names_mc", f"{args.url}/v1/completions",
-                     args.model, path, tasks, out / "mc", chat=False)
-    gen = run_lm_eval(args.lm_eval, "local-chat-completions", "smartspec_names_gen",
-                      f"{args.url}/v1/chat/completions", args.model, path, tasks, out / "gen", chat=True)
+    mc, gen = run_lm_eval(args, "mc", path, tasks), run_lm_eval(args, "gen", path, tasks)
     llm = LLM(args.model, kv_cache_gib=0.5, max_model_len=4096)
     mc_rows, same_values, correct = score_choices(llm, mc["samples"])
     gen_rows, gen_same, gen_correct = score_generations(llm, gen["samples"])

@@ -963,9 +963,9 @@ def test_a_hundred_fuzzed_requests_get_no_5xx_and_free_every_block(app):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from fuzz_api import fuzz
+    from fuzz_api import FuzzRun, FuzzTarget, fuzz
 
-    tally, back = fuzz(app, "tiny", 100, timeout=120, handle=serve.get_app_handle("main"), progress=False)
+    tally, back = fuzz(FuzzTarget(app, "tiny", serve.get_app_handle("main")), FuzzRun(100, timeout=120, progress=False))
     assert tally.requests == 100 and tally.by_status.get("200", 0) > 0
     assert (tally.server_errors, tally.hangs, tally.unnamed) == (0, 0, 0), tally.failures[:3]
     assert back
