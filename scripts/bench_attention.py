@@ -11,7 +11,8 @@ Each form is checked against the reference (fp32 math) before it is timed.
     python scripts/bench_attention.py                      # on a GPU: the default pair's head shapes, bf16
     python scripts/bench_attention.py --device cpu --quick # the script itself on a CPU (seconds)
 
-Prints one line per shape and form (kernel, ms, max error); writes <out>/bench_attention.json."""
+Prints one line per shape and form (kernel, ms, max error); writes <out>/bench_attention.json.
+Its figures: docs/benchmarks.md, "On a GPU" (the attention kernels chosen there)."""
 from __future__ import annotations
 
 import argparse

@@ -10,7 +10,8 @@
     python scripts/bench_draft_quant.py                   # ~6 min on 2 cores
     python scripts/bench_draft_quant.py --rounds 5 --max-tokens 96
 
-Prints a table, writes the raw rows to --out (JSON) and a plot beside it (PNG)."""
+Prints a table, writes the raw rows to --out (JSON) and a plot beside it (PNG).
+Its figures: docs/benchmarks.md, "Weights, prefix cache, speculation alone" (the re-quantized draft)."""
 from __future__ import annotations
 
 import argparse

@@ -15,7 +15,8 @@ median of each round's ratio to plain decoding. Then the cost of verifying k + 1
 speculation against plain decoding (in the run's dtype and in float32; each parting diagnosed as a near-tie or a
 wrong token), and sampled speculation with chains and trees. "steady" counts decode steps without a prefill chunk
 or a draft catching up on a prompt. Prints the table; writes <out>/bench_gpu.json (every number) and
-<out>/bench_gpu.png (the policy's fitted step time by batched tokens, beside the measured steps)."""
+<out>/bench_gpu.png (the policy's fitted step time by batched tokens, beside the measured steps).
+Its figures: docs/benchmarks.md, "On a GPU"."""
 from __future__ import annotations
 
 import argparse

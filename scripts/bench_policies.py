@@ -27,7 +27,7 @@ row per run), <out>/bench_policies_bar.md and <out>/bench_policies.png (pooled m
 With --trace-dir, the bar also comes at equal box speed: the per-repeat latency ratios fitted against how fast the
 box ran the two runs' plain decode steps of the same batch size, read where those ran equally fast
 (smartspec.bench.report.plain_forward_ratio, speed_adjusted).
-"""
+Its figures: docs/benchmarks.md, "Latency against load"."""
 from __future__ import annotations
 
 import argparse

@@ -7,7 +7,7 @@ for one of the next problems. Requests are served one after another (the first o
     python scripts/bench_prefix.py --model qwen2.5-coder-1.5b --requests 6 --repeats 2
 
 Prints a table; writes results/bench_prefix.parquet and results/bench_prefix.png.
-"""
+Its figures: docs/benchmarks.md, "Weights, prefix cache, speculation alone" (prefix caching)."""
 from __future__ import annotations
 
 import argparse

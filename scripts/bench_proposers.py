@@ -9,14 +9,16 @@ model or suffix speculation, chosen per request and step).
 --repeats R runs every (method, rate) R times, back to back per rate and in reversed order on odd repeats, so a
 drift of the box's speed falls on all methods alike; each (workload, method) keeps one policy for the whole run, as
 a server would, and each run starts with empty prefix caches and an empty cache of finished outputs. Prints a table
-per run and the bar (the mixed choice against the best single method, per workload and rate, pooled over repeats: ratio of mean latencies
-with its standard error over repeats); writes <out>/bench_proposers.parquet (one row per request),
-<out>/bench_proposers_summary.parquet (one row per run), <out>/bench_proposers_bar.md and <out>/bench_proposers.png.
+per run and the bar (the mixed choice against the best single method, per workload and rate, pooled over repeats:
+ratio of mean latencies with its standard error over repeats); writes <out>/bench_proposers.parquet (one row per
+request), <out>/bench_proposers_summary.parquet (one row per run), <out>/bench_proposers_bar.md and
+<out>/bench_proposers.png.
 
     python scripts/bench_proposers.py --rates 0.1 0.3 --requests 6 --max-tokens 64 --out results/proposers
     python scripts/bench_proposers.py --workloads edit --methods off suffix mixed --rates 0.2 --requests 3
     python scripts/bench_proposers.py --report results/run1 results/run2 --out results/pooled
-"""
+
+Its figures: docs/benchmarks.md, "Proposers per workload"."""
 from __future__ import annotations
 
 import argparse

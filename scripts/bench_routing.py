@@ -22,7 +22,8 @@ the light bundled model (smollm2-135m, suffix speculation chosen by the goodput 
 Prints a table per part; writes results/routing/bench_routing.json (every request, every count) and
 bench_routing.png. Its last line: `hit-rate ratio R; completed C; errored after first token E; lost L;
 duplicated D`. Everything it starts is stopped at the end. Needs the model fetched (`smartspec models fetch
-smollm2-135m`) and ports 6390 and 8000 free."""
+smollm2-135m`) and ports 6390 and 8000 free.
+Its figures: docs/benchmarks.md, "Several replicas"; docs/serving.md, "Several replicas"."""
 from __future__ import annotations
 
 import argparse

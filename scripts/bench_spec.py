@@ -12,7 +12,8 @@ Prints a table; writes results/bench_spec.parquet and results/bench_spec.png.
     python scripts/bench_spec.py                     # everything (about 30 min on 2 cores)
     python scripts/bench_spec.py --variants chat --batches 1 --max-tokens 32   # a quick look
     python scripts/bench_spec.py --no-transformers --ks 3 5 --trees 3:2:2 5:3:2 5:2:4   # chains vs trees
-"""
+
+Its figures: docs/benchmarks.md, "Weights, prefix cache, speculation alone" (speculation on HumanEval)."""
 from __future__ import annotations
 
 import argparse

@@ -6,7 +6,8 @@ one-token decode is given two ways: the ratio of the medians, and the geometric 
 with its standard error (the box's drift cancels there). Prints a table, writes results/bench_step.parquet and a PNG.
 
     python scripts/bench_step.py --models qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-"""
+
+Its figures: docs/benchmarks.md, "Step cost"."""
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,8 @@ def bench_engine(model: str, reps: int, quantization: str | None, context: int) 
         engine.add_request(torch.randint(100, 5000, (context,), generator=gen).tolist(), request_id=f"b{i}")
     while any(r.num_computed_tokens < context for r in engine.requests.values()):
         batch = engine.scheduler.schedule()
-        engine.runner.forward([ForwardItem(s.request, s.request.token_ids[s.request.num_computed_tokens:][:s.num_tokens],
-                                           s.request.num_computed_tokens, 0) for s in batch])
+        engine.runner.forward([ForwardItem(s.request, s.request.token_ids[s.request.num_computed_tokens:]
+                                           [:s.num_tokens], s.request.num_computed_tokens, 0) for s in batch])
         for s in batch:
             s.request.num_computed_tokens += s.num_tokens
     reqs = [engine.requests[f"b{i}"] for i in range(16)]

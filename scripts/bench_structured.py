@@ -11,7 +11,8 @@ Prints a table; writes results/structured/bench_structured.json (every request) 
 
     python scripts/bench_structured.py                        # everything, ~12 min on 2 cores
     python scripts/bench_structured.py --parts mask           # the mask cost alone, seconds
-"""
+
+Its figures: docs/benchmarks.md, "Structured and predicted outputs"."""
 from __future__ import annotations
 
 import argparse
@@ -144,7 +145,8 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft, "k": args.k}
+    results = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "target": args.target, "draft": args.draft,
+               "k": args.k}
     spec = SpeculativeConfig(method="draft_model", model=args.draft, num_speculative_tokens=args.k, policy="smartspec")
     llm = LLM(args.target, speculative_config=spec, max_model_len=2048, kv_cache_gib=1.0)
     tok = llm.tokenizer

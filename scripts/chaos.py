@@ -28,7 +28,8 @@ duplicated (a choice answered twice); hung (no end within --hang-s); and the sec
 the client's own and are counted apart. Then the named errors and the losses, itemized by cause. Afterwards every
 replica's KV blocks must be free. The last line: `faults F; requests R; completed C; named errors E; lost L;
 duplicated D; hung H`. Raw rows go to --out.
-Needs the models fetched, and nothing else on ports 6390, 6391, 8000 and 8001."""
+Needs the models fetched, and nothing else on ports 6390, 6391, 8000 and 8001.
+Its figures: docs/benchmarks.md, "Faults under load (chaos)"; docs/serving.md, "Operating under faults"."""
 from __future__ import annotations
 
 import argparse

@@ -6,7 +6,8 @@ sampling controls. Every greedy answer is compared with the same request sent wi
 
     serve run config.yaml &                       # the default pair, draft-model speculation on
     python scripts/check_openai_features.py       # ~5 min on 2 cores; writes results/openai_features.json
-"""
+
+Its figures: docs/serving.md, "Endpoints"."""
 from __future__ import annotations
 
 import argparse

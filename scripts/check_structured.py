@@ -12,7 +12,8 @@ results/structured_quality/answers.json (every answer) and quality.png.
 
     python scripts/check_structured.py                      # the default target, ~12 min on 2 cores
     python scripts/check_structured.py --limit 8            # the first 8 prompts
-"""
+
+Its figures: docs/benchmarks.md, "Structured and predicted outputs"."""
 from __future__ import annotations
 
 import argparse

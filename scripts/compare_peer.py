@@ -20,7 +20,8 @@ once ("[c1-r2-m0-alone-3] ..."), so no prefix cache serves a prompt it has seen.
 the speculating mode is asked round 1's plain questions again: its greedy answers must equal plain decode's. The
 box's read bandwidth is probed before each server. Writes <out>/runs.jsonl (one row per request),
 <out>/comparison.md (the table, and each of our servers' first round over its steady round), <out>/compare_peer.png
-and the servers' logs; prints the table with the CPU's name."""
+and the servers' logs; prints the table with the CPU's name.
+Its figures: docs/benchmarks.md, "Serving" (one user against llama.cpp); the README's figure."""
 from __future__ import annotations
 
 import argparse

@@ -14,7 +14,8 @@ last, `requests N; 5xx F; hangs H; kv back yes|no`, after a `statuses` line (how
 
     serve run config-light.yaml &            # or any served config
     python scripts/fuzz_api.py --requests 3000 --clients 8 [--url http://127.0.0.1:8000] [--app smartspec]
-"""
+
+Its figures: docs/benchmarks.md, "Fuzzing the API"; docs/serving.md, "Operating under faults"."""
 from __future__ import annotations
 
 import argparse

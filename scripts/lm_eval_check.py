@@ -10,7 +10,7 @@ packages of its own): make one with `python3 -m venv .venv-lmeval && .venv-lmeva
     python scripts/lm_eval_check.py --lm-eval .venv-lmeval/bin/lm_eval --docs 20
 
 Prints lm-eval's scores beside the offline engine's and how many per-sample values agree bit for bit; writes
-results/lm_eval/ (lm-eval's outputs and samples, check.parquet)."""
+results/lm_eval/ (lm-eval's outputs and samples, check.parquet). Its figures: docs/serving.md, "Third-party clients"."""
 from __future__ import annotations
 
 import argparse

@@ -6,7 +6,8 @@ tokens (no overlap, each window from scratch) by the engine's own forward (Model
 layers where they run). Prints a table; writes results/perplexity.parquet.
 
     python scripts/perplexity.py --model qwen2.5-coder-1.5b --tokens 2048
-"""
+
+Its figures: docs/benchmarks.md, "Weights, prefix cache, speculation alone" (perplexity)."""
 from __future__ import annotations
 
 import argparse

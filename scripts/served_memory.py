@@ -8,7 +8,7 @@ Reads every Ray Serve process on this machine (the LLMServer replicas, their dra
 workers, the HTTP front, the goodput controller, Serve's proxy and controller) from /proc: RSS now and its peak
 (VmHWM, the most the process ever held). Prints a table, and writes memory.parquet and memory.png to --out. The
 figure the docs quote for "the served pair" is the peak of the LLMServer process plus that of its draft actor,
-if any."""
+if any. Its figures: docs/serving.md, "Options" (draft_actor's memory)."""
 from __future__ import annotations
 
 import argparse

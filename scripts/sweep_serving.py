@@ -35,7 +35,7 @@ went, to tell a gap in what the servers did from a gap in how fast the box ran t
         --num-requests 5 --max-tokens 64 --cycles 2 --out results/sweep-v5
 
 --rates 0 --concurrency 4 keeps four requests in flight (each sent when one finishes): aggregate throughput under
-a steady load, the tok/s column of comparison.md."""
+a steady load, the tok/s column of comparison.md. Its figures: docs/benchmarks.md, "Serving"."""
 from __future__ import annotations
 
 import argparse

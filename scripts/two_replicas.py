@@ -7,7 +7,8 @@ It starts a head node and a second node (`ray start --head`, then `ray start --a
 CPU so that each replica's placement group, replica and draft actor, fits on one node only), deploys the
 application with `num_replicas: 2` and `quantization: gguf`, sends requests concurrently, and prints where each
 replica ran, how many steps and tokens it served, its RSS, and the goodput controller's merged state. Everything it
-started is stopped at the end. Needs the default models fetched and nothing else on ports 6390 and 8000."""
+started is stopped at the end. Needs the default models fetched and nothing else on ports 6390 and 8000.
+Its figures: docs/serving.md, "Several replicas"."""
 from __future__ import annotations
 
 import argparse

@@ -11,7 +11,7 @@ The simulator predicts one mean latency per (config, rate); the box does not rep
 differ by 10-40% on this VM). So besides each run's error it reports the error against the mean of the repeats
 (bench_policies --repeats), per (config, rate) and per rate, and the runs' own spread around that mean: the part
 of the per-run error no simulator could remove.
-Writes <results>/sim_validation.parquet and prints the tables."""
+Writes <results>/sim_validation.parquet and prints the tables. Its figures: docs/benchmarks.md, "Simulator"."""
 from __future__ import annotations
 
 import argparse
