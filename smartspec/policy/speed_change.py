@@ -20,6 +20,7 @@ class SpeedChange:
             raise ValueError(f"a speed change needs steps >= 1 and factor > 1, got {steps!r}, {factor!r}")
         self.steps, self.factor = steps, factor
         self.ratios: deque = deque(maxlen=2 * steps)  # the steps before the last `steps`, and those
+        self.slow = self.fast = 0  # of the last `steps` ratios, those over factor, and those under 1 / factor
         self.reference = None  # the coefficients ratios are taken against (what the caller passed)
         self.judged = 0  # ratios taken against the reference
         self.after_profile = False  # whether the steps before the first `steps` count as settled
@@ -37,28 +38,46 @@ class SpeedChange:
 
     def profiled(self) -> None:
         """The warm-up profile was just fitted: the fit is settled, and the next steps are judged against it."""
-        self.ratios.clear()
+        self._clear()
         self.reference, self.after_profile = None, True
+
+    def _clear(self) -> None:
+        self.ratios.clear()
+        self.slow = self.fast = 0
+
+    def _append(self, ratio: float) -> None:
+        """The ratio in, and the counts of the last `steps` kept: the one that leaves them (the `steps`-th from the
+        end) out. Counted as they come, not over the window every step (this runs every step)."""
+        ratios, factor = self.ratios, self.factor
+        if len(ratios) >= self.steps:
+            leaving = ratios[-self.steps]
+            self.slow -= leaving > factor
+            self.fast -= leaving < 1.0 / factor
+        ratios.append(ratio)
+        self.slow += ratio > factor
+        self.fast += ratio < 1.0 / factor
 
     def observe(self, ratio: float) -> int:
         """One step's measured over reference-predicted time. When it completes a change of speed: how many of the
         last steps ran at the new speed (the run of steps off the reference, this one included); else 0."""
-        self.ratios.append(ratio)
+        self._append(ratio)
         self.judged += 1
         if len(self.ratios) < self.steps:
             return 0
-        # in Python floats: a few dozen ratios every step, where numpy's per-call cost is most of the work
-        ratios = list(self.ratios)
-        before, recent = ratios[:-self.steps], ratios[-self.steps:]
-        settled = _settled(before) if len(before) == self.steps else self.after_profile
-        if len(before) == self.steps:
+        full = len(self.ratios) == 2 * self.steps  # `steps` before the last `steps`
+        after_profile = self.after_profile
+        if full:
             self.after_profile = False
-        slower = sum(x > self.factor for x in recent) / len(recent) >= 7 / 8
-        if not settled or not (slower or sum(x < 1.0 / self.factor for x in recent) / len(recent) >= 7 / 8):
+        slower = self.slow / self.steps >= 7 / 8
+        if not (slower or self.fast / self.steps >= 7 / 8):
+            return 0
+        # in Python floats: a few dozen ratios, where numpy's per-call cost is most of the work
+        ratios = list(self.ratios)
+        if not (_settled(ratios[:-self.steps]) if full else after_profile):
             return 0
         off = [x > self.factor if slower else x < 1.0 / self.factor for x in ratios]
         run = len(off) - (max(i for i, o in enumerate(off) if not o) + 1 if not all(off) else 0)
-        self.ratios.clear()
+        self._clear()
         self.reference, self.after_profile = None, False
         self.changes += 1
         return max(run, 1)
