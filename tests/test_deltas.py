@@ -63,3 +63,19 @@ def test_a_caller_that_leaves_while_a_delta_is_awaited_closes_the_source():
 
     first, second, log = asyncio.run(main())
     assert (first.text, second.text, log) == ("a", "b", ["closed"])
+
+
+def test_untimed_held_tokens_wait_for_the_next_delta():
+    """An answer sent whole: no waiting on a timer (nor a task per delta); held tokens go with the next delta."""
+    async def main():
+        gate = asyncio.Event()
+        gen = held(_source(3, gate, after=2), 0.001, timed=False)
+        first = await anext(gen)
+        later = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0.05)  # far past the interval: a timed hold would have sent "b" by now
+        waiting = not later.done()
+        gate.set()
+        return first, waiting, await later
+
+    first, waiting, rest = asyncio.run(main())
+    assert first.text == "a" and waiting and rest.text == "bc" and rest.finished

@@ -38,18 +38,19 @@ def delta_of(out: RequestOutput, first: bool, tokenizer) -> Delta:
                  else None)
 
 
-async def held(deltas: AsyncGenerator[Delta, None], hold_s: float) -> AsyncIterator[Delta]:
+async def held(deltas: AsyncGenerator[Delta, None], hold_s: float, timed: bool = True) -> AsyncIterator[Delta]:
     """The deltas as messages: each as it comes where hold_s is 0; else the first at once (the ingress sends
     headers on it, failover counts it as sent), then what came since as one delta at most every hold_s, and the
     last at once. A message a token costs the ingress and Serve's proxy CPU for every token (docs/benchmarks.md,
-    "The serving path"); held tokens are sent when hold_s has passed even if no more come (a request preempted,
-    a slow step), by waiting on the next delta with a timeout instead of for it."""
+    "The serving path"). timed (a stream): held tokens are sent when hold_s has passed even if no more come (a
+    request preempted, a slow step), by waiting on the next delta with a timeout instead of for it (a task per
+    delta while tokens are held); untimed (an answer sent whole, read at its end), they wait for the next delta."""
     pending: Delta | None = None
     sent = time.monotonic()
     upcoming: asyncio.Future | None = None  # the next delta, awaited across timeouts (never cancelled mid-wait)
     try:
         while True:
-            if pending is not None and upcoming is None:
+            if pending is not None and upcoming is None and timed:
                 upcoming = asyncio.ensure_future(anext(deltas))
             if upcoming is not None:
                 done, _ = await asyncio.wait({upcoming}, timeout=max(0.0, sent + hold_s - time.monotonic()))

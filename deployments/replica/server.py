@@ -107,7 +107,7 @@ class LLMServer:
         try:
             yield accepted
             hold_s = self.cfg.stream_interval_ms / 1e3 if call.streamed else HELD_DELTAS_S
-            async for ready in held(self._deltas(stream, started), hold_s):
+            async for ready in held(self._deltas(stream, started), hold_s, timed=call.streamed):
                 yield ready
         finally:
             self.orphans.remove(call.request_id)
