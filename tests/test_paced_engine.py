@@ -55,3 +55,11 @@ def test_bad_settings_are_refused():
     paced = PacedEngine(0.01, max_model_len=8)
     with pytest.raises(ValueError, match="max_model_len"):
         paced.check_request("a prompt longer than eight", SamplingParams())
+
+
+def test_an_output_keeps_the_tokens_of_its_own_step():
+    """As LLMEngine's: an output read after later steps (a replica behind its engine) counts its own tokens."""
+    paced = PacedEngine(0.001)
+    paced.add_request([1, 2], SamplingParams(max_tokens=5), "r")
+    first, second = paced.step()[0], paced.step()[0]
+    assert len(first.token_ids) == 1 and len(second.token_ids) == 2

@@ -134,8 +134,9 @@ class PacedEngine:
         text = "".join(self.texts[t] for t in new)
         metrics = RequestMetrics(req.arrival, req.first_token_time, time.monotonic() if finished else None, 0,
                                  SpecDecodeMetrics())
-        # the whole output so far is what the engine hands on; its text is not read by the replica on the way
-        return RequestOutput(req.request_id, new, text, req.token_ids, "", finished, finish_reason,
+        # the output so far as of this step, a copy as LLMEngine's is (an output read after later steps must not
+        # see their tokens); its text is not read by the replica on the way
+        return RequestOutput(req.request_id, new, text, list(req.token_ids), "", finished, finish_reason,
                              req.num_prompt_tokens, metrics)
 
     # ---- what the replica reads ----------------------------------------------------------------------------------
