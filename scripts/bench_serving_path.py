@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,11 @@ import numpy as np
 import psutil
 import yaml
 
-from smartspec.bench.servers import OURS_PORT, ROOT, ray_cli
+from smartspec.bench.servers import OURS_PORT, ROOT, ray_cli, ray_env
 
 PORT = OURS_PORT
 HOLD_GAP_S, HOLD_SHARE = 0.050, 0.9
 SERVING = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "LLMServer"}
-
-
-def ray_env() -> dict:
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
 
 
 def serve_config(streams: int, step_s: float, interval_ms: float) -> dict:

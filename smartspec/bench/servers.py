@@ -57,9 +57,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
+def ray_env() -> dict:
+    """The environment Ray and Serve commands run in here: no token auth, workers at the driver's priority."""
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+
+
 def start_server(kind: str, settings: dict, args, log: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0",
-           "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.http.proxy_guard:middlewares"}
+    env = {**ray_env(), "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.http.proxy_guard:middlewares"}
     if kind == "ours":
         config = settings.get("config")  # a ready Serve config, as it is; else one written from config.yaml
         if config is None:
