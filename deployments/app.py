@@ -1,5 +1,5 @@
 """The application builder `serve run config.yaml` calls: `import_path: deployments.app:build_app`, `args:` an
-AppConfig (see control/config.py and the README's option table)."""
+AppConfig (see control/config.py and the option table in docs/serving.md)."""
 from __future__ import annotations
 
 from functools import partial
