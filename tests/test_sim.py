@@ -37,6 +37,27 @@ def test_every_request_finishes_with_its_length_and_frees_its_blocks():
     assert rep.blocks.num_free == rep.blocks.num_blocks
 
 
+def test_the_goodput_policy_keeps_state_only_for_requests_still_running():
+    """A step's record names the requests that finished in it, after they were released: their outcomes must not
+    give them state again, or a replica keeps a row for every request it ever served."""
+    from smartspec.types.request import Request
+    from smartspec.types.sampling_params import SamplingParams
+    rep = SimReplica(_profile(0.9), "smartspec", 4, np.random.default_rng(0), ReplicaSize(256, 16, 4, 64, 512))
+    policy, now = rep.speculation.policy, 0.0
+    for i in range(12):
+        rep.add(Request(f"r{i}", [1] * 30, SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True)))
+    while rep.scheduler.has_unfinished():
+        now = rep.step(now).end
+        policy.acceptance.gains([], 1)  # outcomes are counted when estimates are next read
+        running = {r.request_id for r in rep.scheduler.running}
+        kept = {f"r{i}" for i in range(12) if any(f"r{i}" in state for state in (
+            policy.acceptance.first.slots, policy.acceptance.later.slots, policy.exploration.due_at,
+            policy.catchup.seen))}
+        assert kept <= running, kept - running
+    assert rep.speculation.metrics.num_draft_tokens > 0
+    assert len(policy.acceptance.first.slots) == len(policy.acceptance.later.slots) == 0
+
+
 def test_full_acceptance_makes_fixed_k_take_k_plus_one_tokens_a_step():
     # one request, acceptance 1: after the prefill step (1 token), each step yields K + 1 = 4 tokens
     rep = SimReplica(_profile(1.0), "fixed:3", 3, np.random.default_rng(0), ReplicaSize(64, 16, 4, 256, 512))

@@ -114,6 +114,9 @@ class GoodputPolicy(Policy):
         self.plan_hold = PlanHold()  # a plan that keeps coming out the same is planned in full only now and then
         self.pays_above: dict[tuple, float] = {}  # the bound's context, per batch shape and cost fit
         self.step = 0
+        # requests released since the last observe: a step's record still names those that finished in it, and
+        # their outcomes must not give them state again (it would be kept for good)
+        self.left: set[str] = set()
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
 
@@ -367,12 +370,13 @@ class GoodputPolicy(Policy):
         if len(record.num_tokens) != len(record.request_ids):
             raise ValueError(f"StepRecord.num_tokens holds {len(record.num_tokens)} lengths for "
                              f"{len(record.request_ids)} decoding requests")
-        probes, methods = set(record.probes), record.methods
+        probes, methods, left = set(record.probes), record.methods, self.left
         # a lookup's outcome went to the calibration above; a request that neither drafted nor probed has no outcome
         # (most of a loaded batch: left out before anything is done per request, all of it where none drafted)
         rows = [i for i, (rid, k, proposed) in enumerate(zip(record.request_ids, record.ks, record.proposed))
-                if (k or proposed or rid in probes) and (methods is None or methods[i] == DRAFT)] \
-            if probes or any(record.ks) or any(record.proposed) else []
+                if (k or proposed or rid in probes) and (methods is None or methods[i] == DRAFT)
+                and rid not in left] if probes or any(record.ks) or any(record.proposed) else []
+        left.clear()
         if rows:
             ids = [record.request_ids[i] for i in rows]
             proposed, accepted = [record.proposed[i] for i in rows], [record.accepted[i] for i in rows]
@@ -396,6 +400,7 @@ class GoodputPolicy(Policy):
             self.calibration.observe(tree, path)
 
     def release(self, request_id: str) -> None:
+        self.left.add(request_id)
         self.acceptance.forget(request_id)
         if self.tree_gains is not None:
             self.tree_gains.forget(request_id)
