@@ -157,8 +157,8 @@ def test_greedy_tree_output_equals_plain_with_chains_and_k0_in_one_batch(method,
     shapes = []  # per step: which kinds of speculation the batch held
     engine, run_step = llm.engine, llm.engine.run_step
 
-    def observed(spec, step_number=0):
-        result = run_step(spec, step_number)
+    def observed(spec, step_number=0, *beside):
+        result = run_step(spec, step_number, *beside)
         record = result.record
         if record is not None and record.request_ids:
             # a decoding request with k > 0 but no draft verified k0, like those at k = 0

@@ -1,4 +1,5 @@
-"""The step loop: schedule -> plan -> propose -> verify -> accept -> commit -> observe.
+"""The step loop: schedule -> plan -> propose -> verify -> accept -> commit -> observe (the policy observes a step
+beside the next step's forward: engine/step_observer.py).
 
 Each stage is a call whose inputs and outputs are in its signature: the scheduler's batch, the policy's `SpecPlan`
 (engine/planner.py), the proposer's `Drafted` (engine/drafter.py), the runner's logits, the accepted tokens
@@ -23,6 +24,7 @@ from smartspec.engine.profile_cache import KeptProfile, KeptProfileCheck, load_p
 from smartspec.engine.scheduler import ScheduledRequest, Scheduler, split_batch
 from smartspec.engine.step_logprobs import logprobs_of, step_logprobs
 from smartspec.engine.start_phases import StartPhases
+from smartspec.engine.step_observer import StepObserver
 from smartspec.engine.trace import StepTraceWriter
 from smartspec.models import load_model
 from smartspec.models.loader import LoadedModel
@@ -56,6 +58,7 @@ class StepResult(NamedTuple):
     record: StepRecord | None  # None: nothing was scheduled
     generated: int  # tokens the step yielded (before stops cut them)
     plan_s: float = 0.0  # host seconds the policy's plan took, its view included (engine/planner.py plan_step)
+    beside_s: float = 0.0  # host seconds of the work run beside the forward (run_step's beside_forward)
 
 
 class StepTimes(NamedTuple):
@@ -111,7 +114,8 @@ class LLMEngine:
             self.speculation = self._start_speculation(num_blocks, draft_factory)
         self.trace = (StepTraceWriter(config.trace_path, self.speculation.policy.name) if config.trace_path
                       else None)
-        self.last_step: StepRecord | None = None  # the last observed step, for callers that inspect steps
+        self.last_step: StepRecord | None = None  # the last step run, for callers that inspect steps
+        self.observer = StepObserver()  # the policy observes each step beside the next one's forward
         self.requests: dict[str, Request] = {}
         # structured outputs: each such request's grammar, at its committed tokens
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
@@ -120,8 +124,7 @@ class LLMEngine:
         self.request_hints = spec.request_hints if spec else False
         self._ids = itertools.count()
         self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
-        self.num_steps = 0
-        self.stats = StepTotals()
+        self.num_steps, self.stats = 0, StepTotals()
         self.kept_check: KeptProfileCheck | None = None  # a kept profile, held against the first steps
         self.profile_due = False  # the kept profile was stale: measure it when idle (measure_profile_if_due)
         if config.warmup_profile and self.speculation.policy.wants_profile:
@@ -180,6 +183,7 @@ class LLMEngine:
             raise RuntimeError("set_speculation needs an idle engine")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy instance, got {type(policy).__name__}")
+        self.observer.observe_waiting()  # a step the old policy planned (one whose requests were aborted)
         sp = self.speculation
         self.speculation = Speculation(proposer or sp.proposer, policy or sp.policy,
                                        sp.k_max if k_max is None else k_max)
@@ -333,34 +337,39 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step with this engine's speculation; the policy observes it, the totals and the trace record it."""
-        result = self.run_step(self.speculation, self.num_steps + 1)
-        record = result.record
+        """One step with this engine's speculation; the totals and the trace record it, and the policy observes it
+        beside the next step's forward (engine/step_observer.py), or at once where no step follows."""
+        observer = self.observer
+        result = self.run_step(self.speculation, self.num_steps + 1, observer.observe_waiting)
+        record, observe_s = result.record, result.beside_s
         if record is not None:
             self.num_steps += 1
             self.last_step = record
-            began, observe_s = time.perf_counter(), 0.0
-            try:  # what the policy learns from a step: a failure costs its learning, never the requests
-                self.speculation.policy.observe(record)
-                observe_s = time.perf_counter() - began
+            try:
                 if self.trace is not None:
                     self.trace.add(record)
             except Exception:
-                logger.exception("policy %r failed to observe step %d", self.speculation.policy.name, self.num_steps)
+                logger.exception("the trace failed to record step %d", self.num_steps)
+            observe_s += observer.hold(self.speculation.policy, record)
+            if not self.scheduler.has_unfinished():  # no forward follows to observe it beside
+                observe_s += observer.observe_waiting()
             self.stats.add(record, result.generated, result.plan_s + observe_s)
             if self.kept_check is not None and (stale := self.kept_check.observe(record)) is not None:
                 self.kept_check, self.profile_due = None, stale
         return result.outputs
 
-    def run_step(self, spec: Speculation, step_number: int = 0) -> StepResult:
+    def run_step(self, spec: Speculation, step_number: int = 0,
+                 beside_forward: Callable[[], float] = lambda: 0.0) -> StepResult:
         """schedule -> plan -> propose -> verify -> accept -> commit, with the speculation given (the warm-up
-        profile runs fixed plans through here); the record is returned, not observed. A fault in one request's
-        part ends that request alone (types/faults.py); a forward that fails is tried once more without drafts,
-        and a second failure ends this step's requests, not the engine."""
+        profile runs fixed plans through here); the record is returned, not observed. beside_forward: host work
+        run once, after the forward is issued and before its result is read (a device runs the forward meanwhile),
+        or before returning where no forward runs; it returns its seconds. A fault in one request's part ends that
+        request alone (types/faults.py); a forward that fails is tried once more without drafts, and a second
+        failure ends this step's requests, not the engine."""
         t_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
-            return StepResult([], None, 0)
+            return StepResult([], None, 0, beside_s=beside_forward())
         decoding, prefill = split_batch(batch)
         lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
@@ -373,10 +382,11 @@ class LLMEngine:
         drafted = cut_to_grammars(propose(spec, view, decoding, plan, hints), self.grammars)
         t_verify = time.perf_counter()
         verified = self._verify(batch, drafted)
-        if verified is None:
-            return StepResult(self._end_all(batch, spec), None, 0)
-        items, drafted, logits = verified
         t_accept = time.perf_counter()
+        beside_s = beside_forward()
+        if verified is None:
+            return StepResult(self._end_all(batch, spec), None, 0, beside_s=beside_s)
+        items, drafted, logits = verified
         prompt_faults: dict[str, RequestFault] = {}
         logits, sampled = take_prompt_logprobs(items, logits, prompt_faults)
         verdicts = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
@@ -386,7 +396,7 @@ class LLMEngine:
         new_tokens = verdicts.tokens
         record = self._record(step_number, items, PlannedStep(decoding, lengths, plan, drafted), new_tokens, trees,
                               StepTimes(t_verify - t_draft, t_accept - t_verify, t_end - t_start))
-        return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()), t_draft - t_plan)
+        return StepResult(outputs, record, sum(len(t) for t in new_tokens.values()), t_draft - t_plan, beside_s)
 
     def _verify(self, batch: list[ScheduledRequest], drafted: Drafted) \
             -> tuple[list[ForwardItem], Drafted, torch.Tensor] | None:

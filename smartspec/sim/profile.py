@@ -24,6 +24,9 @@ class SimProfile:
     cost: StepCostModel
     alphas: list[float] = field(default_factory=list)  # per measured request: accepted / (accepted + rejections)
     source: str = ""
+    # the target's forward runs on a device while the host goes on (a GPU): host work beside it costs what it
+    # outlasts the forward (engine/step_observer.py); False: a CPU, where the host runs the forward
+    asynchronous: bool = False
 
     @classmethod
     def from_traces(cls, paths: list[str | Path], min_proposals: int = 3) -> SimProfile:
@@ -56,11 +59,11 @@ class SimProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"cost": self.cost.export_state(), "alphas": self.alphas,
-                                          "source": self.source}, indent=1))
+                                          "source": self.source, "asynchronous": self.asynchronous}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> SimProfile:
         data = json.loads(Path(path).read_text())
         cost = StepCostModel()
         cost.import_state(data["cost"])  # a model with no samples of its own adopts the saved coefficients
-        return cls(cost, list(data["alphas"]), data.get("source", str(path)))
+        return cls(cost, list(data["alphas"]), data.get("source", str(path)), bool(data.get("asynchronous", False)))

@@ -1,6 +1,7 @@
 """What makes a simulated replica run as a served one does, beyond the exact cost surface: noisy steps with the
 occasional stall, a warm-up profile measured through that noise at the engine's own shapes (engine/profile.py),
-and the policy's own host time added to every step.
+and the policy's own host time in every step (its plan before the forward; its observing beside the forward, as
+the engine runs it, counted where it outlasts a device's forward or, on a CPU, in full).
 
 A policy judged on the exact surface, starting from it, is judged on what it never has: a served policy learns its
 costs from a profile of a handful of noisy steps and from the steps it chose to run, and pays for its own planning
@@ -41,8 +42,8 @@ class StepNoise:
 
 @dataclass(frozen=True)
 class Realism:
-    """noise: on every step and every profile step. host_s: seconds of the policy's own planning and observing added
-    to each step; "measured" takes them from the wall clock (a benchmark's choice: tests stay deterministic with a
+    """noise: on every step and every profile step. host_s: seconds of the policy's own planning added to each step;
+    "measured" takes planning and observing from the wall clock (a benchmark's choice: tests stay deterministic with a
     number). profile_batches: the batch sizes of the warm-up profile (engine/profile.py profile_batches; a padded
     GPU runner adds its row buckets). profile_scale: (verify, draft) factors the profile's steps ran slower by
     than the machine serves (a warm-up taken while something else loaded the machine; < 1: faster)."""

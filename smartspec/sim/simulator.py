@@ -1,7 +1,8 @@
 """The simulated step is the engine's (schedule -> plan -> propose -> verify -> accept -> commit -> observe) with
 the model replaced: the real Scheduler, BlockManager, planning (engine/planner.py: the policy, caps, draft block
 reservation), propose stage (engine/drafter.py, over a stand-in draft that tracks what a draft model would have
-read) and commit (engine/commit.py); a step time from the profile's cost model, and accepted drafts sampled per
+read) and commit (engine/commit.py); the policy observes the last step beside the forward, as the engine's
+StepObserver does; a step time from the profile's cost model, and accepted drafts sampled per
 token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded
 of two random replicas (Serve's power of two choices)."""
 from __future__ import annotations
@@ -113,6 +114,7 @@ class SimReplica:
         self.committer = TokenCommitter(self.blocks, (), size.max_model_len)  # no tokenizer: ids stand for lengths
         self.acceptance: dict[str, RequestAcceptance] = {}
         self.steps = 0
+        self.waiting: StepRecord | None = None  # the last step's record, observed beside the next step's forward
 
     @property
     def load(self) -> int:
@@ -149,22 +151,38 @@ class SimReplica:
             else 0.0
         expected = sum(self.acceptance[r.request_id].expected_tokens(k, r.num_output_tokens)
                        for r, k in zip(decoding, ks))
+        observed_s = self._observe_waiting()  # beside the forward, as the engine's StepObserver does
         outcomes = self._accept(batch, k_of)
         accepted = [a for req, a, _ in outcomes if req.request_id in k_of]
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
-        record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted, [r.request_id for r in decoding],
-                            n_tokens, num_prefill, n_context, draft_s, duration - draft_s, duration,
-                            predicted_s=plan.predicted_s if decoding else None, draft_catchup_tokens=catchup,
-                            num_tokens=lengths, probes=list(plan.probes))
+        self.waiting = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted,
+                                  [r.request_id for r in decoding], n_tokens, num_prefill, n_context, draft_s,
+                                  duration - draft_s, duration, predicted_s=plan.predicted_s if decoding else None,
+                                  draft_catchup_tokens=catchup, num_tokens=lengths, probes=list(plan.probes))
         planned_s = host_s if self.realism.host_s == "measured" else float(self.realism.host_s)
-        committed = now + duration + planned_s
-        finished = self._commit(outcomes, committed)
+        end = now + planned_s + self._forward_s(duration, draft_s, observed_s)
+        finished = self._commit(outcomes, end)
+        if not self.scheduler.has_unfinished():  # no forward follows to observe it beside (the replica idles)
+            observed_s += self._observe_waiting()
+        return SimStep(end, finished, list(ks), expected, surface_s, planned_s + observed_s,
+                       sum(a + 1 for _, a, _ in outcomes))
+
+    def _observe_waiting(self) -> float:
+        """The last step's record observed by the policy; the measured seconds (0 unless host time is measured)."""
+        if self.waiting is None:
+            return 0.0
+        record, self.waiting = self.waiting, None
         began = time.perf_counter()
         self.speculation.policy.observe(record)
-        observed_s = time.perf_counter() - began if self.realism.host_s == "measured" else 0.0
-        end, host_s = committed + observed_s, planned_s + observed_s
-        return SimStep(end, finished, list(ks), expected, surface_s, host_s, sum(a + 1 for _, a, _ in outcomes))
+        return time.perf_counter() - began if self.realism.host_s == "measured" else 0.0
+
+    def _forward_s(self, duration: float, draft_s: float, observed_s: float) -> float:
+        """A step's time from its proposals to its commit: on an asynchronous device the observing runs while the
+        target's forward does, and costs what it outlasts it; elsewhere it is added."""
+        if self.profile.asynchronous:
+            return draft_s + max(duration - draft_s, observed_s)
+        return duration + observed_s
 
     def _accept(self, batch, k_of: dict[str, int]) -> list[tuple[Request, int, int]]:
         """The step's forward fed: per request that completes its part, (request, drafts accepted, drafts)."""

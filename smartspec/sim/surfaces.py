@@ -18,12 +18,12 @@ class Surface:
     verify: tuple[float, ...]  # v0, six segment slopes, v_c
     draft: tuple[float, float, float]  # d0, d1, d2
     noise: StepNoise
-    padded: bool  # a CUDA-graph runner: the warm-up profile also runs its row buckets
+    padded: bool  # a CUDA-graph runner (a GPU's): the warm-up profile also runs its row buckets
 
     def profile(self) -> SimProfile:
         cost = StepCostModel()
         cost.v, cost.d = list(self.verify), list(self.draft)
-        return SimProfile(cost, [], f"surface {self.name}")
+        return SimProfile(cost, [], f"surface {self.name}", asynchronous=self.padded)  # a GPU runs the forward
 
 
 CPU_NOISE = StepNoise(sigma=0.05, stall_p=0.01, stall_factor=(1.5, 4.0))

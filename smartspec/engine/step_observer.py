@@ -1,0 +1,43 @@
+"""The policy learns from a step while the next step's forward runs.
+
+On a GPU the target's forward is queued on the device and runs while the host goes on until the step reads its
+result back (the accept stage): learning placed there (the acceptance fold, the cost feed, now and then a refit)
+costs a step nothing where the device takes longer, instead of being added after every step. On a CPU the forward
+runs on the host, and learning costs what it did after the step. The next step's plan is made before its forward,
+so it is made on what the policy knew one step earlier: one step of a few hundred, a difference no estimate shows.
+
+A record waits at most one step: where no step follows (the engine has nothing left to run, or swaps its
+speculation) it is observed at once. A failure to observe costs the policy its learning, never the requests."""
+from __future__ import annotations
+
+import logging
+import time
+
+from smartspec.policy import Policy
+from smartspec.types.step_record import StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+class StepObserver:
+    def __init__(self) -> None:
+        self._waiting: tuple[Policy, StepRecord] | None = None  # the last step's record and the policy it is for
+
+    def hold(self, policy: Policy, record: StepRecord) -> float:
+        """Keep a step's record for the next step's forward (one waiting before it is observed now); the seconds
+        the policy spent observing."""
+        spent = self.observe_waiting()
+        self._waiting = (policy, record)
+        return spent
+
+    def observe_waiting(self) -> float:
+        """The waiting record observed by its policy, if any; the seconds that took."""
+        if self._waiting is None:
+            return 0.0
+        (policy, record), self._waiting = self._waiting, None
+        began = time.perf_counter()
+        try:
+            policy.observe(record)
+        except Exception:
+            logger.exception("policy %r failed to observe step %d", policy.name, record.step)
+        return time.perf_counter() - began
