@@ -130,6 +130,54 @@ def drafting_policy(d_catchup):
     return p
 
 
+def full_plans_counted(policy: GoodputPolicy) -> list[int]:
+    """Counts the policy's full plans, in plan() and made ahead (policy.planned_ahead counts the latter)."""
+    made = [0]
+    chains = policy._plan_chains
+
+    def counted(step, at):
+        made[0] += 1
+        return chains(step, at)
+
+    policy._plan_chains = counted
+    return made
+
+
+def test_a_full_plan_due_next_step_is_made_beside_this_steps_forward_and_taken_as_made():
+    """Where the next step's hold runs out, its full plan is made beside this step's forward (plan_ahead); the next
+    step takes it as made: the plan a full plan of that step would have made, with no full plan before its forward.
+    Where the requests changed in between, it is held: its draft lengths for those it planned, the rule's for one
+    that joined."""
+    import copy
+    p = drafting_policy(0.0)
+    p.shape_probe_interval = 0  # a shape probe changes the plan: compared here, the plan itself
+    requests = [Request(f"r{i}", list(range(100)), SamplingParams(max_tokens=10_000)) for i in range(5)]
+    for i, r in enumerate(requests):
+        for _ in range(30):
+            p.acceptance.observe(r.request_id, 5, 5 if i % 2 else 1)
+    full, taken, twin = full_plans_counted(p), 0, None
+    for _ in range(40):
+        v = view(requests[:4], 5)
+        ks = p.plan(v).ks
+        if twin is not None:  # a plan was made ahead: the twin, copied before, plans this step in full
+            assert twin.plan(v).ks == ks
+            taken += 1
+        twin = copy.deepcopy(p) if p.plan_hold.runs_out(p.step + 1) else None
+        if twin is not None:
+            del twin._plan_chains  # its own, not p's counted one
+        p.plan_ahead(v)
+    assert p.planned_ahead >= 4 and taken == p.planned_ahead - (twin is not None)
+    assert full[0] == 1 + p.planned_ahead  # the first step's alone was made in plan(): every later one ahead
+
+    while p.ahead is None:  # the next full plan made ahead, then r3 leaves and r4 joins
+        v = view(requests[:4], 5)
+        p.plan(v)
+        p.plan_ahead(v)
+    ahead = dict(zip(p.ahead.ids, p.ahead.plan.ks))
+    plan = p.plan(view(requests[:3] + requests[4:], 5))
+    assert full[0] == 1 + p.planned_ahead and plan.ks[:3] == [ahead[f"r{i}"] for i in range(3)] and plan.ks[3] > 0
+
+
 def test_a_draft_catch_up_is_charged_and_tracked():
     params = SamplingParams(max_tokens=64)
     fresh, seen = Request("fresh", list(range(500)), params), Request("seen", list(range(500)), params)

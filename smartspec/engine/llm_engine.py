@@ -43,7 +43,7 @@ from smartspec.structured.feasible import refuse_impossible
 from smartspec.structured.matcher import GrammarCompiler, RequestGrammar
 from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import TokenLogprob
-from smartspec.types.plan import SpecPlan, fed_context
+from smartspec.types.plan import SpecPlan, StepView, fed_context
 from smartspec.types.request import Request
 from smartspec.types.sampling_params import ParamError, SamplingParams
 from smartspec.types.snapshot import DraftHealth, EngineSnapshot, LoadCosts, StepTotals
@@ -340,7 +340,8 @@ class LLMEngine:
         """One step with this engine's speculation; the totals and the trace record it, and the policy observes it
         beside the next step's forward (engine/step_observer.py), or at once where no step follows."""
         observer = self.observer
-        result = self.run_step(self.speculation, self.num_steps + 1, observer.observe_waiting)
+        result = self.run_step(self.speculation, self.num_steps + 1,
+                               lambda view: observer.beside_forward(self.speculation.policy, view))
         record, observe_s = result.record, result.beside_s
         if record is not None:
             self.num_steps += 1
@@ -359,17 +360,17 @@ class LLMEngine:
         return result.outputs
 
     def run_step(self, spec: Speculation, step_number: int = 0,
-                 beside_forward: Callable[[], float] = lambda: 0.0) -> StepResult:
+                 beside_forward: Callable[[StepView | None], float] = lambda view: 0.0) -> StepResult:
         """schedule -> plan -> propose -> verify -> accept -> commit, with the speculation given (the warm-up
         profile runs fixed plans through here); the record is returned, not observed. beside_forward: host work
-        run once, after the forward is issued and before its result is read (a device runs the forward meanwhile),
-        or before returning where no forward runs; it returns its seconds. A fault in one request's part ends that
-        request alone (types/faults.py); a forward that fails is tried once more without drafts, and a second
-        failure ends this step's requests, not the engine."""
+        run once with the step's view, after the forward is issued and before its result is read (a device runs the
+        forward meanwhile), or with None before returning where nothing was scheduled; it returns its seconds. A
+        fault in one request's part ends that request alone (types/faults.py); a forward that fails is tried once
+        more without drafts, and a second failure ends this step's requests, not the engine."""
         t_start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
-            return StepResult([], None, 0, beside_s=beside_forward())
+            return StepResult([], None, 0, beside_s=beside_forward(None))
         decoding, prefill = split_batch(batch)
         lengths = [r.num_tokens for r in decoding]  # as planned, before the step commits tokens
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in batch)
@@ -383,7 +384,7 @@ class LLMEngine:
         t_verify = time.perf_counter()
         verified = self._verify(batch, drafted)
         t_accept = time.perf_counter()
-        beside_s = beside_forward()
+        beside_s = beside_forward(view)
         if verified is None:
             return StepResult(self._end_all(batch, spec), None, 0, beside_s=beside_s)
         items, drafted, logits = verified

@@ -1,10 +1,11 @@
-"""The policy learns from a step while the next step's forward runs.
+"""The policy learns from a step, and may plan the next one, while the next step's forward runs.
 
 On a GPU the target's forward is queued on the device and runs while the host goes on until the step reads its
-result back (the accept stage): learning placed there (the acceptance fold, the cost feed, now and then a refit)
-costs a step nothing where the device takes longer, instead of being added after every step. On a CPU the forward
-runs on the host, and learning costs what it did after the step. The next step's plan is made before its forward,
-so it is made on what the policy knew one step earlier: one step of a few hundred, a difference no estimate shows.
+result back (the accept stage): work placed there (the acceptance fold, the cost feed, now and then a refit, a full
+plan made a step early: Policy.plan_ahead) costs a step nothing where the device takes longer, instead of being
+added to every step. On a CPU the forward runs on the host, and that work costs what it did elsewhere. A step's
+plan is made before its forward, so on what the policy knew one step earlier (a plan made ahead, two): steps of a
+few hundred, a difference no estimate shows.
 
 A record waits at most one step: where no step follows (the engine has nothing left to run, or swaps its
 speculation) it is observed at once. A failure to observe costs the policy its learning, never the requests."""
@@ -14,6 +15,7 @@ import logging
 import time
 
 from smartspec.policy import Policy
+from smartspec.types.plan import StepView
 from smartspec.types.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,19 @@ class StepObserver:
         spent = self.observe_waiting()
         self._waiting = (policy, record)
         return spent
+
+    def beside_forward(self, policy: Policy, view: StepView | None) -> float:
+        """What runs beside a step's forward: the waiting record observed, then the policy's plan ahead on this
+        step's view (None: the step planned nothing); the seconds both took."""
+        spent = self.observe_waiting()
+        if view is None:
+            return spent
+        began = time.perf_counter()
+        try:
+            policy.plan_ahead(view)
+        except Exception:
+            logger.exception("policy %r failed to plan ahead", policy.name)
+        return spent + time.perf_counter() - began
 
     def observe_waiting(self) -> float:
         """The waiting record observed by its policy, if any; the seconds that took."""

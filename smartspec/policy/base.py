@@ -22,8 +22,8 @@ class SharedEvidence:
 
 
 class Policy:
-    """plan, prune, observe, release. What routing and autoscaling read of it is `load`; what replicas share,
-    `shared`."""
+    """plan, prune, plan_ahead, observe, release. What routing and autoscaling read of it is `load`; what replicas
+    share, `shared`."""
     name = "base"
     wants_profile = False  # True: the engine runs a short warm-up profile and passes it to observe_profile
     load: LoadModel = LoadModel()
@@ -59,8 +59,12 @@ class Policy:
         """The start's calibration of lookup trees: what suffix speculation would have offered along the calibration
         answers, each tree with the path the answer takes through it (Proposer.replayed_lookups)."""
 
+    def plan_ahead(self, view: StepView) -> None:
+        """Called beside each step's forward with the step's view (engine/step_observer.py), after the last step was
+        observed: a policy may make the next step's plan now, while a device runs the forward."""
+
     def observe(self, record: StepRecord) -> None:
-        """Called after every step; a policy that learns overrides it."""
+        """Called for every step, beside the next step's forward; a policy that learns overrides it."""
 
     def release(self, request_id: str) -> None:
         """Called when a request ends."""

@@ -19,7 +19,7 @@ Its parts:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -77,6 +77,21 @@ class GoodputOptions:
         return cls(**(options or {}))
 
 
+@dataclass(frozen=True)
+class AheadPlan:
+    """A full plan made beside a step's forward for the policy's next step `at` (GoodputPolicy.plan_ahead), on the
+    requests `ids` of the step it was made beside."""
+    at: int
+    ids: tuple[str, ...]
+    plan: SpecPlan
+
+    def overlaid(self, held: HeldPlan, ids: tuple[str, ...]) -> HeldPlan:
+        """The held plan of a step whose requests changed since, with this plan's draft lengths (learning probes
+        included) for the requests both hold."""
+        k_of = dict(zip(self.ids, self.plan.ks))
+        return replace(held, ks=[k_of.get(rid, k) for rid, k in zip(ids, held.ks)])
+
+
 class GoodputPolicy(Policy):
     """Chooses k_i in {0..K} for every decoding request so as to maximise the batch's goodput,
 
@@ -117,6 +132,8 @@ class GoodputPolicy(Policy):
         # requests released since the last observe: a step's record still names those that finished in it, and
         # their outcomes must not give them state again (it would be kept for good)
         self.left: set[str] = set()
+        self.ahead: AheadPlan | None = None  # the next step's full plan, made beside this step's forward
+        self.planned_ahead = 0  # such plans, in all (stats)
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
 
@@ -134,22 +151,56 @@ class GoodputPolicy(Policy):
         if view.lookups is not None:
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
+        ahead, self.ahead = self.ahead, None
         if self.tree_depth is None:
+            if ahead is not None and ahead.at == self.step and not prefilling and ahead.ids == step.ids:
+                return self._plan_ahead_taken(step, ahead.plan)
             if self.plan_hold.holds_no_drafts(self.step, prefilling, view.requests.ids, len(view.requests)):
                 return self._plan_none(step)
             held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:
+                if ahead is not None and ahead.at == self.step and not prefilling:
+                    return self._plan_held(step, ahead.overlaid(held, step.ids), prefilling, ahead.plan.probes)
                 return self._plan_held(step, held, prefilling)
             if not self.drafted_last and self._nothing_can_pay(step):
                 self.plan_hold.planned(self.step, step.ids, prefilling, [0] * len(step.ids), NO_DRAFTS)
                 return self._plan_none(step)
+        return self._plan_in_full(step, self.step, prefilling)
+
+    def _plan_in_full(self, step: StepNumbers, at: int, prefilling: bool) -> SpecPlan:
+        """The full plan for the policy's step `at`, held from then on (PlanHold) unless it is a shape probe."""
         shape_probes = self.shape_probes
-        plan, planned_ks, rule = self._plan_chains(step)
+        plan, planned_ks, rule = self._plan_chains(step, at)
         self.drafted_last = any(planned_ks)
         if self.tree_depth is None and self.shape_probes == shape_probes:
             # a shape probe is one step's detour, not what the hold compares
-            self.plan_hold.planned(self.step, step.ids, prefilling, planned_ks, rule)
+            self.plan_hold.planned(at, step.ids, prefilling, planned_ks, rule)
         return plan
+
+    def plan_ahead(self, view: StepView) -> None:
+        """Beside this step's forward (engine/step_observer.py): where the next step would plan in full because the
+        hold of a drafting plan runs out, that full plan is made now, on this step's decoding requests (one step
+        shorter), and is the next step's. The next step takes it as it is where its requests are these, or as a held
+        plan (those gone dropped, those joined planned by its rule) where they changed; a step with prefill plans
+        apart as before. On a GPU the full plan then costs the step nothing where the forward takes longer."""
+        at = self.step + 1
+        if (self.tree_depth is not None or view.lookups is not None or not view.requests or not self.cost.ready
+                or not self.drafted_last or not self.plan_hold.runs_out(at)):
+            return
+        if view.prefill_tokens:  # the chunks end here (most prompts fit one): the next step decodes alone
+            view = replace(view, prefill_tokens=0, prefill_context=0, prefilling=[])
+        step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
+        self.ahead = AheadPlan(at, step.ids, self._plan_in_full(step, at, False))
+        self.planned_ahead += 1
+
+    def _plan_ahead_taken(self, step: StepNumbers, plan: SpecPlan) -> SpecPlan:
+        """The plan made beside the last step's forward, for the same requests, within today's caps."""
+        ks = [min(k, cap) for k, cap in zip(plan.ks, step.caps)]
+        if ks == plan.ks:
+            return plan
+        sum_k, depth = sum(ks), max(ks, default=0)
+        predicted = float(self.cost.predict(step.forward_tokens(sum_k, depth), step.context + sum_k, depth, sum_k))
+        return SpecPlan(ks, None, predicted, [rid for rid, k in zip(step.ids, ks) if k and rid in plan.probes])
 
     def _nothing_can_pay(self, step: StepNumbers) -> bool:
         """Whether the exact plan and every probe it could run are surely no speculation: no plan could pay were
@@ -182,13 +233,14 @@ class GoodputPolicy(Policy):
         one pay. Only the draft's price is checked now and then, at one token."""
         ks = [0] * len(step.requests)
         if not self.draft_check.is_due(self.step) or not self._check_draft_price(
-                step, ks, self.catchup.starts(step, self.cost, self._depth).seconds):
+                step, ks, self.catchup.starts(step, self.cost, self._depth).seconds, self.step):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
-    def _plan_held(self, step: StepNumbers, held: HeldPlan, prefilling: bool) -> SpecPlan:
+    def _plan_held(self, step: StepNumbers, held: HeldPlan, prefilling: bool, probes: list[str] = ()) -> SpecPlan:
         """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule, held
-        from then on with the plan's (PlanHold); no speculation with the draft's price checked as in _plan_none."""
+        from then on with the plan's (PlanHold); no speculation with the draft's price checked as in _plan_none.
+        probes: the requests whose k is a learning probe (a plan made ahead, AheadPlan.overlaid)."""
         ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.caps)], 0.0
         if held.newcomers:
             newcomer_ks, seconds = self._newcomer_ks(step, held.newcomers, held.rule)
@@ -200,7 +252,8 @@ class GoodputPolicy(Policy):
             return self._plan_none(step)
         sum_k, depth = sum(ks), max(ks)
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(sum_k, depth), step.context + sum_k,
-                                                          depth, sum_k)) + start_s)
+                                                          depth, sum_k)) + start_s,
+                        [rid for rid, k in zip(step.ids, ks) if k and rid in probes] if probes else [])
 
     def _newcomer_ks(self, step: StepNumbers, rows: list[int], rule: HeldRule) -> tuple[list[int], np.ndarray]:
         """The draft lengths of requests a held plan did not plan: of each one's gains, its catch-up charged as in
@@ -227,9 +280,10 @@ class GoodputPolicy(Policy):
                          if 0 < p.depth != depth and p.value >= (1 - DEPTH_TOLERANCE) * plan.value > 0)
         return HeldRule((plan.value if price is None else price) * added, depth, near)
 
-    def _plan_chains(self, step: StepNumbers) -> tuple[SpecPlan, list[int], HeldRule]:
+    def _plan_chains(self, step: StepNumbers, at: int) -> tuple[SpecPlan, list[int], HeldRule]:
         """k per request for one proposer: draft tokens of a chain, or a tree's node budget; the plan's draft
-        lengths before learning probes, and how it would plan a request that joins while it is held."""
+        lengths before learning probes, and how it would plan a request that joins while it is held. at: the policy's
+        step the plan is for (plan_ahead's is the next one)."""
         k_max = step.view.k_max
         if self.tree_depth is None:
             raw_gains = self.acceptance.gains(step.ids, k_max)
@@ -248,13 +302,13 @@ class GoodputPolicy(Policy):
         if price is not None:
             plan = best_plan(plans)
         else:
-            due = self.shape_probe_interval and self.step - self.last_shape_probe >= self.shape_probe_interval
+            due = self.shape_probe_interval and at - self.last_shape_probe >= self.shape_probe_interval
             plan, probed = shape_probe(plans, due, self.shape_probe_loss)
             if probed:
-                self.shape_probes, self.last_shape_probe = self.shape_probes + 1, self.step
+                self.shape_probes, self.last_shape_probe = self.shape_probes + 1, at
         ks, probes = self._probe_chains(ChainStep(step, raw_gains, gains, depth_of, starts, price, padded),
-                                        list(plan.ks), plan)
-        checked = not any(ks) and self._check_draft_price(step, ks, starts.seconds)
+                                        list(plan.ks), plan, at)
+        checked = not any(ks) and self._check_draft_price(step, ks, starts.seconds, at)
         predicted = plan.seconds
         if probes or checked:
             sum_k = sum(ks)
@@ -265,14 +319,14 @@ class GoodputPolicy(Policy):
         return (SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes),
                 plan.ks, rule)
 
-    def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan) -> tuple[list[int], list[str]]:
+    def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan, at: int) -> tuple[list[int], list[str]]:
         """The plan's ks with k = 1 for the requests that probe this step, and those requests: due, worth it,
         within the budget, the cheapest catch-ups first; once the prior is learned, not one whose catch-up costs
         more than a small share of the step (the prior speaks for it). Judged together (worth_probing) while the
         prior is unlearned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
         due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.caps))
-               if k == 0 and cap > 0 and explore.is_due(rid, self.step)]
+               if k == 0 and cap > 0 and explore.is_due(rid, at)]
         learning = explore.learning(self.acceptance.evidence)
         worth = worth_probing(chain, due, plan, learning or plan.depth == 0, self.acceptance.first.max_alpha,
                               lambda g: self.catchup.charge(g, step, chain.starts, self.cost), self.cost.predict)
@@ -284,12 +338,12 @@ class GoodputPolicy(Policy):
                 budget -= 1
         return ks, probes
 
-    def _check_draft_price(self, step: StepNumbers, ks: list[int], start_s: np.ndarray,
+    def _check_draft_price(self, step: StepNumbers, ks: list[int], start_s: np.ndarray, at: int,
                            methods: list[str] | None = None) -> bool:
         """Where a plan drafts nothing with the draft model and its price is due a check (DraftPriceCheck), one
         draft token for the request whose catch-up is cheapest among those the plan leaves at k = 0 (ks and
         methods changed in place); whether one runs."""
-        if not self.draft_check.is_due(self.step) or self.cost.predict_draft(1, 1) <= 0:
+        if not self.draft_check.is_due(at) or self.cost.predict_draft(1, 1) <= 0:
             return False  # not due, or a proposer without forwards (prompt lookup): no price to check
         rows = [i for i, cap in enumerate(step.caps) if cap > 0 and ks[i] == 0]
         if not rows:
@@ -298,7 +352,7 @@ class GoodputPolicy(Policy):
         ks[i] = 1
         if methods is not None:
             methods[i] = DRAFT
-        self.draft_check.ran(self.step)
+        self.draft_check.ran(at)
         return True
 
     def _plan_proposers(self, step: StepNumbers) -> SpecPlan:
@@ -321,7 +375,7 @@ class GoodputPolicy(Policy):
         methods, ks = plan.methods, plan.ks
         probes = self._probe_draft(step, methods, ks, lookup, start_s)
         if view.draft_available and not view.prefill_tokens and not any(k for m, k in zip(methods, ks) if m == DRAFT):
-            self._check_draft_price(step, ks, start_s, methods)
+            self._check_draft_price(step, ks, start_s, self.step, methods)
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
         m_all, m_draft = sum(ks), sum(drafted)
         predicted = float(self.cost.predict(step.tokens + m_all, step.context + m_all, max(drafted, default=0),
@@ -410,7 +464,8 @@ class GoodputPolicy(Policy):
     def stats(self) -> dict:
         return {**self.shared.acceptance_stats(), "cost_coefficients": self.cost.v, "draft_coefficients": self.cost.d,
                 "fits_refused": self.cost.refused, "mean_relative_error": self.cost.mean_relative_error,
-                "steps": self.step, "shape_probes": self.shape_probes, "speed_changes": self.cost.speed_changes,
+                "steps": self.step, "planned_ahead": self.planned_ahead, "shape_probes": self.shape_probes,
+                "speed_changes": self.cost.speed_changes,
                 "draft_price_checks": self.draft_check.checks, "plans_held": self.plan_hold.held}
 
 

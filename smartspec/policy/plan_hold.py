@@ -120,6 +120,12 @@ class PlanHold:
         self.held += 1
         return HeldPlan(ks, newcomers, last.rule)
 
+    def runs_out(self, step: int) -> bool:
+        """Whether a step without prefill at `step` would plan in full because the hold of the last such plan, one
+        that drafts, ends there (GoodputPolicy.plan_ahead makes that plan a step early)."""
+        last = self._by_prefill[False]
+        return last.drafts and step >= last.next_plan
+
     def adopt(self, prefilling: bool, ids: list[str], ks: list[int]) -> None:
         """The draft lengths the held plan's rule gave newcomers (`ids`), held with the plan's from now on."""
         self._by_prefill[prefilling].adopted.update(zip(ids, ks))

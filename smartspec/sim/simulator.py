@@ -1,8 +1,8 @@
 """The simulated step is the engine's (schedule -> plan -> propose -> verify -> accept -> commit -> observe) with
 the model replaced: the real Scheduler, BlockManager, planning (engine/planner.py: the policy, caps, draft block
 reservation), propose stage (engine/drafter.py, over a stand-in draft that tracks what a draft model would have
-read) and commit (engine/commit.py); the policy observes the last step beside the forward, as the engine's
-StepObserver does; a step time from the profile's cost model, and accepted drafts sampled per
+read) and commit (engine/commit.py); the policy observes the last step and plans ahead beside the forward, as the
+engine's StepObserver runs them; a step time from the profile's cost model, and accepted drafts sampled per
 token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded
 of two random replicas (Serve's power of two choices)."""
 from __future__ import annotations
@@ -151,7 +151,7 @@ class SimReplica:
             else 0.0
         expected = sum(self.acceptance[r.request_id].expected_tokens(k, r.num_output_tokens)
                        for r, k in zip(decoding, ks))
-        observed_s = self._observe_waiting()  # beside the forward, as the engine's StepObserver does
+        observed_s = self._beside_forward(view)  # as the engine's StepObserver runs it
         outcomes = self._accept(batch, k_of)
         accepted = [a for req, a, _ in outcomes if req.request_id in k_of]
         self.steps += 1
@@ -167,6 +167,16 @@ class SimReplica:
             observed_s += self._observe_waiting()
         return SimStep(end, finished, list(ks), expected, surface_s, planned_s + observed_s,
                        sum(a + 1 for _, a, _ in outcomes))
+
+    def _beside_forward(self, view) -> float:
+        """The last step observed and the policy's plan ahead on this step's view, beside the forward; the measured
+        seconds (0 unless host time is measured)."""
+        observed_s = self._observe_waiting()
+        if view is None:  # no request decodes
+            return observed_s
+        began = time.perf_counter()
+        self.speculation.policy.plan_ahead(view)
+        return observed_s + (time.perf_counter() - began if self.realism.host_s == "measured" else 0.0)
 
     def _observe_waiting(self) -> float:
         """The last step's record observed by the policy; the measured seconds (0 unless host time is measured)."""
