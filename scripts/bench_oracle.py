@@ -2,12 +2,13 @@
 (docs/policy.md, "The policy against an oracle"): closed loops at each concurrency, on the step-cost surfaces of the
 H200, the Intel Xeon and the AMD Zen 4 (smartspec/sim/surfaces.py), acceptance uniform or mixed per request.
 
-    python scripts/bench_oracle.py                         # every cell, ~15 min on 2 cores
+    python scripts/bench_oracle.py                         # every cell, ~8 min on 2 cores
     python scripts/bench_oracle.py --surfaces zen4 --concurrency 1 4 --acceptance mixed
 
 The policies run as served: steps noisy with stalls, the policy starting from a noisy warm-up profile at the
-engine's shapes and its acceptance calibration, its own planning and observing timed on this machine and added to
-every step. The oracle knows every request's acceptance and the exact costs, and plans in no time. Each policy of a
+engine's shapes and its acceptance calibration, its own host time timed on this machine: its plan added before
+each forward, its observing and planning ahead run beside the forward (engine/step_observer.py), added where they
+outlast a GPU's forward and in full on a CPU (the table's `host ms` is all of it, `before forward` the plan). The oracle knows every request's acceptance and the exact costs, and plans in no time. Each policy of a
 cell meets the same requests and the same draft outcomes (seeded per request), so each seed gives a paired ratio;
 seeds are added to a cell (--min-seeds to --max-seeds) until both ratios' standard errors are under --target-se.
 Prints a table and writes results/bench_oracle/{runs.parquet, cells.parquet, oracle.png}; the last line:
@@ -51,7 +52,8 @@ def run_cell(args, surface_name: str, acceptance: str, concurrency: int) -> tupl
             r = closed_loop(profile, policy, args.k, concurrency, requests, workload, realism, seed)
             runs.append({"surface": surface_name, "acceptance": acceptance, "concurrency": concurrency,
                          "policy": policy, "seed": seed, "tokens": r.tokens, "seconds": r.seconds,
-                         "tok_per_s": r.tokens_per_s, "steps": r.steps, "mean_k": r.mean_k, "host_ms": 1e3 * r.host_s})
+                         "tok_per_s": r.tokens_per_s, "steps": r.steps, "mean_k": r.mean_k, "host_ms": 1e3 * r.host_s,
+                         "plan_ms": 1e3 * r.plan_s})
             per_seed.setdefault(policy, []).append(r.tokens_per_s)
         if seed + 1 >= args.min_seeds:
             cell = summarise_cell(per_seed, args.k)
@@ -59,9 +61,11 @@ def run_cell(args, surface_name: str, acceptance: str, concurrency: int) -> tupl
                 break
     cell = summarise_cell(per_seed, args.k)
     mean_k = statistics.fmean(r["mean_k"] for r in runs if r["policy"] == "smartspec")
-    host = statistics.fmean(r["host_ms"] for r in runs if r["policy"] == "smartspec")
+    host, plan = (statistics.fmean(r[column] for r in runs if r["policy"] == "smartspec")
+                  for column in ("host_ms", "plan_ms"))
     return runs, {"surface": surface_name, "acceptance": acceptance, "concurrency": concurrency, **cell,
-                  "smartspec_mean_k": mean_k, "smartspec_host_ms": host}
+                  "smartspec_mean_k": mean_k, "smartspec_host_ms": host,
+                  "smartspec_plan_ms": plan}
 
 
 def summarise_cell(per_seed: dict[str, list[float]], k: int) -> dict:
@@ -80,13 +84,14 @@ def summarise_cell(per_seed: dict[str, list[float]], k: int) -> dict:
 
 def print_table(cells: list[dict]) -> None:
     print("| surface | acceptance | streams | seeds | off tok/s | best fixed (k) | smartspec | oracle | "
-          "vs best fixed | vs oracle | vs off | mean k | host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs best fixed | vs oracle | vs off | mean k | host ms | before forward |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         print(f"| {c['surface']} | {c['acceptance']} | {c['concurrency']} | {c['seeds']} | {c['off']:.1f} | "
               f"{c['best_fixed']:.1f} ({c['best_k']}) | {c['smartspec']:.1f} | {c['oracle']:.1f} | "
               f"{c['vs_best']:.3f} ± {c['vs_best_se']:.3f} | {c['vs_oracle']:.3f} ± {c['vs_oracle_se']:.3f} | "
-              f"{c['vs_off']:.3f} | {c['smartspec_mean_k']:.2f} | {c['smartspec_host_ms']:.2f} |")
+              f"{c['vs_off']:.3f} | {c['smartspec_mean_k']:.2f} | {c['smartspec_host_ms']:.2f} | "
+              f"{c['smartspec_plan_ms']:.2f} |")
 
 
 def plot(cells: list[dict], path: Path) -> None:

@@ -162,20 +162,65 @@ def test_a_full_plan_due_next_step_is_made_beside_this_steps_forward_and_taken_a
         if twin is not None:  # a plan was made ahead: the twin, copied before, plans this step in full
             assert twin.plan(v).ks == ks
             taken += 1
-        twin = copy.deepcopy(p) if p.plan_hold.runs_out(p.step + 1) else None
+        twin = copy.deepcopy(p) if p.plan_hold.runs_out(p.step + 1, False, v.requests.ids, 4) else None
         if twin is not None:
             del twin._plan_chains  # its own, not p's counted one
         p.plan_ahead(v)
     assert p.planned_ahead >= 4 and taken == p.planned_ahead - (twin is not None)
     assert full[0] == 1 + p.planned_ahead  # the first step's alone was made in plan(): every later one ahead
 
-    while p.ahead is None:  # the next full plan made ahead, then r3 leaves and r4 joins
+    while not p.ahead:  # the next full plan made ahead, then r3 leaves and r4 joins
         v = view(requests[:4], 5)
         p.plan(v)
         p.plan_ahead(v)
-    ahead = dict(zip(p.ahead.ids, p.ahead.plan.ks))
+    ahead = dict(zip(p.ahead[False].ids, p.ahead[False].plan.ks))
     plan = p.plan(view(requests[:3] + requests[4:], 5))
     assert full[0] == 1 + p.planned_ahead and plan.ks[:3] == [ahead[f"r{i}"] for i in range(3)] and plan.ks[3] > 0
+
+
+def test_beside_a_prefill_the_joining_request_and_the_next_prefill_step_are_planned_ahead():
+    """A step that completes a prompt: beside its forward the held plan's rule plans the request that joins, and
+    where the hold of the plan for steps beside prefill runs out, that plan is made too (the next step likely
+    carries prefill as well). The next step, beside prefill or not, then plans nothing in full and no newcomer:
+    each gets the k that planning it then would have given it."""
+    import copy
+    p = drafting_policy(0.0)
+    p.shape_probe_interval = 0
+    requests = [Request(f"r{i}", list(range(100 + i)), SamplingParams(max_tokens=10_000)) for i in range(7)]
+    for i, r in enumerate(requests):
+        for _ in range(30):
+            p.acceptance.observe(r.request_id, 5, 5 if i % 2 else 1)
+    decoding, joining, later = requests[:5], requests[5], requests[6]
+    for _ in range(3):  # a plan for steps beside prefill, and one for steps without, each held once
+        for tokens, prefilling in ((0, ()), (100, (later,))):
+            p.plan(view(decoding, 5, base_tokens=tokens, base_context=tokens, prefilling=prefilling))
+    full, newcomers = full_plans_counted(p), [0]
+    rule = p._newcomer_ks
+
+    def counted(step, rows, rule_):
+        newcomers[0] += 1
+        return rule(step, rows, rule_)
+
+    for prefilling in ((), (later,)):  # the next step decodes alone, or beside another prompt
+        for _ in range(40):  # up to the step before the last the plan beside prefill holds for
+            ids = tuple(r.request_id for r in decoding)
+            if p.plan_hold.runs_out(p.step + 2, True, ids, 5) and not p.plan_hold.runs_out(p.step + 1, True, ids, 5):
+                break
+            p.plan(view(decoding, 5, base_tokens=100, base_context=100, prefilling=(later,)))
+        now = view(decoding, 5, base_tokens=joining.num_tokens, base_context=joining.num_tokens, prefilling=(joining,),
+                   joining=(joining,))
+        p.plan(now)
+        twin = copy.deepcopy(p)
+        del twin._plan_chains
+        made, p._newcomer_ks = full[0], counted
+        p.plan_ahead(now)
+        assert newcomers[0] >= 1 and p.ahead.get(True) is not None
+        newcomers[0], made = 0, full[0]
+        tokens = 100 if prefilling else 0
+        nxt = view(decoding + [joining], 5, base_tokens=tokens, base_context=tokens, prefilling=prefilling)
+        assert p.plan(nxt).ks == twin.plan(nxt).ks
+        assert newcomers[0] == 0 and full[0] == made  # nothing planned before the forward
+        del p._newcomer_ks
 
 
 def test_a_draft_catch_up_is_charged_and_tracked():

@@ -58,14 +58,20 @@ _INT_TYPES = {int, bool}  # what isinstance(k, int) takes
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
               lookups=None, draft_available: bool = False, shapes: PaddedShapes | None = None) -> StepView:
-    """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step."""
-    views = RequestViews(decoding, tuple(map(_REQUEST_ID, decoding)), list(map(len, map(_TOKEN_IDS, decoding))),
-                         _view_columns)
-    return StepView(views, k_max,
+    """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step (those
+    that complete a prompt: the next step's newcomers)."""
+    joining = [s.request for s in prefill if s.completes]
+    return StepView(_views(decoding), k_max,
                     prefill_tokens=sum(s.num_tokens for s in prefill),
                     prefill_context=sum(chunk_context(s.request.num_computed_tokens, s.num_tokens) for s in prefill),
                     prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],
-                    now=now, lookups=lookups, draft_available=draft_available, shapes=shapes)
+                    now=now, lookups=lookups, draft_available=draft_available, shapes=shapes,
+                    joining=_views(joining) if joining else None)
+
+
+def _views(requests: list[Request]) -> RequestViews:
+    return RequestViews(requests, tuple(map(_REQUEST_ID, requests)), list(map(len, map(_TOKEN_IDS, requests))),
+                        _view_columns)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class GoodputPolicy(Policy):
         # requests released since the last observe: a step's record still names those that finished in it, and
         # their outcomes must not give them state again (it would be kept for good)
         self.left: set[str] = set()
-        self.ahead: AheadPlan | None = None  # the next step's full plan, made beside this step's forward
+        self.ahead: dict[bool, AheadPlan] = {}  # the next step's full plans (beside prefill or not), made ahead
         self.planned_ahead = 0  # such plans, in all (stats)
         self.load = FittedLoad(self.cost, self.acceptance)
         self.shared = GoodputEvidence(self)
@@ -151,15 +151,21 @@ class GoodputPolicy(Policy):
         if view.lookups is not None:
             return self._plan_proposers(step)
         prefilling = bool(view.prefill_tokens)  # such a step prices drafts otherwise, and holds a plan apart
-        ahead, self.ahead = self.ahead, None
+        ahead = self.ahead.get(prefilling)
+        self.ahead = {}
+        if ahead is not None and ahead.at != self.step:  # made beside a step that no step followed at once
+            ahead = None
         if self.tree_depth is None:
-            if ahead is not None and ahead.at == self.step and not prefilling and ahead.ids == step.ids:
+            if ahead is not None and ahead.ids == step.ids:
                 return self._plan_ahead_taken(step, ahead.plan)
             if self.plan_hold.holds_no_drafts(self.step, prefilling, view.requests.ids, len(view.requests)):
-                return self._plan_none(step)
-            held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
+                if ahead is None:
+                    return self._plan_none(step)
+                held = HeldPlan([0] * len(step.ids), [], NO_DRAFTS)  # and the probes the plan made ahead ran
+            else:
+                held = self.plan_hold.held_plan(self.step, step.ids, prefilling)
             if held is not None:
-                if ahead is not None and ahead.at == self.step and not prefilling:
+                if ahead is not None:
                     return self._plan_held(step, ahead.overlaid(held, step.ids), prefilling, ahead.plan.probes)
                 return self._plan_held(step, held, prefilling)
             if not self.drafted_last and self._nothing_can_pay(step):
@@ -178,20 +184,31 @@ class GoodputPolicy(Policy):
         return plan
 
     def plan_ahead(self, view: StepView) -> None:
-        """Beside this step's forward (engine/step_observer.py): where the next step would plan in full because the
-        hold of a drafting plan runs out, that full plan is made now, on this step's decoding requests (one step
-        shorter), and is the next step's. The next step takes it as it is where its requests are these, or as a held
-        plan (those gone dropped, those joined planned by its rule) where they changed; a step with prefill plans
-        apart as before. On a GPU the full plan then costs the step nothing where the forward takes longer."""
+        """Beside this step's forward (engine/step_observer.py), what the next step would otherwise plan before its
+        own forward. Where the hold of a drafting plan runs out there, the full plan is made now on this step's
+        requests (one step shorter), and is the next step's: taken as it is where its requests are these, or held
+        (those gone dropped, those joined planned by its rule) where they changed. The requests whose prompt this
+        step completes join the next step: where a drafting plan holds there, its rule plans them now. Both for the
+        next step decoding alone (this step's prefill chunks end here) and, where this step carries prefill, for a
+        next step that does too (a loaded replica's steps mostly do), priced as this one. On a GPU that work then
+        costs a step nothing where the forward takes longer; on a CPU it costs what it would have a step later."""
         at = self.step + 1
-        if (self.tree_depth is not None or view.lookups is not None or not view.requests or not self.cost.ready
-                or not self.drafted_last or not self.plan_hold.runs_out(at)):
+        if self.tree_depth is not None or view.lookups is not None or not self.cost.ready:
             return
-        if view.prefill_tokens:  # the chunks end here (most prompts fit one): the next step decodes alone
-            view = replace(view, prefill_tokens=0, prefill_context=0, prefilling=[])
-        step = StepNumbers.of(view, time.monotonic() if view.now is None else view.now)
-        self.ahead = AheadPlan(at, step.ids, self._plan_in_full(step, at, False))
-        self.planned_ahead += 1
+        now = time.monotonic() if view.now is None else view.now
+        alone = replace(view, prefill_tokens=0, prefill_context=0, prefilling=[]) if view.prefill_tokens else view
+        for prefilling, like in ((False, alone), (True, view))[:2 if view.prefill_tokens else 1]:
+            ids = like.requests.ids
+            if ids and self.plan_hold.runs_out(at, prefilling, ids, len(ids)):
+                step = StepNumbers.of(like, now)
+                if self.drafted_last or not self._nothing_can_pay(step):  # else the next step's bound says so
+                    self.ahead[prefilling] = AheadPlan(at, step.ids, self._plan_in_full(step, at, prefilling))
+                    self.planned_ahead += 1
+            rule = self.plan_hold.rule_held_at(at, prefilling)
+            if view.joining is not None and rule is not None:
+                step = StepNumbers.of(replace(like, requests=like.requests.joined(view.joining), joining=None), now)
+                rows = list(range(len(like.requests), len(step.ids)))
+                self.plan_hold.adopt(prefilling, [step.ids[i] for i in rows], self._newcomer_ks(step, rows, rule)[0])
 
     def _plan_ahead_taken(self, step: StepNumbers, plan: SpecPlan) -> SpecPlan:
         """The plan made beside the last step's forward, for the same requests, within today's caps."""

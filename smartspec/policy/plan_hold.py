@@ -85,17 +85,24 @@ class PlanHold:
         as long, while the batch has not shrunk by more than IDLE_SHRINK and no more than `max_newcomers` of it is
         new."""
         last = self._by_prefill[prefilling]
-        if last.drafts:
+        if last.drafts or (step >= last.next_plan and not self._idle_holds(last, step, ids, rows)):
             return False
-        if step >= last.next_plan:
-            if not (rows >= (1 - IDLE_SHRINK) * last.rows and last.hold == self.max_hold
-                    and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
-                return False
-            planned = last.ks
-            if rows - sum(map(planned.__contains__, ids)) > self.max_newcomers * rows:  # newcomers, counted in C
-                return False
         self.held += 1
         return True
+
+    def _idle_holds(self, last: _Held, step: int, ids: Iterable[str], rows: int) -> bool:
+        """Whether a plan of no speculation past its hold holds on (holds_no_drafts)."""
+        if not (rows >= (1 - IDLE_SHRINK) * last.rows and last.hold == self.max_hold
+                and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
+            return False
+        planned = last.ks
+        return rows - sum(map(planned.__contains__, ids)) <= self.max_newcomers * rows  # newcomers, counted in C
+
+    def runs_out(self, step: int, prefilling: bool, ids: Iterable[str], rows: int) -> bool:
+        """Whether a step like it (beside prefill or not) at `step`, of these requests, finds the hold of the last
+        such plan ended there (GoodputPolicy.plan_ahead makes the full plan that follows a step early)."""
+        last = self._by_prefill[prefilling]
+        return step >= last.next_plan and (last.drafts or not self._idle_holds(last, step, ids, rows))
 
     def held_plan(self, step: int, ids: tuple[str, ...], prefilling: bool) -> HeldPlan | None:
         """The draft lengths this step's requests keep from the last full plan of a step like it (beside prefill
@@ -120,11 +127,11 @@ class PlanHold:
         self.held += 1
         return HeldPlan(ks, newcomers, last.rule)
 
-    def runs_out(self, step: int) -> bool:
-        """Whether a step without prefill at `step` would plan in full because the hold of the last such plan, one
-        that drafts, ends there (GoodputPolicy.plan_ahead makes that plan a step early)."""
-        last = self._by_prefill[False]
-        return last.drafts and step >= last.next_plan
+    def rule_held_at(self, step: int, prefilling: bool) -> HeldRule | None:
+        """The rule of the drafting plan a step like it at `step` holds (None: none holds there), which plans the
+        requests that join by then (GoodputPolicy.plan_ahead plans them a step early, adopt)."""
+        last = self._by_prefill[prefilling]
+        return last.rule if last.drafts and step < last.next_plan else None
 
     def adopt(self, prefilling: bool, ids: list[str], ks: list[int]) -> None:
         """The draft lengths the held plan's rule gave newcomers (`ids`), held with the plan's from now on."""

@@ -32,6 +32,7 @@ class LoopResult:
     steps: int
     mean_k: float  # draft tokens a decoding request per step, over the window
     host_s: float  # the policy's host time per step, over the window
+    plan_s: float = 0.0  # of it, the plan before the forward (the rest runs beside it: engine/step_observer.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,6 +47,7 @@ class _Window:
     drafted: int = 0
     rows: int = 0
     host_s: float = 0.0
+    plan_s: float = 0.0
 
     def add(self, step: SimStep) -> None:
         self.tokens += step.tokens
@@ -53,6 +55,7 @@ class _Window:
         self.drafted += sum(step.ks)
         self.rows += len(step.ks)
         self.host_s += step.host_s
+        self.plan_s += step.plan_s
 
 
 def closed_loop(profile: SimProfile, policy: str | Policy, k_max: int, concurrency: int, num_requests: int,
@@ -96,7 +99,7 @@ def _run(replica: SimReplica, policy: str | Policy, k_max: int, concurrency: int
                 start(now)
     return LoopResult(policy if isinstance(policy, str) else policy.name, concurrency, seed, window.tokens,
                       now - window_from, window.steps, window.drafted / max(1, window.rows),
-                      window.host_s / max(1, window.steps))
+                      window.host_s / max(1, window.steps), window.plan_s / max(1, window.steps))
 
 
 def _replica(profile: SimProfile, policy: str | Policy, k_max: int, concurrency: int, workload: Workload,

@@ -69,8 +69,9 @@ class SimStep:
     ks: list[int]
     expected_tokens: float
     surface_s: float
-    host_s: float
+    host_s: float  # the policy's host time: its plan before the forward, and its work beside it
     tokens: int  # output tokens the step committed
+    plan_s: float = 0.0  # of host_s, the plan before the forward
 
     @property
     def goodput(self) -> float:
@@ -166,7 +167,7 @@ class SimReplica:
         if not self.scheduler.has_unfinished():  # no forward follows to observe it beside (the replica idles)
             observed_s += self._observe_waiting()
         return SimStep(end, finished, list(ks), expected, surface_s, planned_s + observed_s,
-                       sum(a + 1 for _, a, _ in outcomes))
+                       sum(a + 1 for _, a, _ in outcomes), planned_s)
 
     def _beside_forward(self, view) -> float:
         """The last step observed and the policy's plan ahead on this step's view, beside the forward; the measured

@@ -80,6 +80,13 @@ class RequestViews(Sequence):
             self._columns = (self.ids, self.num_tokens, *self._rest_of(self._source))
         return self._columns
 
+    def joined(self, other: RequestViews) -> RequestViews:
+        """These requests, then `other`'s, as one batch."""
+        if self._rest_of is other._rest_of:
+            return RequestViews(self._source + other._source, self.ids + other.ids, self.num_tokens + other.num_tokens,
+                                self._rest_of)
+        return RequestViews.of([*self, *other])
+
     def _made(self) -> list[RequestView]:
         if self._rows is None:
             self._rows = list(map(_new_tuple, repeat(RequestView), zip(*self.columns())))
@@ -124,6 +131,9 @@ class StepView:
     # the buckets the target's forward is padded to (CUDA graphs): a step is priced by the cells it computes, so
     # one long chain that widens every row is priced as such. None: steps run as they come
     shapes: PaddedShapes | None = None
+    # the prefilling requests whose prompt this step completes: the next step's newcomers, as they are now (what a
+    # policy may plan for them beside this step's forward). None: none, or not told
+    joining: RequestViews | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requests", RequestViews.of(self.requests))
