@@ -64,7 +64,22 @@ def test_a_waiting_record_is_observed_by_the_policy_that_planned_it(tiny_qwen):
     engine.abort_request("a")  # idle, with step 2's record waiting
     engine.set_speculation(policy=LoggingPolicy(new))
     assert [e for e in old if e[0] == "observe"] == [("observe", 1), ("observe", 2)] and new == []
-    assert StepObserver().observe_waiting() == 0.0
+    assert StepObserver(plans_ahead=False).observe_waiting() == 0.0
+    assert not engine.observer.plans_ahead  # a CPU's forward runs on the host: nothing to plan beside
+
+
+def test_the_policy_plans_ahead_beside_an_asynchronous_forward_alone():
+    planned = []
+
+    class Ahead(LoggingPolicy):
+        def plan_ahead(self, view):
+            planned.append(view)
+
+    for plans_ahead in (False, True):
+        observer = StepObserver(plans_ahead)
+        observer.beside_forward(Ahead([]), "the step's view")
+        observer.beside_forward(Ahead([]), None)  # nothing planned this step
+    assert planned == ["the step's view"]
 
 
 class FakeClock:

@@ -3,9 +3,9 @@
 On a GPU the target's forward is queued on the device and runs while the host goes on until the step reads its
 result back (the accept stage): work placed there (the acceptance fold, the cost feed, now and then a refit, a full
 plan made a step early: Policy.plan_ahead) costs a step nothing where the device takes longer, instead of being
-added to every step. On a CPU the forward runs on the host, and that work costs what it did elsewhere. A step's
-plan is made before its forward, so on what the policy knew one step earlier (a plan made ahead, two): steps of a
-few hundred, a difference no estimate shows.
+added to every step. On a CPU the forward runs on the host: observing costs what it did after the step, and the
+policy does not plan ahead (StepObserver.plans_ahead). A step's plan is made before its forward, so on what the
+policy knew one step earlier (a plan made ahead, two): steps of a few hundred, a difference no estimate shows.
 
 A record waits at most one step: where no step follows (the engine has nothing left to run, or swaps its
 speculation) it is observed at once. A failure to observe costs the policy its learning, never the requests."""
@@ -22,7 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class StepObserver:
-    def __init__(self) -> None:
+    def __init__(self, plans_ahead: bool) -> None:
+        """plans_ahead: whether the policy plans ahead beside the forward (Policy.plan_ahead): where the forward runs
+        asynchronously (a GPU). On a CPU a plan made ahead only moves the work, or adds some where the next step
+        turns out otherwise than planned for (a step beside prefill followed by one without)."""
+        self.plans_ahead = plans_ahead
         self._waiting: tuple[Policy, StepRecord] | None = None  # the last step's record and the policy it is for
 
     def hold(self, policy: Policy, record: StepRecord) -> float:
@@ -33,10 +37,10 @@ class StepObserver:
         return spent
 
     def beside_forward(self, policy: Policy, view: StepView | None) -> float:
-        """What runs beside a step's forward: the waiting record observed, then the policy's plan ahead on this
-        step's view (None: the step planned nothing); the seconds both took."""
+        """What runs beside a step's forward: the waiting record observed, then, where it plans ahead, the policy's
+        plan ahead on this step's view (None: the step planned nothing); the seconds both took."""
         spent = self.observe_waiting()
-        if view is None:
+        if view is None or not self.plans_ahead:
             return spent
         began = time.perf_counter()
         try:

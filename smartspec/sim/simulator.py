@@ -170,10 +170,10 @@ class SimReplica:
                        sum(a + 1 for _, a, _ in outcomes), planned_s)
 
     def _beside_forward(self, view) -> float:
-        """The last step observed and the policy's plan ahead on this step's view, beside the forward; the measured
-        seconds (0 unless host time is measured)."""
+        """The last step observed and, on an asynchronous device, the policy's plan ahead on this step's view, beside
+        the forward; the measured seconds (0 unless host time is measured)."""
         observed_s = self._observe_waiting()
-        if view is None:  # no request decodes
+        if view is None or not self.profile.asynchronous:  # no request decodes; a CPU plans no step ahead
             return observed_s
         began = time.perf_counter()
         self.speculation.policy.plan_ahead(view)
