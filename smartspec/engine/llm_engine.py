@@ -115,8 +115,7 @@ class LLMEngine:
         self.trace = (StepTraceWriter(config.trace_path, self.speculation.policy.name) if config.trace_path
                       else None)
         self.last_step: StepRecord | None = None  # the last step run, for callers that inspect steps
-        # the policy observes each step beside the next one's forward, and plans ahead where that runs on a device
-        self.observer = StepObserver(plans_ahead=torch.device(config.device).type != "cpu")
+        self.observer = StepObserver(plans_ahead=torch.device(config.device).type != "cpu")  # (step_observer.py)
         self.requests: dict[str, Request] = {}
         # structured outputs: each such request's grammar, at its committed tokens
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
