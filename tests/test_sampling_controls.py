@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, MinPLogitsWarper, RepetitionPenal
 from engines import METHODS, PROMPTS, make, mixed_spec, run_staggered
 
 from smartspec import SamplingParams
-from smartspec.runtime.logits_controls import reshape_logits
+from smartspec.runtime.logits_controls import ControlledRows, reshape_logits, reshape_rows
 from smartspec.runtime.sampler import target_probs
 
 V = 50
@@ -60,6 +60,44 @@ def test_a_verified_row_is_bitwise_the_row_plain_decoding_reshapes():
     # the test can fail: without the draft prefix, rows after a repeated draft token differ
     wrong = reshape_logits(logits, params, prompt, output, [[]] * 4, eos_token_ids=[0])
     assert not torch.equal(wrong[2], chain[2])
+
+
+def test_a_batch_of_requests_reshapes_each_row_bitwise_as_alone():
+    """reshape_rows over requests with different controls (and one without any) gives each request's rows bitwise
+    what reshaping it alone gives; a request without controls comes out exactly as it went in (-0.0 included)."""
+    g = torch.Generator().manual_seed(4)
+    controls = [SamplingParams(repetition_penalty=1.4, frequency_penalty=-0.7),
+                SamplingParams(),
+                SamplingParams(presence_penalty=0.9, logit_bias={3: 4.0, 60: 1.0}, min_tokens=3, stop_token_ids=[9]),
+                SamplingParams(frequency_penalty=1.1, logit_bias={5: -2.5})]
+    rows = [ControlledRows(p, [3, 1, 3, 70], [5, 5, 2 + i, 64], [d[:j] for j in range(3)])
+            for i, (p, d) in enumerate(zip(controls, [[5, 9], [1, 1], [3, 3], [2, 77]]))]
+    logits = torch.randn(12, V, generator=g) * 2
+    logits[3:6, 7] = -0.0
+    batch = reshape_rows(logits, rows, eos_token_ids=[0])
+    for i, r in enumerate(rows):
+        alone = reshape_logits(logits[3 * i:3 * i + 3], r.params, r.prompt, r.output, r.prefixes, eos_token_ids=[0])
+        assert torch.equal(batch[3 * i:3 * i + 3], alone), i
+    assert torch.equal(batch[3:6], logits[3:6]) and batch[3, 7].signbit()
+    assert not torch.equal(batch[0:3], logits[0:3])  # the test can fail: the controls did reshape
+
+
+def test_tokens_past_the_rows_vocabulary_are_left_out_and_nothing_is_read_back():
+    """A draft's logits may be narrower than the target's vocabulary: history, bias and ends past V change nothing
+    (as if they were not there), and reshaping reads nothing back from the device (on a GPU: no wait)."""
+    from host_reads import HostReads
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, V, generator=g)
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={3: 1.0, V + 4: 9.0},
+                            min_tokens=7, stop_token_ids=[7, V + 1])
+    with HostReads() as syncs:
+        wide = reshape_logits(logits, params, [1, V + 2], [4, V + 3, 4], [[], [V + 9, 6]], eos_token_ids=[V + 5])
+    assert [op for op in syncs.seen if op != "lift_fresh"] == []  # lift_fresh: the lists made tensors on the host
+    narrow = reshape_logits(logits, SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5,
+                                                   logit_bias={3: 1.0}, min_tokens=7, stop_token_ids=[7]),
+                            [1], [4, 4], [[], [6]])
+    assert torch.equal(wide, narrow) and not torch.equal(narrow, logits)
 
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=3), dict(frequency_penalty=-2.5), dict(repetition_penalty=0),

@@ -92,11 +92,20 @@ def params_owner(engine):
     return find
 
 
+def rows_owner(engine):
+    """Finds the victim among the requests whose rows a batched reshape was given (reshape_rows: logits, the
+    requests' rows), or one of the others."""
+    def find(logits, rows, *args):
+        given = [r for r in engine.requests.values() if any(c.params is r.params for c in rows)]
+        return next((r for r in given if r.request_id == VICTIM), given[0] if given else None)
+    return find
+
+
 # stage -> the places a fault is injected: (module or class, attribute, how the request is found among the call's
 # arguments)
 FAULTS = {
-    "logits controls": [(accept_module, "reshape_logits", params_owner)],
-    "grammar": [(RequestGrammar, "masks", GrammarOf)],
+    "logits controls": [(accept_module, "reshape_rows", rows_owner)],
+    "grammar": [(RequestGrammar, "fill_masks", GrammarOf)],
     "sampling": [(accept_module, "target_probs", params_owner), (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
     "commit": [(commit_module.TokenCommitter, "commit", lambda engine: lambda committer, req, *a: req)],

@@ -3,48 +3,155 @@ penalties, logit_bias and min_tokens (min_p acts on probabilities, in sampler.ta
 
 Each logits row is reshaped with the history it has in plain decoding: the prompt, the output so far and, under
 speculation, the draft tokens before that row's position. Verification then checks the very distribution plain
-decoding samples from, so greedy speculation stays token-for-token equal and sampled speculation exact."""
+decoding samples from, so greedy speculation stays token-for-token equal and sampled speculation exact.
+
+A step reshapes the rows of all its controlled requests together (`reshape_rows`): the same elementwise operations
+on every row, each with its own request's values, so a row comes out bitwise the same whatever else the batch
+holds (a control a request does not use leaves its rows exactly as they were: x / 1, x * 1, x - 0 and a where()
+that keeps x), and the step sends what the controls read to the device in two copies, not a few per request."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
+from smartspec.runtime.upload import upload, upload_floats
 from smartspec.types.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ControlledRows:
+    """One request's rows to reshape: its sampling controls, its prompt and output so far, and each row's draft
+    prefix (row i follows prompt + output + prefixes[i])."""
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+    prefixes: list[list[int]]
+
+    def ends(self, eos_token_ids: Collection[int]) -> list[int]:
+        """The tokens min_tokens holds back: its stop tokens and, unless it ignores them, the model's ends."""
+        p = self.params
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+
+    def early_rows(self) -> list[int]:
+        """Its rows that come before min_tokens, where no end may come."""
+        done = len(self.output)
+        return [i for i, prefix in enumerate(self.prefixes) if done + len(prefix) < self.params.min_tokens]
 
 
 def reshape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
                    prefixes: list[list[int]], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
-    """logits [n, V] of one request; row i follows prompt + output + prefixes[i]. Returns float32 rows. Token ids
-    past V (a draft whose vocabulary is padded shorter than the target's) are left out.
+    """logits [n, V] of one request; row i follows prompt + output + prefixes[i]. Returns float32 rows."""
+    return reshape_rows(logits, [ControlledRows(params, prompt, output, prefixes)], eos_token_ids)
+
+
+class _Gathered:
+    """What the controls read, gathered over the requests as flat lists (one host-to-device copy of the integers,
+    one of the floats): per request, its rows; per row, its request and its penalties."""
+
+    def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int) -> None:
+        self.vocab = vocab
+        self.row_request: list[int] = []
+        self.counted: tuple[list[int], list[int]] = ([], [])  # (request, token) of every output token
+        self.drafted: tuple[list[int], list[int]] = ([], [])  # (row, token) of every draft token before a row
+        self.prompted: tuple[list[int], list[int]] = ([], [])  # (request, token): a repetition penalty's prompt
+        self.biased: tuple[list[int], list[int]] = ([], [])  # (request, token) of logit_bias
+        self.held: tuple[list[int], list[int]] = ([], [])  # (row, token) set to -inf by min_tokens
+        self.bias: list[float] = []
+        self.penalties: list[float] = []  # per row: repetition, frequency, presence
+        self.uses: set[str] = set()  # the penalties some request uses: "repetition", "frequency", "presence"
+        for q, r in enumerate(requests):
+            self._add(q, r, eos_token_ids)
+
+    def _add(self, q: int, r: ControlledRows, eos_token_ids: Collection[int]) -> None:
+        p, first, n = r.params, len(self.row_request), len(r.prefixes)
+        self.row_request += [q] * n
+        penalties = (p.repetition_penalty, p.frequency_penalty or 0.0, p.presence_penalty or 0.0)
+        self.penalties += penalties * n
+        used = {name for name, value, neutral in zip(("repetition", "frequency", "presence"), penalties, (1.0, 0, 0))
+                if value != neutral}
+        if used:  # the penalties count what came before each row
+            self.uses |= used
+            self.counted[0].extend([q] * len(r.output))
+            self.counted[1].extend(r.output)
+            for i, prefix in enumerate(r.prefixes):
+                self.drafted[0].extend([first + i] * len(prefix))
+                self.drafted[1].extend(prefix)
+        if "repetition" in used:
+            self.prompted[0].extend([q] * len(r.prompt))
+            self.prompted[1].extend(r.prompt)
+        if bias := {t: b for t, b in p.logit_bias.items() if t < self.vocab}:
+            self.biased[0].extend([q] * len(bias))
+            self.biased[1].extend(bias)
+            self.bias.extend(bias.values())
+        if p.min_tokens and (ends := [t for t in r.ends(eos_token_ids) if t < self.vocab]):
+            for i in r.early_rows():
+                self.held[0].extend([first + i] * len(ends))
+                self.held[1].extend(ends)
+
+    def on(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The five (index, token) pairs and the row -> request map as int64 tensors, the penalties [R, 3] and the
+        bias values, each list copied once."""
+        pairs = [self.counted, self.drafted, self.prompted, self.biased, self.held]
+        flat = self.row_request + [t for pair in pairs for part in pair for t in part]
+        ints = upload([torch.tensor(flat, dtype=torch.int64)], device)[0]
+        parts, at = [ints[:len(self.row_request)]], len(self.row_request)
+        for pair in pairs:
+            for part in pair:
+                parts.append(ints[at:at + len(part)])
+                at += len(part)
+        floats = upload_floats(self.penalties + self.bias, device)
+        return parts, floats[:len(self.penalties)].view(-1, 3), floats[len(self.penalties):]
+
+
+def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows],
+                 eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """logits [R, V]: the rows of `requests` in order (R = their prefixes together). Returns them reshaped, float32.
+    Token ids past V (a draft whose vocabulary is padded shorter than the target's) are left out.
 
     Order as in vLLM and transformers: the penalties, then the bias, then min_tokens' mask; counts are exact
     integers, so a row reshaped here is bitwise the row plain decoding reshapes at that position."""
-    x = logits.float().clone()
-    n, vocab = x.shape
+    x = logits.to(torch.float32, copy=True)
+    rows, vocab = x.shape
     dev = x.device
-    counts = torch.zeros(n, vocab, device=dev)
-    if output:
-        counts += torch.bincount(torch.tensor(output, device=dev), minlength=vocab)[:vocab].float()
-    for i, prefix in enumerate(prefixes):
-        if prefix := [t for t in prefix if t < vocab]:
-            counts[i].index_add_(0, torch.tensor(prefix, device=dev), torch.ones(len(prefix), device=dev))
-    if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        if in_prompt := sorted(t for t in set(prompt) if t < vocab):
-            seen[:, torch.tensor(in_prompt, device=dev)] = True
-        penalised = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
-        x = torch.where(seen, penalised, x)
-    if params.frequency_penalty:
-        x -= params.frequency_penalty * counts
-    if params.presence_penalty:
-        x -= params.presence_penalty * (counts > 0).float()
-    if bias := {t: b for t, b in params.logit_bias.items() if t < vocab}:
-        x[:, torch.tensor(list(bias), device=dev)] += torch.tensor(list(bias.values()), device=dev)
-    if params.min_tokens:
-        ends = sorted(t for t in set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-                      if t < vocab)
-        early = [i for i, prefix in enumerate(prefixes) if len(output) + len(prefix) < params.min_tokens]
-        if ends and early:
-            x[torch.tensor(early, device=dev)[:, None], torch.tensor(ends, device=dev)] = float("-inf")
+    g = _Gathered(requests, eos_token_ids, vocab)
+    if len(g.row_request) != rows:
+        raise ValueError(f"{rows} logits rows for requests whose prefixes make {len(g.row_request)}")
+    ints, penalties, bias = g.on(dev)
+    row_request, counted, drafted, prompted, biased, held = ints[0], ints[1:3], ints[3:5], ints[5:7], ints[7:9], \
+        ints[9:11]
+    if g.uses:  # the history's tokens past V counted in a column of their own, cut off after
+        counts = _scattered(len(requests), vocab, counted, len(g.counted[0]), 1.0, dev)[row_request]
+        if g.drafted[0]:
+            counts.index_put_((drafted[0], drafted[1].clamp(max=vocab)), torch.ones((), device=dev), accumulate=True)
+        counts = counts[:, :vocab]
+        repetition, frequency, presence = (penalties[:, j:j + 1] for j in range(3))
+        if "repetition" in g.uses:
+            in_prompt = _scattered(len(requests), vocab, prompted, len(g.prompted[0]), True, dev, torch.bool)
+            seen = (counts > 0) | in_prompt[row_request, :vocab]
+            x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        if "frequency" in g.uses:
+            x -= frequency * counts
+        if "presence" in g.uses:
+            x -= presence * (counts > 0).float()
+    if g.bias:
+        values = torch.zeros(len(requests), vocab, device=dev).index_put_(tuple(biased), bias)
+        marked = torch.zeros(len(requests), vocab, device=dev, dtype=torch.bool).index_put_(
+            tuple(biased), torch.ones((), device=dev, dtype=torch.bool))
+        x = torch.where(marked[row_request], x + values[row_request], x)
+    if g.held[0]:
+        x.index_put_(tuple(held), torch.full((), float("-inf"), device=dev))
     return x
+
+
+def _scattered(n: int, vocab: int, pairs: torch.Tensor, count: int, value, device, dtype=torch.float32) \
+        -> torch.Tensor:
+    """[n, V + 1]: `value` summed (float) or set (bool) at each of the `count` (index, token) pairs, zero / False
+    elsewhere; tokens past V land in the last column (the caller cuts it off). Clamped, not filtered: a filter's
+    size would be read back from the device."""
+    out = torch.zeros(n, vocab + 1, device=device, dtype=dtype)
+    if count:
+        out.index_put_((pairs[0], pairs[1].clamp(max=vocab)), torch.full((), value, device=device, dtype=dtype),
+                       accumulate=dtype != torch.bool)
+    return out

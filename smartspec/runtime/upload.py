@@ -23,3 +23,9 @@ def upload(arrays: list[torch.Tensor | None], device: torch.device) -> list[torc
     # buffer until the copy is done)
     on_device = iter(packed.to(device, non_blocking=True).split(sizes))
     return [None if a is None else next(on_device).view(a.shape).to(a.dtype) for a in arrays]
+
+
+def upload_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    """Numbers as a float32 tensor on `device`, in one copy that does not block the host (from pinned memory)."""
+    host = torch.tensor(values, dtype=torch.float32)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

@@ -16,13 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-from smartspec.runtime.logits_controls import reshape_logits
+from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import draw_tokens, seeded_tokens, target_probs
+from smartspec.runtime.upload import upload
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
-from smartspec.structured.matcher import RequestGrammar, apply_masks
-from smartspec.types.faults import RequestFault, fault_of, stage
+from smartspec.structured.matcher import RequestGrammar, apply_masks, empty_masks
+from smartspec.types.faults import RequestFault, StageError, fault_of, stage
 from smartspec.types.logprobs import rows_of_new_tokens
 from smartspec.types.request import Request
 
@@ -229,30 +230,79 @@ def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str,
     (its first row in logits, its rows [n, V] fp32). Row j of a chain after the first j draft tokens, a tree's node
     rows after the path to the node. Only these rows are copied (the step's logits stay the model's, as logprobs read
     them). A request whose controls or grammar fail is entered in faults (its rows are then never read)."""
-    out, row = {}, 0
+    parts, row = [], 0
     for it in items:
         req, n = it.request, it.num_logits
-        grammar = grammars.get(req.request_id)
-        if n and (req.params.reshapes_logits or grammar is not None):
-            draft = drafts.get(req.request_id)
-            if draft is None:
-                prefixes = [[]]
-            elif draft.tree is not None:
-                prefixes = [[]] + draft.tree.paths()
-            else:
-                prefixes = [draft.tokens[:j] for j in range(n)]
-            try:
-                if req.params.reshapes_logits:
-                    with stage("logits controls"):
-                        block = reshape_logits(logits[row:row + n], req.params, req.prompt_token_ids,
-                                               req.output_token_ids, prefixes, eos_token_ids)
-                else:
-                    block = logits[row:row + n].float().clone()
-                if grammar is not None:  # in place, on this request's rows
-                    with stage("grammar"):
-                        apply_masks(block, *grammar.masks(prefixes))
-                out[req.request_id] = (row, block)
-            except Exception as exc:
-                faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
+        if n and (req.params.reshapes_logits or req.request_id in grammars):
+            parts.append((req, row, _prefixes(drafts.get(req.request_id), n)))
         row += n
-    return out
+    if not parts:
+        return {}
+    rows = _reshaped(logits, parts, eos_token_ids, faults)
+    if any(req.request_id in grammars for req, _, _ in parts):
+        _masked(rows, parts, grammars, faults)
+    blocks = rows.split([len(prefixes) for _, _, prefixes in parts])
+    return {req.request_id: (start, block) for (req, start, _), block in zip(parts, blocks)
+            if req.request_id not in faults}
+
+
+def _prefixes(draft: Draft | None, n: int) -> list[list[int]]:
+    """The draft tokens before each of a request's n rows."""
+    if draft is None:
+        return [[]]
+    if draft.tree is not None:
+        return [[]] + draft.tree.paths()
+    return [draft.tokens[:j] for j in range(n)]
+
+
+def _reshaped(logits: torch.Tensor, parts: list[tuple[Request, int, list[list[int]]]],
+              eos_token_ids: Collection[int], faults: dict[str, RequestFault]) -> torch.Tensor:
+    """The parts' rows copied out of the step's logits, one after another, and reshaped by their controls, all parts
+    in one pass (reshape_rows: a request without controls comes out as copied). Where that pass fails, each part
+    alone: the one whose controls fail is entered in faults (its rows are then copied as they were, never read),
+    the others go on."""
+    sizes = [len(prefixes) for _, _, prefixes in parts]
+    rows = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes)
+            for req, _, prefixes in parts]
+    index = torch.tensor([i for (_, start, _), n in zip(parts, sizes) for i in range(start, start + n)])
+    try:
+        return reshape_rows(logits[upload([index], logits.device)[0]], rows, eos_token_ids)
+    except Exception:  # told apart below, request by request
+        pass
+    blocks = []
+    for (req, start, _), n, one in zip(parts, sizes, rows):
+        block = logits[start:start + n]
+        try:
+            with stage("logits controls"):
+                blocks.append(reshape_rows(block, [one], eos_token_ids))
+        except Exception as exc:
+            faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
+            blocks.append(block.float())
+    return torch.cat(blocks)
+
+
+def _masked(rows: torch.Tensor, parts: list[tuple[Request, int, list[list[int]]]],
+            grammars: dict[str, RequestGrammar], faults: dict[str, RequestFault]) -> None:
+    """The structured parts' rows (in `rows`, the parts' rows one after another) masked in place by their grammars
+    after each row's prefix: each grammar fills its rows of one bitmask (a failure is its request's fault), and the
+    masks are unpacked and applied in one pass over every part's rows (apply_masks)."""
+    vocab = next(grammars[req.request_id].vocab_size for req, _, _ in parts if req.request_id in grammars)
+    bitmask = empty_masks(len(rows), vocab)
+    valid, at = [], 0
+    for req, _, prefixes in parts:
+        grammar, rid = grammars.get(req.request_id), req.request_id
+        ok = [False] * len(prefixes)
+        if grammar is not None and rid not in faults:
+            try:
+                with stage("grammar"):
+                    ok = grammar.fill_masks(prefixes, bitmask, at)
+            except Exception as exc:
+                faults[rid] = fault_of(exc, rid, "grammar")
+        valid += ok
+        at += len(prefixes)
+    try:
+        apply_masks(rows, bitmask, valid)
+    except Exception as exc:  # the masks' own pass: each structured request's (its rows cannot be trusted)
+        for req, _, _ in parts:
+            if req.request_id in grammars and req.request_id not in faults:
+                faults[req.request_id] = fault_of(StageError("grammar", exc), req.request_id, "grammar")

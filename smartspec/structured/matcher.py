@@ -105,16 +105,21 @@ class RequestGrammar:
     def masks(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, list[bool]]:
         """Bitmasks [n, ceil(V / 32)] of the tokens allowed after each prefix (draft tokens after the committed
         ones), and whether each prefix is valid (an invalid one gets no mask: its row is never used)."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(prefixes), self.vocab_size)
+        bitmask = empty_masks(len(prefixes), self.vocab_size)
+        return bitmask, self.fill_masks(prefixes, bitmask, 0)
+
+    def fill_masks(self, prefixes: list[list[int]], bitmask: torch.Tensor, first: int) -> list[bool]:
+        """masks() into rows first, first + 1, ... of a bitmask that holds other requests' rows too (a step's
+        structured requests are unpacked and applied together: apply_masks); whether each prefix is valid."""
         valid = []
         for i, prefix in enumerate(prefixes):
             taken = self.matcher.try_consume_tokens(prefix) if prefix else 0  # stops at a forbidden token
             valid.append(taken == len(prefix))
             if valid[-1]:
-                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, i)
+                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, first + i)
             if taken:
                 self.matcher.rollback(taken)
-        return bitmask, valid
+        return valid
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next, from the committed state: a bool tensor [V]."""
@@ -129,6 +134,11 @@ class RequestGrammar:
 
 
 _BIT = torch.arange(32, dtype=torch.int32)
+
+
+def empty_masks(rows: int, vocab_size: int) -> torch.Tensor:
+    """Bitmasks [rows, ceil(V / 32)] that allow every token, for grammars to fill (RequestGrammar.fill_masks)."""
+    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
