@@ -58,8 +58,10 @@ class TokenCommitter:
 
     def _append(self, req: Request, new: list[int], grammar: RequestGrammar | None) -> tuple[list[int], str | None]:
         """The tokens appended up to the first stop, and the finish reason it gave (None: the request runs on)."""
-        added, reason = [], None
         each_text = self.tokenizer is not None and bool(req.params.stop)  # stop strings: in each token's text
+        if grammar is None and not each_text:
+            return self._append_counted(req, new)
+        added, reason = [], None
         for tok in new:
             req.token_ids.append(tok)
             added.append(tok)
@@ -80,6 +82,24 @@ class TokenCommitter:
                 reason = "stop" if grammar.finished else reason
             if reason:
                 break
+        return added, reason
+
+    def _append_counted(self, req: Request, new: list[int]) -> tuple[list[int], str | None]:
+        """_append where only stop tokens and lengths can end the request (no stop strings, no grammar): the first
+        token that does, found without a pass per token; a stop token before or at the length bound wins, as it
+        does token by token."""
+        params = req.params
+        ends = params.stop_token_ids if params.ignore_eos else (*params.stop_token_ids, *self.stop_token_ids)
+        stop = next((i for i, tok in enumerate(new) if tok in ends), None) if ends else None
+        # the token that reaches max_tokens or the context (the first always goes in)
+        bound = max(0, min(params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1)
+        if stop is not None and stop <= bound:
+            added, reason = new[:stop + 1], "stop"
+        elif bound < len(new):
+            added, reason = new[:bound + 1], "length"
+        else:
+            added, reason = list(new), None
+        req.token_ids.extend(added)
         return added, reason
 
 
