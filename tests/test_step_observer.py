@@ -1,6 +1,8 @@
 """The policy observes each step beside the next step's forward (engine/step_observer.py): every record once, in
 order, after the next forward is issued and before its result is read; at once where no step follows. The
 simulator runs it the same way, and charges it only what it outlasts the forward on an asynchronous device."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -96,9 +98,11 @@ class FakeClock:
 def replica_ends(asynchronous: bool, observe_s: float, monkeypatch) -> list[float]:
     """The ends of the steps of one request on a replica whose forward takes 50 ms, its policy 0 s to plan and
     `observe_s` to observe each step."""
+    import smartspec.engine.step_observer as step_observer
     import smartspec.sim.simulator as simulator
     clock = FakeClock(observe_s)
     monkeypatch.setattr(simulator, "time", clock)
+    monkeypatch.setattr(step_observer, "time", clock)
     cost = StepCostModel()
     cost.v, cost.d = [0.05, 0, 0, 0, 0, 0, 0, 0.0], [0.0, 0.0, 0.0]
     rep = SimReplica(SimProfile(cost, [0.5], asynchronous=asynchronous), "fixed:0", 2, np.random.default_rng(0),
@@ -126,3 +130,23 @@ def test_on_an_asynchronous_device_observing_costs_what_it_outlasts_the_forward(
     after = replica_ends(False, observe_s, monkeypatch)
     assert after == pytest.approx([p + observe_s * n for n, p in enumerate(plain)])
     assert beside == pytest.approx([p + max(0.0, observe_s - 0.05) * n for n, p in enumerate(plain)])
+
+
+def test_a_policy_that_fails_to_observe_fails_the_simulation_and_not_the_engine():
+    """The simulator drives policies for their tests and studies: a failure must surface there; the engine's
+    observer logs it and serves on (test_a_policy_that_fails_to_observe_costs_its_learning_not_the_requests)."""
+    class Broken(LoggingPolicy):
+        def observe(self, record):
+            raise RuntimeError("broken observe")
+
+    cost = StepCostModel()
+    cost.v, cost.d = [0.05, 0, 0, 0, 0, 0, 0, 0.0], [0.0, 0.0, 0.0]
+    rep = SimReplica(SimProfile(cost, [0.5]), Broken([]), 2, np.random.default_rng(0), ReplicaSize(64, 16, 4, 64, 512))
+    rep.add(Request("r", [1] * 20, Params(max_tokens=6, ignore_eos=True)))
+    with pytest.raises(RuntimeError, match="broken observe"):
+        now = 0.0
+        while rep.scheduler.has_unfinished():
+            now = rep.step(now).end
+    observer = StepObserver(plans_ahead=False)
+    observer.hold(Broken([]), SimpleNamespace(step=1))
+    assert observer.observe_waiting() >= 0.0  # logged, not raised

@@ -22,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class StepObserver:
-    def __init__(self, plans_ahead: bool) -> None:
+    def __init__(self, plans_ahead: bool, raises: bool = False) -> None:
         """plans_ahead: whether the policy plans ahead beside the forward (Policy.plan_ahead): where the forward runs
         asynchronously (a GPU). On a CPU a plan made ahead only moves the work, or adds some where the next step
-        turns out otherwise than planned for (a step beside prefill followed by one without)."""
-        self.plans_ahead = plans_ahead
+        turns out otherwise than planned for (a step beside prefill followed by one without). raises: a policy's
+        failure to observe or plan ahead propagates instead of being logged (the simulator: what drives a policy
+        through it must see it fail)."""
+        self.plans_ahead, self.raises = plans_ahead, raises
         self._waiting: tuple[Policy, StepRecord] | None = None  # the last step's record and the policy it is for
 
     def hold(self, policy: Policy, record: StepRecord) -> float:
@@ -46,6 +48,8 @@ class StepObserver:
         try:
             policy.plan_ahead(view)
         except Exception:
+            if self.raises:
+                raise
             logger.exception("policy %r failed to plan ahead", policy.name)
         return spent + time.perf_counter() - began
 
@@ -58,5 +62,7 @@ class StepObserver:
         try:
             policy.observe(record)
         except Exception:
+            if self.raises:
+                raise
             logger.exception("policy %r failed to observe step %d", policy.name, record.step)
         return time.perf_counter() - began

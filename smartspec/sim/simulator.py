@@ -1,8 +1,8 @@
 """The simulated step is the engine's (schedule -> plan -> propose -> verify -> accept -> commit -> observe) with
 the model replaced: the real Scheduler, BlockManager, planning (engine/planner.py: the policy, caps, draft block
 reservation), propose stage (engine/drafter.py, over a stand-in draft that tracks what a draft model would have
-read) and commit (engine/commit.py); the policy observes the last step and plans ahead beside the forward, as the
-engine's StepObserver runs them; a step time from the profile's cost model, and accepted drafts sampled per
+read) and commit (engine/commit.py); the policy observes the last step and plans ahead beside the forward, through
+the engine's StepObserver; a step time from the profile's cost model, and accepted drafts sampled per
 token with the request's acceptance rate. Replicas sit behind a router that sends each arrival to the less loaded
 of two random replicas (Serve's power of two choices)."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from smartspec.engine.commit import TokenCommitter, finish_request
 from smartspec.engine.drafter import propose
 from smartspec.engine.planner import DraftRoom, Speculation, plan_step
 from smartspec.engine.scheduler import Scheduler, split_batch
+from smartspec.engine.step_observer import StepObserver
 from smartspec.policy import Policy, make_policy
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.sim.profile import SimProfile
@@ -115,7 +116,9 @@ class SimReplica:
         self.committer = TokenCommitter(self.blocks, (), size.max_model_len)  # no tokenizer: ids stand for lengths
         self.acceptance: dict[str, RequestAcceptance] = {}
         self.steps = 0
-        self.waiting: StepRecord | None = None  # the last step's record, observed beside the next step's forward
+        # the last step's record, observed beside the next step's forward (and, on an asynchronous device, the next
+        # step planned there), as the engine does; a policy that fails here fails the simulation
+        self.observer = StepObserver(plans_ahead=profile.asynchronous, raises=True)
 
     @property
     def load(self) -> int:
@@ -152,41 +155,28 @@ class SimReplica:
             else 0.0
         expected = sum(self.acceptance[r.request_id].expected_tokens(k, r.num_output_tokens)
                        for r, k in zip(decoding, ks))
-        observed_s = self._beside_forward(view)  # as the engine's StepObserver runs it
+        observed_s = self._host(self.observer.beside_forward(self.speculation.policy, view))
         outcomes = self._accept(batch, k_of)
         accepted = [a for req, a, _ in outcomes if req.request_id in k_of]
         self.steps += 1
         num_prefill = sum(s.num_tokens for s in prefill)
-        self.waiting = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted,
+        record = StepRecord(self.steps, len(batch), list(ks), list(ks), accepted,
                                   [r.request_id for r in decoding], n_tokens, num_prefill, n_context, draft_s,
                                   duration - draft_s, duration, predicted_s=plan.predicted_s if decoding else None,
                                   draft_catchup_tokens=catchup, num_tokens=lengths, probes=list(plan.probes))
+        observed_s += self._host(self.observer.hold(self.speculation.policy, record))
         planned_s = host_s if self.realism.host_s == "measured" else float(self.realism.host_s)
         end = now + planned_s + self._forward_s(duration, draft_s, observed_s)
         finished = self._commit(outcomes, end)
         if not self.scheduler.has_unfinished():  # no forward follows to observe it beside (the replica idles)
-            observed_s += self._observe_waiting()
+            observed_s += self._host(self.observer.observe_waiting())
         return SimStep(end, finished, list(ks), expected, surface_s, planned_s + observed_s,
                        sum(a + 1 for _, a, _ in outcomes), planned_s)
 
-    def _beside_forward(self, view) -> float:
-        """The last step observed and, on an asynchronous device, the policy's plan ahead on this step's view, beside
-        the forward; the measured seconds (0 unless host time is measured)."""
-        observed_s = self._observe_waiting()
-        if view is None or not self.profile.asynchronous:  # no request decodes; a CPU plans no step ahead
-            return observed_s
-        began = time.perf_counter()
-        self.speculation.policy.plan_ahead(view)
-        return observed_s + (time.perf_counter() - began if self.realism.host_s == "measured" else 0.0)
-
-    def _observe_waiting(self) -> float:
-        """The last step's record observed by the policy; the measured seconds (0 unless host time is measured)."""
-        if self.waiting is None:
-            return 0.0
-        record, self.waiting = self.waiting, None
-        began = time.perf_counter()
-        self.speculation.policy.observe(record)
-        return time.perf_counter() - began if self.realism.host_s == "measured" else 0.0
+    def _host(self, measured_s: float) -> float:
+        """Host seconds as the simulation counts them: as measured, or none (Realism.host_s: a fixed planning time,
+        or none, leaves observing out)."""
+        return measured_s if self.realism.host_s == "measured" else 0.0
 
     def _forward_s(self, duration: float, draft_s: float, observed_s: float) -> float:
         """A step's time from its proposals to its commit: on an asynchronous device the observing runs while the
