@@ -23,6 +23,12 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._cached: dict[int, int] = {}  # chain hash -> block holding those tokens' KV
         self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (chain hash, its tokens), once registered
+        # request id -> (its leading full blocks walked, the chain hash after them, the walked blocks whose tokens
+        # another block held: (index, chain, tokens)): each step walks only the blocks after them, not the whole
+        # table again (at long contexts, hundreds of blocks per request per step), and looks again only at those
+        # twins. A block the request holds stays registered (only the free pool evicts), so this registers what
+        # walking the whole table would. Dropped when the table shrinks below it or is freed.
+        self._walked: dict[str, tuple[int, int, tuple]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the cache, and found (vLLM's counters)
         self.num_prefix_hits = 0
 
@@ -54,11 +60,14 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         while len(req.block_table) > keep:
             self._release(req.block_table.pop())
+        if self._walked.get(req.request_id, (0,))[0] > len(req.block_table):
+            del self._walked[req.request_id]
         req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
 
     def free(self, req: Request) -> None:
         """Give back all of a request's blocks; with prefix caching its computed full blocks stay findable."""
         self.register(req)
+        self._walked.pop(req.request_id, None)
         for block in reversed(req.block_table):  # a prompt's last blocks are evicted before its first
             self._release(block)
         req.block_table.clear()
@@ -96,21 +105,35 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         limit = min(req.num_computed_tokens, len(req.token_ids), num_tokens if num_tokens is not None else 1 << 62)
-        chain = 0
-        for i, block in enumerate(req.block_table[:limit // self.block_size]):
+        full = min(limit // self.block_size, len(req.block_table))
+        walked, chain, twins = self._walked.get(req.request_id, (0, 0, ()))
+        if full <= walked and not twins:
+            return
+        if twins and not all(twin[1] in self._cached for twin in twins):
+            for i, twin_chain, tokens in twins:  # registered now if the block holding their tokens was evicted
+                if twin_chain not in self._cached:
+                    self._cached[twin_chain] = req.block_table[i]
+                    self._key[req.block_table[i]] = (twin_chain, tokens)
+            twins = tuple(t for t in twins if req.block_table[t[0]] not in self._key)
+        for i in range(walked, full):
+            block = req.block_table[i]
             if block in self._key:  # registered already (by this request, or matched): its chain is known
                 chain = self._key[block][0]
                 continue
             tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain = hash((chain, tokens))
-            if chain not in self._cached:  # else another block holds the same tokens
+            if chain not in self._cached:
                 self._cached[chain] = block
                 self._key[block] = (chain, tokens)
+            else:  # another block holds the same tokens: this one is registered if that one is evicted
+                twins += ((i, chain, tokens),)
+        self._walked[req.request_id] = (max(walked, full), chain, twins)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (their contents stay, unfindable): the next requests start cold."""
         self._cached.clear()
         self._key.clear()
+        self._walked.clear()
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
