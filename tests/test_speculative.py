@@ -145,6 +145,31 @@ def test_draft_with_another_tokenizer_is_rejected(tiny_qwen, smollm):
         make(tiny_qwen, {"method": "draft_model", "model": smollm})
 
 
+def test_ngram_lookup_all_is_every_earlier_occurrence_most_recent_first():
+    """lookup_all searches the context's bytes: the same continuations, in the same order, as scanning every earlier
+    position, over contexts with many occurrences and tokens whose bytes overlap their neighbours' (> 255)."""
+    import random
+
+    from smartspec.spec_decode.ngram import lookup_all
+
+    def scanned(tokens, depth, n_max, n_min, max_matches):
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            suffix = tokens[len(tokens) - n:]
+            found = [tokens[s + n:s + n + depth] for s in range(len(tokens) - n - 1, -1, -1)
+                     if tokens[s:s + n] == suffix][:max_matches]
+            if found:
+                return found
+        return []
+
+    rng = random.Random(0)
+    for case in range(3000):
+        alphabet = rng.choice([[1, 2], [0, 1, 2, 3], [256, 1, 65536, 257, 16777216], list(range(300))])
+        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(0, 60))]
+        depth, n_max, n_min = rng.randrange(1, 6), rng.randrange(1, 5), rng.choice([1, 2])
+        args = (depth, max(n_max, n_min), n_min, rng.choice([1, 3, 16]))
+        assert lookup_all(tokens, *args) == scanned(tokens, *args), (case, tokens, args)
+
+
 def test_ngram_lookup():
     assert lookup([1, 2, 3, 9, 1, 2, 3], 2, 3, 1) == [9, 1]
     assert lookup([1, 2, 3, 9, 1, 2, 3], 5, 3, 1) == [9, 1, 2, 3]
