@@ -55,10 +55,10 @@ def test_a_step_reads_the_host_once(monkeypatch):
         reads.append(tuple(self.shape))
         return original(self)
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
-    with HostReads() as syncs:
+    with Copies(monkeypatch) as syncs:
         out = accept_drafts(items, logits, drafts).tokens
     assert len(reads) == 1  # the step's one read
-    assert [op for op in syncs.seen if op != "lift_fresh"] == []  # uploads (draft tokens, row lists) are not reads
+    assert syncs.seen == []  # no read, and no host value sent but through runtime/upload.py
     assert set(out) == {"chain", "sampled", "tree", "plain", "plain_sampled", "seeded", "seeded_tree"}
 
 
@@ -112,3 +112,70 @@ def test_a_dead_row_after_a_rejected_draft_is_never_reached():
     logits[3] = float("-inf")
     got = accept_drafts(items, logits, drafts)
     assert got.faults == {} and got.tokens == expected
+
+
+class Copies(HostReads):
+    """HostReads, and a count of the host values a stage sends to the device: the calls into runtime/upload.py
+    (each one copy; what it makes a tensor there is its staging), while a value made a tensor anywhere else
+    (torch.tensor, a tensor indexed by a Python list: lift_fresh outside it) is seen as a read is."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        import sys
+
+        import smartspec.runtime.upload as upload_module
+        self.copies, self.inside = 0, False
+        for name in ("upload", "upload_lists", "upload_values"):
+            real = getattr(upload_module, name)
+
+            def counted(*args, _real=real, **kwargs):
+                outer, self.inside = not self.inside, True
+                self.copies += outer  # upload_lists sends through upload: one copy
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    self.inside = not outer
+            for module in list(sys.modules.values()):  # wherever the engine imported it by name
+                if getattr(module, "__name__", "").startswith("smartspec") and getattr(module, name, None) is real:
+                    monkeypatch.setattr(module, name, counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and func._schema.name.endswith("lift_fresh"):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def a_wide_step(copies: int):
+    """`copies` of every kind of request: a_step's seven, and a chain with penalties, bias and min_tokens."""
+    items, logits, drafts = [], [], {}
+    controls = SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4,
+                              logit_bias={3: 2.0}, min_tokens=9, stop_token_ids=[5])
+    for c in range(copies):
+        its, lg, dr = a_step(c)
+        controlled = Request(f"controlled{c}", [1, 2, 3], controls)
+        controlled.generator = torch.Generator().manual_seed(c)
+        dr["controlled"] = Draft([4, 7, 2], None)
+        its.append(ForwardItem(controlled, [0] * 4, 3, 4))
+        lg = torch.cat([lg, torch.randn(4, V)])
+        for it in its:
+            it.request.request_id = f"{it.request.request_id}{c}"
+        drafts.update({f"{rid}{c}": d for rid, d in dr.items()})
+        items += its
+        logits.append(lg)
+    return items, torch.cat(logits), drafts
+
+
+def test_a_step_sends_its_host_values_in_copies_that_do_not_grow_with_its_requests(monkeypatch):
+    """Every host value the accept stage sends to the device crosses in runtime/upload.py (on a GPU: pinned, without
+    blocking), a fixed number of copies a step, not one per request: the controlled rows with their controls'
+    values, the sampled chains' drafts, the plain rows (a step with grammars adds their masks); nothing else makes a
+    host value a tensor (torch.tensor, indexing by a list)."""
+    counts = []
+    for copies in (1, 3):
+        items, logits, drafts = a_wide_step(copies)
+        with Copies(monkeypatch) as sent:
+            out = accept_drafts(items, logits, drafts).tokens
+        monkeypatch.undo()
+        assert sent.seen == [] and len(out) == 8 * copies
+        counts.append(sent.copies)
+    assert counts == [3, 3]

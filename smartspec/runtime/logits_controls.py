@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartspec.runtime.upload import upload, upload_floats
+from smartspec.runtime.upload import upload_values
 from smartspec.types.sampling_params import SamplingParams
 
 
@@ -90,37 +90,32 @@ class _Gathered:
                 self.held[0].extend([first + i] * len(ends))
                 self.held[1].extend(ends)
 
-    def on(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The five (index, token) pairs and the row -> request map as int64 tensors, the penalties [R, 3] and the
-        bias values, each list copied once."""
+    def on(self, device: torch.device, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """`rows` (the logits rows to take), the row -> request map and the five (index, token) pairs as int64
+        tensors, the penalties [R, 3] and the bias values: one copy for all."""
         pairs = [self.counted, self.drafted, self.prompted, self.biased, self.held]
-        flat = self.row_request + [t for pair in pairs for part in pair for t in part]
-        ints = upload([torch.tensor(flat, dtype=torch.int64)], device)[0]
-        parts, at = [ints[:len(self.row_request)]], len(self.row_request)
-        for pair in pairs:
-            for part in pair:
-                parts.append(ints[at:at + len(part)])
-                at += len(part)
-        floats = upload_floats(self.penalties + self.bias, device)
-        return parts, floats[:len(self.penalties)].view(-1, 3), floats[len(self.penalties):]
+        (taken, *ints), (penalties, bias) = upload_values(
+            [rows, self.row_request, *(part for pair in pairs for part in pair)], [self.penalties, self.bias], device)
+        return [taken, *ints], penalties.view(-1, 3), bias
 
 
-def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows],
-                 eos_token_ids: Collection[int] = ()) -> torch.Tensor:
-    """logits [R, V]: the rows of `requests` in order (R = their prefixes together). Returns them reshaped, float32.
-    Token ids past V (a draft whose vocabulary is padded shorter than the target's) are left out.
+def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows], eos_token_ids: Collection[int] = (),
+                 rows: list[int] | None = None) -> torch.Tensor:
+    """logits [R, V]: the rows of `requests` in order (R = their prefixes together); or, with `rows`, the step's
+    logits, whose rows `rows` are theirs (taken in the same copy as the controls' values). Returns the requests' rows
+    reshaped, float32. Token ids past V (a draft whose vocabulary is padded shorter than the target's) are left out.
 
     Order as in vLLM and transformers: the penalties, then the bias, then min_tokens' mask; counts are exact
     integers, so a row reshaped here is bitwise the row plain decoding reshapes at that position."""
-    x = logits.to(torch.float32, copy=True)
-    rows, vocab = x.shape
-    dev = x.device
+    vocab, dev = logits.shape[1], logits.device
     g = _Gathered(requests, eos_token_ids, vocab)
-    if len(g.row_request) != rows:
-        raise ValueError(f"{rows} logits rows for requests whose prefixes make {len(g.row_request)}")
-    ints, penalties, bias = g.on(dev)
-    row_request, counted, drafted, prompted, biased, held = ints[0], ints[1:3], ints[3:5], ints[5:7], ints[7:9], \
-        ints[9:11]
+    if len(g.row_request) != (logits.shape[0] if rows is None else len(rows)):
+        raise ValueError(f"{logits.shape[0] if rows is None else len(rows)} logits rows for requests whose prefixes "
+                         f"make {len(g.row_request)}")
+    ints, penalties, bias = g.on(dev, [] if rows is None else rows)
+    x = logits.to(torch.float32, copy=True) if rows is None else logits[ints[0]].float()
+    row_request, counted, drafted, prompted, biased, held = ints[1], ints[2:4], ints[4:6], ints[6:8], ints[8:10], \
+        ints[10:12]
     if g.uses:  # the history's tokens past V counted in a column of their own, cut off after
         counts = _scattered(len(requests), vocab, counted, len(g.counted[0]), 1.0, dev)[row_request]
         if g.drafted[0]:

@@ -36,19 +36,17 @@ def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingP
     row at a time): best, the rows' argmax, for the greedy rows; each sampled row drawn from its own generator.
     A row whose draw raises keeps its argmax and is returned by row with its exception: one request's failure is
     its own, never its neighbours'."""
-    sampled, failed = [], {}
-    draws = []
+    tokens, failed = [], {}
     for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        try:
-            draws.append(torch.multinomial(target_probs(logits[row], p), 1, generator=generators[row]))
-            sampled.append(row)
-        except Exception as exc:
-            failed[row] = exc
-    if not sampled:
-        return best, failed
-    return best.index_put((torch.tensor(sampled, device=logits.device),), torch.cat(draws)), failed
+        token = best[row:row + 1]
+        if not p.greedy:
+            try:
+                token = torch.multinomial(target_probs(logits[row], p), 1, generator=generators[row])
+            except Exception as exc:
+                failed[row] = exc
+        tokens.append(token)
+    # the rows' tokens in place, put together on the device (no index of the drawn rows to send)
+    return (torch.cat(tokens) if tokens else best), failed
 
 
 _MASK64 = (1 << 64) - 1

@@ -19,7 +19,7 @@ import torch
 from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import draw_tokens, seeded_tokens, target_probs
-from smartspec.runtime.upload import upload
+from smartspec.runtime.upload import upload_lists
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
 from smartspec.structured.matcher import RequestGrammar, apply_masks, empty_masks
@@ -53,7 +53,8 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
     above)."""
     faults: dict[str, RequestFault] = {}
-    step = _StepRows(logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults), faults)
+    step = _StepRows(logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults), faults,
+                     _sampled_chains(items, drafts, logits.device))
     row = 0
     for it in items:
         start, n = row, it.num_logits
@@ -70,8 +71,9 @@ class _StepRows:
     plain rows' draws; and what reads each request's part of the read."""
 
     def __init__(self, logits: torch.Tensor, reshaped: dict[str, tuple[int, torch.Tensor]],
-                 faults: dict[str, RequestFault]) -> None:
-        self.logits, self.reshaped, self.faults = logits, reshaped, faults
+                 faults: dict[str, RequestFault], chains: dict[str, torch.Tensor]) -> None:
+        """chains: the sampled chains' draft tokens on the logits' device, by request (_sampled_chains)."""
+        self.logits, self.reshaped, self.faults, self.chains = logits, reshaped, faults, chains
         self.live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
         self.chosen = logits.argmax(dim=-1)
         if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
@@ -120,7 +122,8 @@ class _StepRows:
                 with stage("sampling"):
                     probs = self._probs(part)
                 with stage("acceptance"):
-                    self.on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
+                    self.on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator,
+                                                          self.chains.get(rid)))
                 self.later.append(part._replace(verdict_at=self.at))
                 self.at += 2
         except Exception as exc:
@@ -133,7 +136,7 @@ class _StepRows:
             self.chosen = self.chosen.index_put((rows,), torch.cat([t for _, t in self.seeded]))
         if not self.plain:
             return
-        plain_rows = [p.start for p in self.plain]
+        plain_rows = upload_lists([[p.start for p in self.plain]], self.logits.device)[0]
         rows = self.logits[plain_rows]
         for i, p in enumerate(self.plain):
             if p.request.request_id in self.reshaped:
@@ -169,6 +172,20 @@ class _StepRows:
         for rid in faults:
             tokens.pop(rid, None)
         return Verdicts(tokens, faults)
+
+
+def _sampled_chains(items: list[ForwardItem], drafts: dict[str, Draft], device: torch.device) \
+        -> dict[str, torch.Tensor]:
+    """The draft tokens of the step's sampled (unseeded) chains, on the device in one copy, by request: what their
+    verdicts compare the target's probabilities at."""
+    chains = {}
+    for it in items:
+        req, draft = it.request, drafts.get(it.request.request_id)
+        if (it.num_logits and draft is not None and draft.tree is None and draft.tokens and not req.params.greedy
+                and req.params.seed is None):
+            chains[req.request_id] = draft.tokens
+    sent = upload_lists(list(chains.values()), device) if chains else []
+    return dict(zip(chains, sent))
 
 
 def _verdict(part: _Rows, host: list[int]) -> list[int]:
@@ -264,9 +281,9 @@ def _reshaped(logits: torch.Tensor, parts: list[tuple[Request, int, list[list[in
     sizes = [len(prefixes) for _, _, prefixes in parts]
     rows = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes)
             for req, _, prefixes in parts]
-    index = torch.tensor([i for (_, start, _), n in zip(parts, sizes) for i in range(start, start + n)])
+    index = [i for (_, start, _), n in zip(parts, sizes) for i in range(start, start + n)]
     try:
-        return reshape_rows(logits[upload([index], logits.device)[0]], rows, eos_token_ids)
+        return reshape_rows(logits, rows, eos_token_ids, index)
     except Exception:  # told apart below, request by request
         pass
     blocks = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from smartspec.runtime.sampler import target_probs
+from smartspec.runtime.upload import upload_lists
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.tree import TokenTree
 
@@ -40,13 +41,15 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
 
 
 def sampled_verdict(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-                    generator: torch.Generator | None) -> torch.Tensor:
+                    generator: torch.Generator | None, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """accept_sampled's outcome left on p's device: [accepted drafts, the token drawn after them], so a step's
-    requests come to the host together (the draft's first n tokens, then the token)."""
+    requests come to the host together (the draft's first n tokens, then the token). tokens: the draft on p's
+    device already (the accept stage sends every sampled chain's in one copy)."""
     k, dev = len(draft), p.device
     n = torch.zeros((), dtype=torch.long, device=dev)
     if k:
-        rows, tokens = torch.arange(k, device=dev), torch.tensor(draft, device=dev)
+        rows = torch.arange(k, device=dev)
+        tokens = upload_lists([draft], dev)[0] if tokens is None else tokens
         p_tok = p[rows, tokens]
         q_tok = torch.ones_like(p_tok) if q is None else q[rows, tokens]
         u = torch.rand(k, generator=generator, device=dev)

@@ -15,6 +15,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from smartspec.runtime.upload import upload_lists
 from smartspec.structured.compile import TOOL_CALL_TAGS, grammar_of, refuse_invalid
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 
@@ -157,9 +158,9 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, valid: list[bool]) 
     rows = [i for i, ok in enumerate(valid) if ok]
     if not rows:
         return
-    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
     if len(rows) == len(valid):
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(~allowed_tokens(upload_lists([bitmask], logits.device)[0], logits.shape[1]),
+                            float("-inf"))
         return
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed[index], float("-inf"))
+    bits, index = upload_lists([bitmask, rows], logits.device)  # one copy
+    logits[index] = logits[index].masked_fill(~allowed_tokens(bits, logits.shape[1])[index], float("-inf"))
