@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.upload import upload
+from smartspec.runtime.upload import upload_lists
 from smartspec.spec_decode.accept import Verdicts
 from smartspec.spec_decode.proposer import Draft
 from smartspec.types.logprobs import TokenLogprob, rows_of_new_tokens
@@ -83,8 +83,7 @@ def _read(logits: torch.Tensor, parts: list[LogprobRows]) -> list[list[TokenLogp
         raise IndexError("a logprob's row or token is out of range")
     sizes = sorted({n for n in tops if n})
     by_size = [[i for i, n in enumerate(tops) if n == size] for size in sizes]  # each top size's tokens
-    index, tokens, *selected = upload([torch.tensor(ids, dtype=torch.int64) for ids in
-                                       (rows, [t for p in parts for t in p.tokens], *by_size)], logits.device)
+    index, tokens, *selected = upload_lists([rows, [t for p in parts for t in p.tokens], *by_size], logits.device)
     logprobs = torch.log_softmax(logits[index].float(), dim=-1)
     values = logprobs.gather(1, tokens[:, None])[:, 0]
     ranks = (logprobs > values[:, None]).sum(dim=-1) + 1
