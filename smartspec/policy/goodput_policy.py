@@ -33,7 +33,7 @@ from smartspec.policy.exploration import ChainStep, Exploration, worth_probing
 from smartspec.policy.drafting_bound import BoundShape, drafting_pays_above
 from smartspec.policy.goodput import Plan, best_plan, plans_by_depth
 from smartspec.policy.load_model import FittedLoad
-from smartspec.policy.plan_hold import DEPTH_TOLERANCE, NO_DRAFTS, HeldPlan, HeldRule, PlanHold
+from smartspec.policy.plan_hold import DEPTH_TOLERANCE, NO_DRAFTS, AheadPlan, HeldPlan, HeldRule, PlanHold
 from smartspec.policy.price_check import DraftPriceCheck
 from smartspec.policy.proposer_choice import lookup_gains, select_proposers
 from smartspec.policy.step_numbers import StepNumbers, shape_of
@@ -75,21 +75,6 @@ class GoodputOptions:
         if unknown:
             raise ValueError(f"unknown policy_options {unknown}; known: {sorted(known)}")
         return cls(**(options or {}))
-
-
-@dataclass(frozen=True)
-class AheadPlan:
-    """A full plan made beside a step's forward for the policy's next step `at` (GoodputPolicy.plan_ahead), on the
-    requests `ids` of the step it was made beside."""
-    at: int
-    ids: tuple[str, ...]
-    plan: SpecPlan
-
-    def overlaid(self, held: HeldPlan, ids: tuple[str, ...]) -> HeldPlan:
-        """The held plan of a step whose requests changed since, with this plan's draft lengths (learning probes
-        included) for the requests both hold."""
-        k_of = dict(zip(self.ids, self.plan.ks))
-        return replace(held, ks=[k_of.get(rid, k) for rid, k in zip(ids, held.ks)])
 
 
 class GoodputPolicy(Policy):

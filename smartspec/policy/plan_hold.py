@@ -25,7 +25,9 @@ the cheap bound cannot see them (drafting_bound), was otherwise planned in full 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from smartspec.types.plan import SpecPlan
 
 
 @dataclass(frozen=True)
@@ -154,3 +156,18 @@ class PlanHold:
         last.next_plan = step + 1 + last.hold
         last.ks, last.rule, last.rows, last.planned_at = dict(zip(ids, ks)), rule, len(ids), step
         last.adopted = {}
+
+
+@dataclass(frozen=True)
+class AheadPlan:
+    """A full plan made beside a step's forward for the policy's next step `at` (GoodputPolicy.plan_ahead), on the
+    requests `ids` of the step it was made beside."""
+    at: int
+    ids: tuple[str, ...]
+    plan: SpecPlan
+
+    def overlaid(self, held: HeldPlan, ids: tuple[str, ...]) -> HeldPlan:
+        """The held plan of a step whose requests changed since, with this plan's draft lengths (learning probes
+        included) for the requests both hold."""
+        k_of = dict(zip(self.ids, self.plan.ks))
+        return replace(held, ks=[k_of.get(rid, k) for rid, k in zip(ids, held.ks)])
