@@ -12,7 +12,7 @@ import torch
 
 from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
-from smartspec.runtime.logits_controls import reshape_logits
+from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import seeded_tokens, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
@@ -116,14 +116,12 @@ class DraftModelProposer(Proposer):
             items = [ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1)
                      for _, ds, _ in live]
             logits = self.runner.forward(items)
+            reshaped = _controlled_rows(logits, live, requests)
             drawn = []  # each row's token, left on the device: the depth's tokens come to the host in one read
             for row, (i, ds, _) in enumerate(live):
                 ds.num_computed_tokens = ds.num_tokens
                 req = requests[i]
-                row_logits = logits[row]
-                if req.params.reshapes_logits:  # drafts that follow the target's controls are accepted more
-                    row_logits = reshape_logits(logits[row:row + 1], req.params, req.prompt_token_ids,
-                                                ds.output_token_ids, [[]])[0]
+                row_logits = reshaped.get(row, logits[row])
                 if req.params.greedy:
                     drawn.append(row_logits.argmax().view(1))
                 else:
@@ -139,3 +137,15 @@ class DraftModelProposer(Proposer):
             depth += 1
             live = [(i, ds, k) for i, ds, k in live if k > depth]
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs], catchup_tokens=catchup)
+
+
+def _controlled_rows(logits: torch.Tensor, live: list[tuple[int, Request, int]], requests: list[Request]) \
+        -> dict[int, torch.Tensor]:
+    """The rows of requests whose sampling controls reshape their logits, reshaped as the target's will be (drafts
+    that follow the target's controls are accepted more), all in one pass, by row."""
+    rows = [row for row, (i, _, _) in enumerate(live) if requests[i].params.reshapes_logits]
+    if not rows:
+        return {}
+    controls = [ControlledRows(requests[live[row][0]].params, requests[live[row][0]].prompt_token_ids,
+                               live[row][1].output_token_ids, [[]]) for row in rows]
+    return dict(zip(rows, reshape_rows(logits, controls, rows=rows)))
