@@ -8,7 +8,7 @@ decoding samples from, so greedy speculation stays token-for-token equal and sam
 A step reshapes the rows of all its controlled requests together (`reshape_rows`): the same elementwise operations
 on every row, each with its own request's values, so a row comes out bitwise the same whatever else the batch
 holds (a control a request does not use leaves its rows exactly as they were: x / 1, x * 1, x - 0 and a where()
-that keeps x), and the step sends what the controls read to the device in two copies, not a few per request."""
+that keeps x), and the step sends what the controls read to the device in one copy, not a few per request."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -47,8 +47,8 @@ def reshape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[in
 
 
 class _Gathered:
-    """What the controls read, gathered over the requests as flat lists (one host-to-device copy of the integers,
-    one of the floats): per request, its rows; per row, its request and its penalties."""
+    """What the controls read, gathered over the requests as flat lists (sent in one copy, integers and floats
+    together): per request, its rows; per row, its request and its penalties."""
 
     def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int) -> None:
         self.vocab = vocab
