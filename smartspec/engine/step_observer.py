@@ -44,25 +44,22 @@ class StepObserver:
         spent = self.observe_waiting()
         if view is None or not self.plans_ahead:
             return spent
-        began = time.perf_counter()
-        try:
-            policy.plan_ahead(view)
-        except Exception:
-            if self.raises:
-                raise
-            logger.exception("policy %r failed to plan ahead", policy.name)
-        return spent + time.perf_counter() - began
+        return spent + self._timed(policy.plan_ahead, view, "policy %r failed to plan ahead", policy.name)
 
     def observe_waiting(self) -> float:
         """The waiting record observed by its policy, if any; the seconds that took."""
         if self._waiting is None:
             return 0.0
         (policy, record), self._waiting = self._waiting, None
+        return self._timed(policy.observe, record, "policy %r failed to observe step %d", policy.name, record.step)
+
+    def _timed(self, work, argument, failure: str, *failure_args) -> float:
+        """work(argument), its seconds; what it raises is raised again (raises) or logged with `failure`."""
         began = time.perf_counter()
         try:
-            policy.observe(record)
+            work(argument)
         except Exception:
             if self.raises:
                 raise
-            logger.exception("policy %r failed to observe step %d", policy.name, record.step)
+            logger.exception(failure, *failure_args)
         return time.perf_counter() - began
