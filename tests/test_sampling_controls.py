@@ -10,10 +10,15 @@ from transformers import AutoModelForCausalLM, MinPLogitsWarper, RepetitionPenal
 from engines import METHODS, PROMPTS, make, mixed_spec, run_staggered
 
 from smartspec import SamplingParams
-from smartspec.runtime.logits_controls import ControlledRows, reshape_logits, reshape_rows
+from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.sampler import target_probs
 
 V = 50
+
+
+def reshape_logits(logits, params, prompt, output, prefixes, eos_token_ids=()):
+    """One request's rows reshaped (row i after prompt + output + prefixes[i]): reshape_rows with that request."""
+    return reshape_rows(logits, [ControlledRows(params, prompt, output, prefixes)], eos_token_ids)
 
 
 def test_repetition_penalty_matches_transformers():

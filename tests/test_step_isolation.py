@@ -86,7 +86,7 @@ class GrammarOf:
 
 
 def params_owner(engine):
-    """Finds the request whose params a call was given (target_probs, reshape_logits take them second)."""
+    """Finds the request whose params a call was given (target_probs takes them second)."""
     def find(logits, params, *args):
         return next((r for r in engine.requests.values() if r.params is params), None)
     return find

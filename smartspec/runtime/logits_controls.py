@@ -40,12 +40,6 @@ class ControlledRows:
         return [i for i, prefix in enumerate(self.prefixes) if done + len(prefix) < self.params.min_tokens]
 
 
-def reshape_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-                   prefixes: list[list[int]], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
-    """logits [n, V] of one request; row i follows prompt + output + prefixes[i]. Returns float32 rows."""
-    return reshape_rows(logits, [ControlledRows(params, prompt, output, prefixes)], eos_token_ids)
-
-
 class _Gathered:
     """What the controls read, gathered over the requests as flat lists (sent in one copy, integers and floats
     together): per request, its rows; per row, its request and its penalties."""
