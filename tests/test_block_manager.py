@@ -103,3 +103,22 @@ def test_a_twin_block_becomes_findable_when_the_block_it_duplicated_is_evicted()
     assert set(bm._key) == set(b.block_table[:2])
     late = Request("late", list(prompt), SamplingParams())
     assert bm.match_prefix(late, late.num_tokens - 1) == 8 and late.block_table == b.block_table[:2]
+
+
+def test_cached_tokens_is_what_match_prefix_takes_and_takes_nothing():
+    """A look at the cache: for prompts sharing 0, 1, 2 and 3 full blocks with one that was cached and freed, the
+    tokens match_prefix then takes, with no block taken, counted or evicted by the look."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    first = Request("first", list(range(100, 113)), SamplingParams())
+    bm.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    bm.free(first)
+    for shared in range(4):
+        ids = list(range(100, 100 + 4 * shared)) + [7] * (13 - 4 * shared)
+        free, queries = bm.num_free, bm.num_prefix_queries
+        looked = bm.cached_tokens(ids, len(ids) - 1)
+        assert bm.num_free == free and bm.num_prefix_queries == queries
+        late = Request(f"late{shared}", ids, SamplingParams())
+        assert looked == bm.match_prefix(late, late.num_tokens - 1) == 4 * shared
+        bm.free(late)
+    assert BlockManager(8, 4).cached_tokens(list(range(100, 113)), 12) == 0  # no prefix caching: nothing

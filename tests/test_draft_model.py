@@ -101,3 +101,24 @@ def test_sampled_drafts_come_with_the_distributions_they_were_drawn_from(target,
 def test_a_draft_of_another_vocabulary_is_refused(target, tiny_llama_tied):
     with pytest.raises(ValueError, match="same vocabulary"):
         draft_of(target, tiny_llama_tied)
+
+
+def test_a_prompt_the_drafts_prefix_cache_holds_is_reported_as_not_to_be_read(target, tiny_qwen):
+    """held_tokens: for a request the draft never read, the full blocks of its context the draft's prefix cache
+    holds (a prompt another request drafted for), 0 for one it never saw; for one it holds state for, its context
+    but the last token, not the drafts it fed past it. What it reports is what the first draft then leaves out of
+    its catch-up."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = target.engine
+    spec = SpeculativeConfig(method="draft_model", model=tiny_qwen)
+    draft = make_draft_proposer(spec, DraftRuntime(engine.tokenizer, engine.vocab_size, 32, 4, True,
+                                                   enable_prefix_caching=True))
+    first = Request("first", PROMPT * 2, params)
+    draft.propose([first], [3])
+    assert draft.state["first"].num_computed_tokens > first.num_tokens  # it fed two drafts
+    assert draft.held_tokens([first]) == [first.num_tokens - 1]
+    draft.release("first")
+    again, other = Request("again", PROMPT * 2 + [11], params), Request("other", [1, 2] + PROMPT * 2, params)
+    assert draft.held_tokens([again, other]) == [12, 0]  # three full blocks of 4 of the 14 read before
+    assert draft.propose([again], [1]).catchup_tokens == again.num_tokens - 1 - 12
+    assert draft.held_tokens([again]) == [again.num_tokens - 1]

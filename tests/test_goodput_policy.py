@@ -12,6 +12,7 @@ from policy_views import view
 
 from smartspec import LLM, SamplingParams
 from smartspec.policy import GoodputPolicy, merge_states
+from smartspec.policy.catchup import growths_drafting_lasts
 from smartspec.policy.goodput import select_from_gains
 from smartspec.policy.step_numbers import StepNumbers
 from smartspec.types.request import Request
@@ -249,6 +250,29 @@ def test_a_draft_catch_up_is_charged_and_tracked():
         assert p.catchup.tokens(step).tolist() == [502 - p.catchup.seen["seen"], 499]
 
 
+def test_a_context_the_drafts_prefix_cache_holds_is_not_charged_as_a_catch_up():
+    """The request the test above leaves at k = 0 (499 unseen tokens at 5 ms) drafts where the draft's prefix cache
+    holds 496 of them (a prompt another request drafted for): only the 3 past them are charged; once it drafted,
+    the more of what its outcomes and the proposer say the draft read counts."""
+    params = SamplingParams(max_tokens=64)
+    fresh, other = Request("fresh", list(range(500)), params), Request("other", list(range(1000, 1500)), params)
+    p = drafting_policy(0.005)
+    for _ in range(30):
+        p.acceptance.observe("fresh", 4, 4)
+        p.acceptance.observe("other", 4, 4)
+    cached = {"fresh": 496}
+    step = StepNumbers.of(view([fresh, other], 5, draft_held=cached), 0.0)
+    assert p.catchup.tokens(step).tolist() == [3, 499]
+    ks = p.plan(view([fresh, other], 5, draft_held=cached)).ks
+    assert ks[0] > 0 and ks[1] == 0
+    p.catchup.observed(["fresh"], [fresh.num_tokens], [ks[0]], [ks[0]])
+    fresh.token_ids += [1] * (ks[0] + 1)
+    assert p.catchup.tokens(StepNumbers.of(view([fresh], 5, draft_held={"fresh": 0}), 0.0)).tolist() == [1]
+    # what the draft holds counts where the ledger has not seen it read yet (a plan made before the outcome)
+    other.token_ids += [1]
+    assert p.catchup.tokens(StepNumbers.of(view([other], 5, draft_held={"other": 500}), 0.0)).tolist() == [0]
+
+
 def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:
     """The draft model's costs as fitted on this CPU: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a
     token of catch-up."""
@@ -281,18 +305,21 @@ def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
 
 
 def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cost():
-    """Two requests decode beside a prefill, none has drafted, the prior is unlearned. Were the proposer near
-    perfect, the two drafting together would beat plain decoding by a little a step; a probe (one request reading
-    its 150-token prompt, 0.66 s, for one outcome) costs more than that little over the two or so steps before the
-    next request is expected (arrivals 2 s apart). With arrivals a minute apart, the same edge lasts for the
-    catch-up horizon, and the probe runs."""
+    """Two requests decode beside a prefill, none has drafted, the prior is unlearned and low (two outcomes, every
+    draft rejected: drafting does not pay for the batch's mean request, so the next growth of the batch ends it).
+    Were the proposer near perfect, the two drafting together would beat plain decoding by a little a step; a probe
+    (one request reading its 150-token prompt, 0.66 s, for one outcome) costs more than that little over the two or
+    so steps before the next request is expected (arrivals 2 s apart). With arrivals a minute apart, the same edge
+    lasts for the catch-up horizon, and the probe runs."""
     def probes(arrival_gap):
         p = cpu_draft_model_costs(GoodputPolicy(key="t"))
         params = SamplingParams(max_tokens=32)
         requests = [Request(f"r{i}", list(range(150)), params, arrival_time=i * arrival_gap) for i in range(2)]
         prefilling = [Request("p", list(range(150)), params, arrival_time=2 * arrival_gap)]
-        p.acceptance.observe("finished", 2, 2)
+        for _ in range(2):
+            p.acceptance.observe("finished", 2, 0)
         assert p.exploration.learning(p.acceptance.evidence)
+        assert growths_drafting_lasts(p.acceptance.gains(["r0", "r1"], 5), 2, 300, p.cost, lambda k: k) == 1
         plan = p.plan(view(requests, 5, base_tokens=150, base_context=150, prefilling=prefilling,
                            now=2 * arrival_gap + 0.5))
         assert plan.ks.count(1) == len(plan.probes) and sum(plan.ks) == len(plan.probes)
@@ -302,17 +329,19 @@ def test_a_learning_probe_runs_only_where_what_it_could_reveal_outweighs_its_cos
     assert len(probes(60.0)) == 1
 
 
-def test_a_catch_up_is_priced_over_the_steps_before_the_batch_is_expected_to_grow():
-    """A learned, near-perfect draft model; two requests decode, one of which has read its context, the other not
-    its 300-token prompt (1.3 s). Spread over the request's drafting steps that read pays; over the one or two steps
-    before the batch is expected to grow, when requests arrive every half second and none leaves, it does not: each
-    request more lowers what drafting adds, so drafting would not last long enough to pay it back. In a closed loop
-    at the same rate, where each arrival takes the place of a request that left, the batch holds its size and the
-    read pays again."""
-    def choose(arrival_gap, closed=False):
+def test_a_catch_up_is_priced_over_the_steps_before_the_batch_grows_to_where_drafting_stops():
+    """A learned draft model; two requests decode, one of which has read its context, the other not its 300-token
+    prompt (1.3 s). Accepted 70% of the time, drafting pays at this batch but stops paying within a few requests
+    more (growths_drafting_lasts: 3). Spread over the request's drafting steps, the read pays; over the few steps
+    before the batch is expected to have grown that far, when requests arrive every half second and none leaves, it
+    does not. In a closed loop at the same rate, where each arrival takes the place of a request that left, the
+    batch holds its size and the read pays again. Accepted 99% of the time, drafting pays at every batch size looked
+    at, so a growing batch does not end it, and the read pays with the same arrivals."""
+    def choose(arrival_gap, closed=False, accepted=140):
         p = cpu_draft_model_costs(GoodputPolicy(key="t"))
-        p.shared.import_state({"key": "t", "prior": {"first": {"accepted": 200, "rejected": 2},
-                                              "later": {"accepted": 800, "rejected": 8}}})
+        rejected = 200 - accepted
+        p.shared.import_state({"key": "t", "prior": {"first": {"accepted": accepted, "rejected": rejected},
+                                                     "later": {"accepted": 4 * accepted, "rejected": 4 * rejected}}})
         params = SamplingParams(max_tokens=64)
         earlier = [Request(f"e{i}", [1], params, arrival_time=i * arrival_gap) for i in range(6)]
         for i, r in enumerate(earlier):  # the policy sees each arrive; in the closed loop the one before it left
@@ -325,12 +354,16 @@ def test_a_catch_up_is_priced_over_the_steps_before_the_batch_is_expected_to_gro
         p.plan(view([seen], 5, now=6 * arrival_gap))
         fresh = Request("fresh", list(range(300)), params, arrival_time=7 * arrival_gap)
         p.catchup.seen["seen"] = seen.num_tokens - 1
-        return p.plan(view([seen, fresh], 5, now=7 * arrival_gap + 0.1)).ks
+        lasts = growths_drafting_lasts(p.acceptance.gains(["seen", "fresh"], 5), 2, 600, p.cost, lambda k: k)
+        return p.plan(view([seen, fresh], 5, now=7 * arrival_gap + 0.1)).ks, lasts
 
-    sparse, dense, closed = choose(60.0), choose(0.5), choose(0.5, closed=True)
+    (sparse, lasts), (dense, _), (closed, _) = choose(60.0), choose(0.5), choose(0.5, closed=True)
+    assert lasts == 3
     assert sparse[0] > 0 and sparse[1] > 0
     assert dense[0] > 0 and dense[1] == 0
     assert closed[0] > 0 and closed[1] > 0
+    dense, lasts = choose(0.5, accepted=198)
+    assert lasts == 1 + 64 and dense[0] > 0 and dense[1] > 0
 
 
 def test_a_catch_up_beside_a_prefill_is_priced_at_the_decoding_batch_rate():

@@ -6,6 +6,7 @@ drafts are reserved. A policy that fails or answers nonsense costs speculation f
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, sub
 
@@ -57,21 +58,22 @@ _INT_TYPES = {int, bool}  # what isinstance(k, int) takes
 
 
 def step_view(decoding: list[Request], prefill: list[ScheduledRequest], k_max: int, now: float | None = None,
-              lookups=None, draft_available: bool = False, shapes: PaddedShapes | None = None) -> StepView:
+              lookups=None, draft_available: bool = False, shapes: PaddedShapes | None = None,
+              held_of: Callable[[list[Request]], list[int] | None] | None = None) -> StepView:
     """The step as the policy sees it: the decoding requests, and the prefill chunks as the rest of the step (those
-    that complete a prompt: the next step's newcomers)."""
+    that complete a prompt: the next step's newcomers). held_of: the proposer's held_tokens."""
     joining = [s.request for s in prefill if s.completes]
-    return StepView(_views(decoding), k_max,
+    return StepView(_views(decoding, held_of), k_max,
                     prefill_tokens=sum(s.num_tokens for s in prefill),
                     prefill_context=sum(chunk_context(s.request.num_computed_tokens, s.num_tokens) for s in prefill),
                     prefilling=[PrefillView(s.request.request_id, s.request.arrival_time) for s in prefill],
                     now=now, lookups=lookups, draft_available=draft_available, shapes=shapes,
-                    joining=_views(joining) if joining else None)
+                    joining=_views(joining, held_of) if joining else None)
 
 
-def _views(requests: list[Request]) -> RequestViews:
+def _views(requests: list[Request], held_of=None) -> RequestViews:
     return RequestViews(requests, tuple(map(_REQUEST_ID, requests)), list(map(len, map(_TOKEN_IDS, requests))),
-                        _view_columns)
+                        _view_columns, held_of)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def plan_step(spec: Speculation, decoding: list[Request], prefill: list[Schedule
         if hints is not None:  # the configured proposer is then the alternative to each request's lookup
             lookups = [h.tree if h.source or own is None else own[i] for i, h in enumerate(hints)]
             draft_available = proposer.draft_available if own is not None else proposer.available
-        view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available, shapes)
+        view = step_view(decoding, prefill, spec.k_max, now, lookups, draft_available, shapes,
+                         proposer.held_tokens)
         plan = spec.policy.plan(view)
         _check(plan, view)
     except Exception:

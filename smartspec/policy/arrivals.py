@@ -4,8 +4,9 @@ times of the requests seen and the times requests left.
 A draft model's catch-up (reading a prompt it has not seen) is an investment that pays back over the steps the
 request goes on drafting, and a growing batch ends that sooner than the request's remaining length suggests: each
 request more lowers what drafting adds, and at some size drafting stops paying. A catch-up is therefore spread over
-at most the steps to the next expected growth (and a learning-time probe is weighed the same way,
-GoodputPolicy._probe_pays); without this bound the policy drafted at loads where the catch-up never paid back
+at most the steps until the batch is expected to have grown to that size (catchup.growths_drafting_lasts growths,
+each expected after the gap estimated here; a learning-time probe is weighed the same way,
+exploration.probe_pays); without this bound the policy drafted at loads where the catch-up never paid back
 (docs/policy.md, "Draft catch-up"). An arrival that replaces a request that left does not grow the batch: in a closed
 loop of 64 streams one arrives nearly every step, and counting each as growth priced every catch-up over one step,
 which kept the batch at k = 0 where drafting paid.

@@ -295,7 +295,7 @@ class GoodputPolicy(Policy):
                 self.tree_gains = TreeGains(k_max, self.prior_alpha)
             raw_gains = np.stack([self.tree_gains.curve(rid) for rid in step.ids])
             depth_of = np.minimum(np.arange(1, k_max + 1), self.tree_depth)
-        starts = self.catchup.starts(step, self.cost, self._depth)
+        starts = self.catchup.starts(step, self.cost, self._depth, raw_gains)
         gains = self.catchup.charge(raw_gains, step, starts, self.cost)
         price = prefill_step_price(gains, step, depth_of, self.cost.predict) if step.view.prefill_tokens else None
         padded = step.padded_tokens if self.tree_depth is None else None  # a tree row is as wide as its nodes
@@ -365,10 +365,10 @@ class GoodputPolicy(Policy):
         lookup = lookup_gains([node_values(t, self.calibration) for t in view.lookups], view.k_max)
         draft, start_s = None, np.zeros(b)
         if view.draft_available:
-            starts = self.catchup.starts(step, self.cost, self._depth)
+            draft = self.acceptance.gains(step.ids, view.k_max)
+            starts = self.catchup.starts(step, self.cost, self._depth, draft)
             start_s = starts.seconds
-            draft = self.catchup.charge(self.acceptance.gains(step.ids, view.k_max),
-                                        step, starts, self.cost)
+            draft = self.catchup.charge(draft, step, starts, self.cost)
         price = None
         if view.prefill_tokens:  # as in prefill_step_price: drafts must beat the decoding batch's own rate
             alone = select_proposers(draft, lookup, caps, self.cost.predict, b, step.decode_context)

@@ -99,6 +99,20 @@ class BlockManager:
         self.num_prefix_hits += matched
         return matched
 
+    def cached_tokens(self, token_ids: list[int], max_tokens: int) -> int:
+        """How many of the first max_tokens tokens match_prefix would take from the cache now: a look, which takes,
+        counts and evicts nothing."""
+        if not self.enable_prefix_caching or not self._cached:
+            return 0
+        chain, size = 0, self.block_size
+        for i in range(max_tokens // size):
+            tokens = tuple(token_ids[i * size:(i + 1) * size])
+            chain = hash((chain, tokens))
+            block = self._cached.get(chain)
+            if block is None or self._key[block][1] != tokens:
+                return i * size
+        return max_tokens // size * size
+
     def register(self, req: Request, num_tokens: int | None = None) -> None:
         """Make the request's full blocks among its first num_tokens computed tokens (default: all of them)
         findable by later requests. Only tokens that will not be rewritten may be registered."""

@@ -52,6 +52,9 @@ class DraftModelProposer(Proposer):
                                   step_graphs="cuda" if runtime.bucket_limits is not None else "off",
                                   bucket_limits=runtime.bucket_limits)
         self.state: dict[str, Request] = {}
+        # request -> the tokens of its context the prefix cache held when the policy first asked, until the draft
+        # reads it: asked at every full plan, looked up in the cache once (its blocks hashed)
+        self._cached_at_start: dict[str, int] = {}
 
     @property
     def draft_available(self) -> bool:
@@ -61,6 +64,7 @@ class DraftModelProposer(Proposer):
         ds = self.state.get(req.request_id)
         if ds is None:
             ds = self.state[req.request_id] = Request(req.request_id, req.prompt_token_ids, req.params)
+            self._cached_at_start.pop(req.request_id, None)
         valid = min(ds.num_computed_tokens, _common_prefix(ds.token_ids, req.token_ids))
         self.blocks.truncate(ds, valid)
         ds.token_ids = list(req.token_ids)
@@ -69,11 +73,26 @@ class DraftModelProposer(Proposer):
         self.blocks.register(ds, valid)  # the target committed these: they are never rewritten
         return ds
 
+    def held_tokens(self, requests: list[Request]) -> list[int]:
+        known, state = self._cached_at_start, self.state
+        out = []
+        for req in requests:
+            rid = req.request_id
+            if (ds := state.get(rid)) is not None:  # its drafts past the target's context are not the context's
+                out.append(min(ds.num_computed_tokens, req.num_tokens - 1))
+            elif (n := known.get(rid)) is not None:
+                out.append(n)
+            else:
+                n = known[rid] = self.blocks.cached_tokens(req.token_ids, req.num_tokens - 1)
+                out.append(n)
+        return out
+
     def sync(self, request: Request) -> None:
         if request.request_id in self.state:
             self._sync_state(request)
 
     def release(self, request_id: str) -> None:
+        self._cached_at_start.pop(request_id, None)
         ds = self.state.pop(request_id, None)
         if ds is not None:
             self.blocks.free(ds)

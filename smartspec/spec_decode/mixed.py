@@ -42,6 +42,9 @@ class MixedProposer(Proposer):
     def drafting_part(self) -> Proposer:
         return self.draft.drafting_part()
 
+    def held_tokens(self, requests: list[Request]) -> list[int] | None:
+        return self.draft.held_tokens(requests)
+
     def source_of(self, choice: str) -> str:
         return self.draft.method if choice == DRAFT else self.lookup.method
 

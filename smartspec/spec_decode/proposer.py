@@ -73,6 +73,13 @@ class Proposer:
         method of the proposer that makes it."""
         return self.method
 
+    def held_tokens(self, requests: list[Request]) -> list[int] | None:
+        """Per request, the tokens of its context this proposer would not read before drafting for it now: those
+        it holds state for, or, for a request it never drafted for, those its prefix cache holds (a prompt that
+        shares a system prompt or an earlier turn with one the draft read). What the policy leaves out of a
+        catch-up's price; None: a proposer that keeps no such state (nothing to catch up on, or a simulator's)."""
+        return None
+
     def drafting_part(self) -> Proposer:
         """The proposer whose forwards cost (what the warm-up profile measures): the draft beside lookups."""
         return self

@@ -45,6 +45,7 @@ class RequestView(NamedTuple):
 
 
 _new_tuple = tuple.__new__
+_UNREAD = object()  # RequestViews.draft_held before it is asked for
 
 
 class RequestViews(Sequence):
@@ -54,14 +55,26 @@ class RequestViews(Sequence):
     ids and the total context alone, a full plan reads the columns, and neither makes a row per request (at 256
     requests making the rows was most of a held step's policy time, and a fifth of a full plan's)."""
 
-    __slots__ = ("_source", "_rest_of", "_columns", "_rows", "ids", "num_tokens", "context")
+    __slots__ = ("_source", "_rest_of", "_held_of", "_held", "_columns", "_rows", "ids", "num_tokens", "context")
 
     def __init__(self, source: list, ids: tuple[str, ...], num_tokens: list[int],
-                 rest_of: Callable[[list], tuple]) -> None:
+                 rest_of: Callable[[list], tuple],
+                 held_of: Callable[[list], list[int] | None] | None = None) -> None:
         """source: the requests, in order; ids and num_tokens: their RequestView fields; rest_of(source): the
-        other fields' columns in RequestView's order (num_output_tokens, max_tokens, k_cap, arrival_time)."""
+        other fields' columns in RequestView's order (num_output_tokens, max_tokens, k_cap, arrival_time);
+        held_of(source): the draft_held column (None: there is none)."""
         self._source, self._rest_of, self._columns, self._rows = source, rest_of, None, None
+        self._held_of, self._held = held_of, _UNREAD
         self.ids, self.num_tokens, self.context = ids, num_tokens, sum(num_tokens)
+
+    @property
+    def draft_held(self) -> Sequence[int] | None:
+        """Per request, the tokens of its context a draft model would not read before drafting for it now: those
+        it holds state for, or else those its prefix cache holds (Proposer.held_tokens); None where the proposer
+        keeps neither. Asked of the proposer when first read: a full plan reads it, a held one does not."""
+        if self._held is _UNREAD:
+            self._held = None if self._held_of is None else self._held_of(self._source)
+        return self._held
 
     @classmethod
     def of(cls, rows: Sequence[RequestView]) -> RequestViews:
@@ -82,9 +95,9 @@ class RequestViews(Sequence):
 
     def joined(self, other: RequestViews) -> RequestViews:
         """These requests, then `other`'s, as one batch."""
-        if self._rest_of is other._rest_of:
+        if self._rest_of is other._rest_of and self._held_of == other._held_of:
             return RequestViews(self._source + other._source, self.ids + other.ids, self.num_tokens + other.num_tokens,
-                                self._rest_of)
+                                self._rest_of, self._held_of)
         return RequestViews.of([*self, *other])
 
     def _made(self) -> list[RequestView]:
