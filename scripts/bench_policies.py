@@ -128,7 +128,8 @@ def main() -> int:
 
 def configurations(args, engine: LLMEngine, tree: TreeConfig) -> list[tuple]:
     """(label, proposer, policy name, policy, K) per configuration: one policy object for the whole run, a
-    learning one profiled as an engine's start would."""
+    learning one given what an engine's start gives it (LLMEngine.warm_up_profile: the step profile and the
+    acceptance calibration)."""
     proposers = {"draft_model": engine.speculation.proposer, "ngram": NgramProposer(4, 1)}
     for name in ("ngram_tree", "draft_tree"):
         if name in args.proposers:
@@ -147,7 +148,7 @@ def configurations(args, engine: LLMEngine, tree: TreeConfig) -> list[tuple]:
                                  tree_depth=tree.max_depth if is_tree else None)
             if policy.wants_profile:
                 engine.set_speculation(proposers[proposer_name], policy, k_max)
-                engine.profile_steps()
+                engine.warm_up_profile()
             label = "off" if policy_name == "off" else f"{proposer_name} {policy_name}"
             configs.append((label, proposers[proposer_name], proposer_name, policy_name, policy, k_max))
     return configs
