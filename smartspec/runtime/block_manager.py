@@ -82,15 +82,8 @@ class BlockManager:
         its computed tokens start after them. Returns the tokens reused."""
         if not self.enable_prefix_caching or req.block_table:
             return 0
-        usable = max_tokens // self.block_size
-        self.num_prefix_queries += usable * self.block_size
-        chain = 0
-        for i in range(usable):
-            tokens = tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            chain = hash((chain, tokens))
-            block = self._cached.get(chain)
-            if block is None or self._key[block][1] != tokens:
-                break
+        self.num_prefix_queries += max_tokens // self.block_size * self.block_size
+        for block in self._cached_prefix(req.token_ids, max_tokens):
             self._free.pop(block, None)
             self._refs[block] += 1
             req.block_table.append(block)
@@ -102,16 +95,21 @@ class BlockManager:
     def cached_tokens(self, token_ids: list[int], max_tokens: int) -> int:
         """How many of the first max_tokens tokens match_prefix would take from the cache now: a look, which takes,
         counts and evicts nothing."""
-        if not self.enable_prefix_caching or not self._cached:
+        if not self.enable_prefix_caching:
             return 0
+        return sum(1 for _ in self._cached_prefix(token_ids, max_tokens)) * self.block_size
+
+    def _cached_prefix(self, token_ids: list[int], max_tokens: int):
+        """The cached blocks holding the full blocks the first max_tokens tokens start with, in order (a block is
+        found by the chain hash of its tokens and all before them, and its tokens compared)."""
         chain, size = 0, self.block_size
         for i in range(max_tokens // size):
             tokens = tuple(token_ids[i * size:(i + 1) * size])
             chain = hash((chain, tokens))
             block = self._cached.get(chain)
             if block is None or self._key[block][1] != tokens:
-                return i * size
-        return max_tokens // size * size
+                return
+            yield block
 
     def register(self, req: Request, num_tokens: int | None = None) -> None:
         """Make the request's full blocks among its first num_tokens computed tokens (default: all of them)

@@ -79,12 +79,10 @@ class DraftModelProposer(Proposer):
         for req in requests:
             rid = req.request_id
             if (ds := state.get(rid)) is not None:  # its drafts past the target's context are not the context's
-                out.append(min(ds.num_computed_tokens, req.num_tokens - 1))
-            elif (n := known.get(rid)) is not None:
-                out.append(n)
-            else:
+                n = min(ds.num_computed_tokens, req.num_tokens - 1)
+            elif (n := known.get(rid)) is None:
                 n = known[rid] = self.blocks.cached_tokens(req.token_ids, req.num_tokens - 1)
-                out.append(n)
+            out.append(n)
         return out
 
     def sync(self, request: Request) -> None:
