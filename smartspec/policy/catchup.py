@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -69,12 +70,11 @@ class CatchupLedger:
         ledger saw it read and what the proposer says it holds (RequestViews.draft_held, where it says)."""
         get, ids = self.seen.get, step.ids if rows is None else [step.ids[i] for i in rows.tolist()]
         held = step.view.requests.draft_held
-        if held is None:
-            seen = [get(rid, 0) for rid in ids]
-        else:
-            seen = list(map(max, (get(rid, 0) for rid in ids), held if rows is None else [held[i] for i in rows]))
+        seen = map(get, ids, repeat(0, len(ids)))  # in C: a full plan reads every row of a loaded batch
+        if held is not None:
+            seen = map(max, seen, held if rows is None else [held[i] for i in rows])
         return np.maximum(0.0, (step.num_tokens if rows is None else step.num_tokens[rows]) - 1 -
-                          np.array(seen, dtype=np.float64))
+                          np.fromiter(seen, dtype=np.float64, count=len(ids)))
 
     def starts(self, step: StepNumbers, cost: StepCostModel, depth: Callable[[int], int],
                gains: np.ndarray | None = None) -> Starts:

@@ -75,12 +75,16 @@ def verify_seconds(v: list[float], n, c):
             if slope:
                 t = t + slope * _segment_tokens_of_a_number(n, a, b)
         return t
-    # summed in the order the numbers' path sums them, so that a shape costs the same float either way
-    within = segment_tokens(n)
-    for j, slope in enumerate(v[1:-1]):
-        if slope:
-            t = t + slope * within[..., j]
-    return t
+    # summed in the order the numbers' path sums them, so that a shape costs the same float either way; a segment
+    # every n fills adds its whole width and one none reaches adds nothing, each without an array of its own (a
+    # plan prices thousands of shapes at once, nearly all of them past the first segments)
+    n = np.asarray(n, dtype=np.float64)
+    low, high = (float(n.min()), float(n.max())) if n.size else (0.0, 0.0)
+    for slope, (a, b) in zip(v[1:-1], SEGMENTS):
+        if slope and high > a:
+            t = t + (slope * (b - a) if low >= b else slope * np.minimum(np.maximum(n - a, 0.0), b - a))
+    shape = np.broadcast_shapes(np.shape(t), n.shape)
+    return t if np.shape(t) == shape else np.broadcast_to(t, shape).copy()
 
 
 def draft_seconds(d: list[float], depth, sum_k, catchup=0):

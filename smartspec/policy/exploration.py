@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -27,6 +28,13 @@ class Exploration:
 
     def is_due(self, request_id: str, step: int) -> bool:
         return step >= self.due_at.get(request_id, 0)
+
+    def due_rows(self, request_ids: tuple[str, ...], ks: list[int], caps: list[int], step: int) -> list[int]:
+        """The rows, in order, of the requests at k = 0 with room to draft whose probe is due at `step` (is_due):
+        read in C and numpy, not tested in Python request by request (a full plan asks it of a loaded batch)."""
+        n = len(request_ids)
+        due_at = np.fromiter(map(self.due_at.get, request_ids, repeat(0, n)), dtype=np.int64, count=n)
+        return np.flatnonzero((np.asarray(ks) == 0) & (np.asarray(caps) > 0) & (due_at <= step)).tolist()
 
     def budget(self, batch: int) -> int:
         """Probes a step may run."""

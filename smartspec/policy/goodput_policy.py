@@ -19,6 +19,7 @@ Its parts:
 from __future__ import annotations
 
 import time
+from itertools import compress
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -318,7 +319,7 @@ class GoodputPolicy(Policy):
             predicted = self.cost.predict(tokens, step.context + sum_k, self._depth(max(ks)), sum_k)
         rule = self._held_rule(step, plan, price, padded, plans if price is None else []) \
             if self.tree_depth is None else NO_DRAFTS
-        return (SpecPlan(ks, None, float(predicted + sum(s for s, k in zip(starts.seconds, ks) if k)), probes),
+        return (SpecPlan(ks, None, float(predicted + sum(compress(starts.seconds.tolist(), ks))), probes),
                 plan.ks, rule)
 
     def _probe_chains(self, chain: ChainStep, ks: list[int], plan: Plan, at: int) -> tuple[list[int], list[str]]:
@@ -327,14 +328,19 @@ class GoodputPolicy(Policy):
         more than a small share of the step (the prior speaks for it). Judged together (worth_probing) while the
         prior is unlearned and wherever the plan drafts nothing: there one request alone never pays a draft forward."""
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
-        due = [i for i, (rid, k, cap) in enumerate(zip(step.ids, ks, step.caps))
-               if k == 0 and cap > 0 and explore.is_due(rid, at)]
+        due = explore.due_rows(step.ids, ks, step.caps, at)
         learning = explore.learning(self.acceptance.evidence)
+        if not learning:  # only a catch-up within a share of the step may probe: with none, nothing to weigh
+            affordable = start_s[due] <= explore.fraction * plan.seconds
+            if not affordable.any():
+                return ks, probes
         worth = worth_probing(chain, due, plan, learning or plan.depth == 0, self.acceptance.first.max_alpha,
                               lambda g: self.catchup.charge(g, step, chain.starts, self.cost), self.cost.predict)
         budget = explore.budget(len(step.ids))
-        for i in sorted(due, key=lambda i: start_s[i]):
-            if budget and i in worth and (learning or start_s[i] <= explore.fraction * plan.seconds):
+        for i in np.asarray(due, dtype=np.int64)[np.argsort(start_s[due], kind="stable")].tolist():
+            if not budget:
+                break
+            if i in worth and (learning or start_s[i] <= explore.fraction * plan.seconds):
                 ks[i] = 1
                 probes.append(step.ids[i])
                 budget -= 1
