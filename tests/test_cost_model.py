@@ -41,6 +41,11 @@ def test_a_step_cost_is_the_same_float_for_a_number_as_for_an_array():
                                   np.array([cs] * len(ns), dtype=np.float64))
     numbers = [[model.predict_verify(n, c) for c in cs] for n in ns]
     assert np.array_equal(arrays, np.array(numbers)) and arrays.min() > 0
+    # arrays within one segment, or past several: the segments every shape fills or none reaches are added whole
+    for low, high in ((0, 0), (2, 7), (9, 15), (16, 64), (130, 140), (300, 1000), (1, 1000)):
+        n = np.arange(low, high + 1, dtype=np.float64)
+        assert np.array_equal(model.predict_verify(n, 500.0), [model.predict_verify(float(x), 500.0) for x in n])
+        assert model.predict_verify(n[None, :], np.array([[0.0], [9e3]])).shape == (2, len(n))
 
 
 def test_a_fit_on_some_features_equals_one_built_on_those_features_alone():

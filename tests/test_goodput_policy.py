@@ -281,6 +281,21 @@ def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:
     return p
 
 
+def test_the_rows_due_a_probe_are_those_at_k_0_with_room_whose_probe_is_due():
+    """Exploration.due_rows, read over the batch at once, is each request's is_due at k = 0 with room to draft."""
+    from smartspec.policy.exploration import Exploration
+
+    rng, explore = random.Random(3), Exploration(4, 0.25, 64, 16)
+    ids = tuple(f"r{i}" for i in range(200))
+    for rid in ids[::3]:
+        explore.due_at[rid] = rng.randint(0, 20)
+    ks, caps = [rng.choice([0, 0, 1, 3]) for _ in ids], [rng.choice([0, 2, 5]) for _ in ids]
+    for step in (0, 5, 10, 25):
+        assert explore.due_rows(ids, ks, caps, step) == [
+            i for i, (rid, k, cap) in enumerate(zip(ids, ks, caps)) if k == 0 and cap > 0 and explore.is_due(rid, step)]
+    assert explore.due_rows((), [], [], 0) == []
+
+
 def test_a_probe_runs_only_where_its_outcome_could_make_the_request_draft():
     """Costs fitted on the draft model here: verify flat up to 8 tokens, 0.1 s a draft forward, 4.4 ms a token of
     catch-up; 150-token prompts the draft has not read. Every request has had its drafts rejected, so the plan is
