@@ -19,8 +19,8 @@ Its parts:
 from __future__ import annotations
 
 import time
-from itertools import compress
 from dataclasses import dataclass, fields, replace
+from itertools import compress
 
 import numpy as np
 
