@@ -330,17 +330,19 @@ class GoodputPolicy(Policy):
         explore, probes, step, start_s = self.exploration, [], chain.step, chain.starts.seconds
         due = explore.due_rows(step.ids, ks, step.caps, at)
         learning = explore.learning(self.acceptance.evidence)
-        if not learning:  # only a catch-up within a share of the step may probe: with none, nothing to weigh
-            affordable = start_s[due] <= explore.fraction * plan.seconds
-            if not affordable.any():
-                return ks, probes
+        # once the prior is learned, only a catch-up within a share of the step may probe: with none, nothing to weigh
+        affordable = start_s[due] <= explore.fraction * plan.seconds
+        if not learning and not affordable.any():
+            return ks, probes
         worth = worth_probing(chain, due, plan, learning or plan.depth == 0, self.acceptance.first.max_alpha,
                               lambda g: self.catchup.charge(g, step, chain.starts, self.cost), self.cost.predict)
         budget = explore.budget(len(step.ids))
-        for i in np.asarray(due, dtype=np.int64)[np.argsort(start_s[due], kind="stable")].tolist():
+        cheapest_first = np.argsort(start_s[due], kind="stable")
+        for i, cheap in zip(np.asarray(due, dtype=np.int64)[cheapest_first].tolist(),
+                            affordable[cheapest_first].tolist()):
             if not budget:
                 break
-            if i in worth and (learning or start_s[i] <= explore.fraction * plan.seconds):
+            if i in worth and (learning or cheap):
                 ks[i] = 1
                 probes.append(step.ids[i])
                 budget -= 1
@@ -387,7 +389,7 @@ class GoodputPolicy(Policy):
         drafted = [k if m == DRAFT else 0 for m, k in zip(methods, ks)]
         m_all, m_draft = sum(ks), sum(drafted)
         predicted = float(self.cost.predict(step.tokens + m_all, step.context + m_all, max(drafted, default=0),
-                                            m_draft) + sum(s for s, k in zip(start_s, drafted) if k))
+                                            m_draft) + sum(compress(start_s.tolist(), drafted)))
         return SpecPlan(ks, methods, predicted, probes)
 
     def _probe_draft(self, step: StepNumbers, methods: list[str], ks: list[int], lookup: np.ndarray,
