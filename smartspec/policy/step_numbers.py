@@ -12,6 +12,7 @@ from smartspec.types.plan import RequestView, StepView
 
 # a batch's columns read in C (map), not in a Python loop over its rows
 REQUEST_ID = attrgetter("request_id")
+_FEW_ROWS = 16  # up to this many rows a column's numbers are quicker in a Python loop than in numpy
 
 
 @dataclass
@@ -58,8 +59,13 @@ class StepNumbers:
         """The most each request may draft: the engine's K, its own cap, and one less than the tokens it has left."""
         if not self.view.requests:
             return []
-        own = np.array(self._columns[4], dtype=np.float64)  # a request without a cap of its own: NaN, which fmin skips
-        return np.maximum(0, np.fmin(np.fmin(self._left - 1, own), self.view.k_max)).astype(np.int64).tolist()
+        num_output, max_tokens, own = self._columns[2:5]
+        k_max = self.view.k_max
+        if len(num_output) <= _FEW_ROWS:  # numpy's overhead on a few rows is most of a small batch's held plan
+            return [max(0, min(m - o - 1, k_max) if c is None else min(m - o - 1, c, k_max))
+                    for o, m, c in zip(num_output, max_tokens, own)]
+        own = np.array(own, dtype=np.float64)  # a request without a cap of its own: NaN, which fmin skips
+        return np.maximum(0, np.fmin(np.fmin(self._left - 1, own), k_max)).astype(np.int64).tolist()
 
     @property
     def requests(self) -> list[RequestView]:
