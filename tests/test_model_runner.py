@@ -1,12 +1,10 @@
 """The model runner: a step's items packed into one ragged forward through the paged cache. A row of logits is the
 same bits however the step around it is packed (prefill in chunks or whole, alone or beside other requests, a
 draft chain or a token tree), which is what makes speculation lossless bitwise on the CPU kernels."""
-import os
-import sys
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transfers import Transfers
 
 from smartspec.models import load_model
 from smartspec.runtime import fused_decoder, kernels
@@ -184,52 +182,6 @@ def test_score_holds_cache_blocks_only_for_the_call(tiny_qwen):
     runner = runner_for(tiny_qwen, use_kernels=False)
     assert runner.score(TOKENS).shape == (len(TOKENS), load_model(tiny_qwen, weights=False).config.vocab_size)
     assert runner.blocks.num_free == runner.blocks.num_blocks
-
-
-class Transfers:
-    """Counts, while active, every way the engine's code can send a tensor to a device: the runner's upload,
-    `Tensor.to`, `.cuda` and `torch.tensor` naming a device, and `Tensor.copy_` (a padded step's staging copy).
-    Nothing is exempt; only calls from the model's own code (transformers' same-device `.to`) are not the engine's."""
-
-    def __init__(self, monkeypatch):
-        from smartspec.runtime import backends
-        self.seen: list[str] = []
-        upload, to, copy, tensor = backends.upload, torch.Tensor.to, torch.Tensor.copy_, torch.tensor
-
-        def note(what):
-            if f"{os.sep}smartspec{os.sep}" in sys._getframe(2).f_code.co_filename:
-                self.seen.append(what)
-
-        def named_device(args, kwargs):
-            return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
-
-        def counted_upload(arrays, device):
-            note("upload")
-            return upload(arrays, device)
-
-        def counted_to(t, *args, **kwargs):
-            if named_device(args, kwargs):
-                note("Tensor.to")
-            return to(t, *args, **kwargs)
-
-        def counted_copy(t, src, *args, **kwargs):
-            note("Tensor.copy_")
-            return copy(t, src, *args, **kwargs)
-
-        def counted_tensor(*args, **kwargs):
-            if "device" in kwargs:
-                note("torch.tensor(device=)")
-            return tensor(*args, **kwargs)
-
-        def counted_cuda(t, *args, **kwargs):
-            note("Tensor.cuda")
-            return t
-
-        monkeypatch.setattr(backends, "upload", counted_upload)
-        monkeypatch.setattr(torch.Tensor, "to", counted_to)
-        monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
-        monkeypatch.setattr(torch.Tensor, "cuda", counted_cuda)
-        monkeypatch.setattr(torch, "tensor", counted_tensor)
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -10,6 +10,7 @@ import smartspec.engine.commit as commit_module
 import smartspec.engine.llm_engine as engine_module
 import smartspec.runtime.sampler as sampler_module
 import smartspec.spec_decode.accept as accept_module
+import smartspec.spec_decode.controlled as controlled_module
 from smartspec import SamplingParams
 from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.sampling_params import StructuredOutput
@@ -93,10 +94,10 @@ def params_owner(engine):
 
 
 def rows_owner(engine):
-    """Finds the victim among the requests whose rows a batched reshape was given (reshape_rows: logits, the
-    requests' rows), or one of the others."""
-    def find(logits, rows, *args):
-        given = [r for r in engine.requests.values() if any(c.params is r.params for c in rows)]
+    """Finds the victim among the requests whose rows a reshape was given (reshape_staged: logits, the staged
+    controls of the requests' rows, batched or one request's), or one of the others."""
+    def find(logits, staged, *args):
+        given = [r for r in engine.requests.values() if any(c.params is r.params for c in staged.requests)]
         return next((r for r in given if r.request_id == VICTIM), given[0] if given else None)
     return find
 
@@ -104,7 +105,7 @@ def rows_owner(engine):
 # stage -> the places a fault is injected: (module or class, attribute, how the request is found among the call's
 # arguments)
 FAULTS = {
-    "logits controls": [(accept_module, "reshape_rows", rows_owner)],
+    "logits controls": [(controlled_module, "reshape_staged", rows_owner)],
     "grammar": [(RequestGrammar, "fill_masks", GrammarOf)],
     "sampling": [(accept_module, "target_probs", params_owner), (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smartspec.runtime.upload import upload_values
+from smartspec.runtime.upload import HostBatch
 from smartspec.types.sampling_params import SamplingParams
 
 
@@ -84,13 +84,21 @@ class _Gathered:
                 self.held[0].extend([first + i] * len(ends))
                 self.held[1].extend(ends)
 
-    def on(self, device: torch.device, rows: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """`rows` (the logits rows to take), the row -> request map and the five (index, token) pairs as int64
-        tensors, the penalties [R, 3] and the bias values: one copy for all."""
-        pairs = [self.counted, self.drafted, self.prompted, self.biased, self.held]
-        (taken, *ints), (penalties, bias) = upload_values(
-            [rows, self.row_request, *(part for pair in pairs for part in pair)], [self.penalties, self.bias], device)
-        return [taken, *ints], penalties.view(-1, 3), bias
+
+class StagedControls:
+    """What reshaping a batch of requests' rows reads, gathered on the host and staged in a HostBatch: `rows` (the
+    step's logits rows that are theirs, or None: the logits given are theirs), the row -> request map, the five
+    (index, token) pairs, the penalties and the bias values. reshape_staged reads them once the batch is sent."""
+
+    def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int,
+                 rows: list[int] | None, batch: HostBatch) -> None:
+        self.requests, self.rows = requests, rows
+        self.gathered = g = _Gathered(requests, eos_token_ids, vocab)
+        if rows is not None and len(g.row_request) != len(rows):
+            raise ValueError(f"{len(rows)} logits rows for requests whose prefixes make {len(g.row_request)}")
+        pairs = [g.counted, g.drafted, g.prompted, g.biased, g.held]
+        self.ints = [batch.ints(part) for part in [rows or [], g.row_request, *(p for pair in pairs for p in pair)]]
+        self.penalties, self.bias = batch.floats(g.penalties), batch.floats(g.bias)
 
 
 def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows], eos_token_ids: Collection[int] = (),
@@ -98,26 +106,33 @@ def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows], eos_token
     """logits [R, V]: the rows of `requests` in order (R = their prefixes together); or, with `rows`, the step's
     logits, whose rows `rows` are theirs (taken in the same copy as the controls' values). Returns the requests' rows
     reshaped, float32. Token ids past V (a draft whose vocabulary is padded shorter than the target's) are left out.
+    A stage that sends other values too stages these with them (StagedControls) and calls reshape_staged."""
+    batch = HostBatch()
+    staged = StagedControls(requests, eos_token_ids, logits.shape[1], rows, batch)
+    return reshape_staged(logits, staged, batch.send(logits.device))
+
+
+def reshape_staged(logits: torch.Tensor, staged: StagedControls, sent: list[torch.Tensor]) -> torch.Tensor:
+    """reshape_rows with its values staged (StagedControls) and sent (HostBatch.send's answer).
 
     Order as in vLLM and transformers: the penalties, then the bias, then min_tokens' mask; counts are exact
     integers, so a row reshaped here is bitwise the row plain decoding reshapes at that position."""
-    vocab, dev = logits.shape[1], logits.device
-    g = _Gathered(requests, eos_token_ids, vocab)
-    if len(g.row_request) != (logits.shape[0] if rows is None else len(rows)):
-        raise ValueError(f"{logits.shape[0] if rows is None else len(rows)} logits rows for requests whose prefixes "
-                         f"make {len(g.row_request)}")
-    ints, penalties, bias = g.on(dev, [] if rows is None else rows)
-    x = logits.to(torch.float32, copy=True) if rows is None else logits[ints[0]].float()
+    g, vocab, dev, n = staged.gathered, logits.shape[1], logits.device, len(staged.requests)
+    if staged.rows is None and len(g.row_request) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for requests whose prefixes make {len(g.row_request)}")
+    ints = [sent[key] for key in staged.ints]
+    penalties, bias = sent[staged.penalties].view(-1, 3), sent[staged.bias]
+    x = logits.to(torch.float32, copy=True) if staged.rows is None else logits[ints[0]].float()
     row_request, counted, drafted, prompted, biased, held = ints[1], ints[2:4], ints[4:6], ints[6:8], ints[8:10], \
         ints[10:12]
     if g.uses:  # the history's tokens past V counted in a column of their own, cut off after
-        counts = _scattered(len(requests), vocab, counted, len(g.counted[0]), 1.0, dev)[row_request]
+        counts = _scattered(n, vocab, counted, len(g.counted[0]), 1.0, dev)[row_request]
         if g.drafted[0]:
             counts.index_put_((drafted[0], drafted[1].clamp(max=vocab)), torch.ones((), device=dev), accumulate=True)
         counts = counts[:, :vocab]
         repetition, frequency, presence = (penalties[:, j:j + 1] for j in range(3))
         if "repetition" in g.uses:
-            in_prompt = _scattered(len(requests), vocab, prompted, len(g.prompted[0]), True, dev, torch.bool)
+            in_prompt = _scattered(n, vocab, prompted, len(g.prompted[0]), True, dev, torch.bool)
             seen = (counts > 0) | in_prompt[row_request, :vocab]
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         if "frequency" in g.uses:
@@ -125,8 +140,8 @@ def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows], eos_token
         if "presence" in g.uses:
             x -= presence * (counts > 0).float()
     if g.bias:
-        values = torch.zeros(len(requests), vocab, device=dev).index_put_(tuple(biased), bias)
-        marked = torch.zeros(len(requests), vocab, device=dev, dtype=torch.bool).index_put_(
+        values = torch.zeros(n, vocab, device=dev).index_put_(tuple(biased), bias)
+        marked = torch.zeros(n, vocab, device=dev, dtype=torch.bool).index_put_(
             tuple(biased), torch.ones((), device=dev, dtype=torch.bool))
         x = torch.where(marked[row_request], x + values[row_request], x)
     if g.held[0]:

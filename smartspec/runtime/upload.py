@@ -7,6 +7,8 @@ This is the one place a step's host values cross to the device (tests/test_model
 tests/test_accept.py the accept stage's)."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 
@@ -26,16 +28,39 @@ def upload(arrays: list[torch.Tensor | None], device: torch.device) -> list[torc
     return [None if a is None else next(on_device).view(a.shape).to(a.dtype) for a in arrays]
 
 
-def upload_lists(arrays: list[list[int] | torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Lists of integers (as int64) and host integer tensors on `device`, in one copy (upload): a stage's host
-    inputs, lists made tensors here, so that this module is where every host value a step sends crosses
-    (tests/test_accept.py counts it)."""
-    return upload([a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.int64) for a in arrays], device)
+def upload_lists(arrays: list[list[int] | list[float] | torch.Tensor], device: torch.device,
+                 floats: Collection[int] = ()) -> list[torch.Tensor]:
+    """Lists of integers (as int64), lists of numbers (those at the indices `floats`, as float32: they travel as
+    their bits) and host integer tensors on `device`, in one copy (upload): a stage's host inputs, lists made
+    tensors here, so that this module is where every host value a step sends crosses (tests/test_accept.py counts
+    it)."""
+    staged = [a if isinstance(a, torch.Tensor) else
+              torch.tensor(a, dtype=torch.float32).view(torch.int32) if i in floats else
+              torch.tensor(a, dtype=torch.int64) for i, a in enumerate(arrays)]
+    sent = upload(staged, device)
+    return [t.view(torch.float32) if i in floats else t for i, t in enumerate(sent)]
 
 
-def upload_values(ints: list[list[int] | torch.Tensor], floats: list[list[float]], device: torch.device) \
-        -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """upload_lists, and lists of numbers as float32, all in one copy: the floats travel as their bits."""
-    bits = [torch.tensor(values, dtype=torch.float32).view(torch.int32) for values in floats]
-    sent = upload_lists([*ints, *bits], device)
-    return sent[:len(ints)], [b.view(torch.float32) for b in sent[len(ints):]]
+class HostBatch:
+    """A stage's host values, gathered while it plans on the host and sent to the device together in one copy
+    (upload_lists): each part of the stage stages its values (`ints`, `floats`) and keeps the keys they return,
+    then reads its tensors from what `send` returns, by key. A stage that sends once is one whose device work waits
+    for no host value made along the way (the accept stage: its controls, masks, chains and plain rows)."""
+
+    def __init__(self) -> None:
+        self._values: list[list[int] | list[float] | torch.Tensor] = []
+        self._floats: set[int] = set()  # the keys of numbers sent as float32
+
+    def ints(self, values: list[int] | torch.Tensor) -> int:
+        """Integers (a list, as int64, or a host integer tensor of any shape); their key in send's answer."""
+        self._values.append(values)
+        return len(self._values) - 1
+
+    def floats(self, values: list[float]) -> int:
+        """Numbers, as float32; their key in send's answer."""
+        self._floats.add(self.ints(values))
+        return len(self._values) - 1
+
+    def send(self, device: torch.device) -> list[torch.Tensor]:
+        """Every staged value on `device`, in one copy (none where nothing was staged), indexed by key."""
+        return upload_lists(self._values, device, self._floats) if self._values else []

@@ -16,14 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import draw_tokens, seeded_tokens, target_probs
-from smartspec.runtime.upload import upload_lists
+from smartspec.runtime.upload import HostBatch
+from smartspec.spec_decode.controlled import ControlledParts
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
-from smartspec.structured.matcher import RequestGrammar, apply_masks, empty_masks
-from smartspec.types.faults import RequestFault, StageError, fault_of, stage
+from smartspec.structured.matcher import RequestGrammar
+from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import rows_of_new_tokens
 from smartspec.types.request import Request
 
@@ -48,21 +48,46 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
     token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens.
 
-    Every row's chosen token (argmax, or a seeded request's), each sampled chain's verdict and the plain rows'
-    draws stay on the logits' device and come to the host in one read for the step, with each row's liveness; only
-    a sampled token tree reads once per level of its own (which children it tries at a level depends on the level
-    above)."""
+    The stage's host values (the controls' and the grammars' masks, the sampled chains' drafts, the plain rows) are
+    gathered first and sent in one copy. Every row's chosen token (argmax, or a seeded request's), each sampled
+    chain's verdict and the plain rows' draws stay on the logits' device and come to the host in one read for the
+    step, with each row's liveness; only a sampled token tree reads once per level of its own (which children it
+    tries at a level depends on the level above)."""
     faults: dict[str, RequestFault] = {}
-    step = _StepRows(logits, controlled(items, logits, drafts, eos_token_ids, grammars or {}, faults), faults,
-                     _sampled_chains(items, drafts, logits.device))
-    row = 0
+    grammars = grammars or {}
+    parts, row = [], 0
     for it in items:
-        start, n = row, it.num_logits
-        row += n
-        if n and it.request.request_id not in faults:
-            step.take(_Rows(it.request, drafts.get(it.request.request_id), start, n))
+        if it.num_logits:
+            parts.append(_Rows(it.request, drafts.get(it.request.request_id), row, it.num_logits))
+        row += it.num_logits
+    batch = HostBatch()
+    controlled = ControlledParts(items, logits.shape[1], drafts, eos_token_ids, grammars, faults, batch)
+    chains = {p.request.request_id: batch.ints(p.draft.tokens) for p in parts if _is_sampled_chain(p)}
+    plain = [p for p in parts if _is_plain(p) and p.request.request_id not in faults]
+    plain_rows = batch.ints([p.start for p in plain]) if plain else None
+    sent = batch.send(logits.device)
+    step = _StepRows(logits, controlled.rows(logits, sent, faults), faults,
+                     {rid: sent[key] for rid, key in chains.items()}, plain,
+                     None if plain_rows is None else sent[plain_rows])
+    for part in parts:
+        if part.request.request_id not in faults and not _is_plain(part):
+            step.take(part)
     step.draw_plain()
-    return step.verdicts(step.read(), grammars or {})
+    return step.verdicts(step.read(), grammars)
+
+
+def _is_plain(part: _Rows) -> bool:
+    """An unseeded sampled request without drafts: its one token is drawn with the others' (draw_tokens)."""
+    params = part.request.params
+    return part.draft is None and not params.greedy and params.seed is None
+
+
+def _is_sampled_chain(part: _Rows) -> bool:
+    """An unseeded sampled request with a chain draft: its verdict compares the target's probabilities at the
+    draft's tokens (sent with the step's values)."""
+    params, draft = part.request.params, part.draft
+    return draft is not None and draft.tree is None and bool(draft.tokens) and not params.greedy \
+        and params.seed is None
 
 
 class _StepRows:
@@ -71,8 +96,10 @@ class _StepRows:
     plain rows' draws; and what reads each request's part of the read."""
 
     def __init__(self, logits: torch.Tensor, reshaped: dict[str, tuple[int, torch.Tensor]],
-                 faults: dict[str, RequestFault], chains: dict[str, torch.Tensor]) -> None:
-        """chains: the sampled chains' draft tokens on the logits' device, by request (_sampled_chains)."""
+                 faults: dict[str, RequestFault], chains: dict[str, torch.Tensor], plain: list[_Rows],
+                 plain_rows: torch.Tensor | None) -> None:
+        """chains: the sampled chains' draft tokens on the logits' device, by request; plain: the parts drawn
+        together (_is_plain), plain_rows their first rows on the device (both sent with the step's values)."""
         self.logits, self.reshaped, self.faults, self.chains = logits, reshaped, faults, chains
         self.live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
         self.chosen = logits.argmax(dim=-1)
@@ -87,7 +114,7 @@ class _StepRows:
         self.at = 2 * logits.shape[0]  # where the next of them sits in the read
         self.out: dict[str, list[int]] = {}  # sampled trees' tokens (they read on their own)
         self.later: list[_Rows] = []  # parts read from the step's read
-        self.plain: list[_Rows] = []  # unseeded sampled parts without drafts: drawn together
+        self.plain, self.plain_rows = plain, plain_rows
 
     def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
         """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
@@ -110,8 +137,6 @@ class _StepRows:
                 self.later.append(part)
             elif req.params.greedy:
                 self.later.append(part)
-            elif draft is None:
-                self.plain.append(part)
             elif draft.tree is not None:
                 with stage("sampling"):
                     probs = self._probs(part)
@@ -134,19 +159,19 @@ class _StepRows:
         if self.seeded:
             rows = torch.cat([torch.arange(s, s + len(t), device=self.chosen.device) for s, t in self.seeded])
             self.chosen = self.chosen.index_put((rows,), torch.cat([t for _, t in self.seeded]))
-        if not self.plain:
+        plain, rows_on_device = self.plain, self.plain_rows
+        if not plain:
             return
-        plain_rows = upload_lists([[p.start for p in self.plain]], self.logits.device)[0]
-        rows = self.logits[plain_rows]
-        for i, p in enumerate(self.plain):
+        rows = self.logits[rows_on_device]
+        for i, p in enumerate(plain):
             if p.request.request_id in self.reshaped:
                 rows[i] = self.reshaped[p.request.request_id][1][0]
-        draws, failed = draw_tokens(_sampleable(rows, self.live[plain_rows]), self.chosen[plain_rows],
-                                    [p.request.params for p in self.plain], [p.request.generator for p in self.plain])
+        draws, failed = draw_tokens(_sampleable(rows, self.live[rows_on_device]), self.chosen[rows_on_device],
+                                    [p.request.params for p in plain], [p.request.generator for p in plain])
         self.on_device.append(draws)
-        for i, exc in failed.items():
-            self.faults[self.plain[i].request.request_id] = fault_of(exc, self.plain[i].request.request_id,
-                                                                     "sampling")
+        for i, exc in failed.items():  # (a part whose controls failed is drawn too, its first fault kept)
+            self.faults.setdefault(plain[i].request.request_id, fault_of(exc, plain[i].request.request_id,
+                                                                         "sampling"))
 
     def read(self) -> list[int]:
         """The step's one host read: chosen tokens, liveness, then verdicts and draws."""
@@ -172,20 +197,6 @@ class _StepRows:
         for rid in faults:
             tokens.pop(rid, None)
         return Verdicts(tokens, faults)
-
-
-def _sampled_chains(items: list[ForwardItem], drafts: dict[str, Draft], device: torch.device) \
-        -> dict[str, torch.Tensor]:
-    """The draft tokens of the step's sampled (unseeded) chains, on the device in one copy, by request: what their
-    verdicts compare the target's probabilities at."""
-    chains = {}
-    for it in items:
-        req, draft = it.request, drafts.get(it.request.request_id)
-        if (it.num_logits and draft is not None and draft.tree is None and draft.tokens and not req.params.greedy
-                and req.params.seed is None):
-            chains[req.request_id] = draft.tokens
-    sent = upload_lists(list(chains.values()), device) if chains else []
-    return dict(zip(chains, sent))
 
 
 def _verdict(part: _Rows, host: list[int]) -> list[int]:
@@ -238,88 +249,3 @@ def no_token_fault(req: Request, offset: int, model_finite: bool, structured: bo
     what = ", ".join(named) or "the controls"
     return RequestFault("logits controls", f"no token can come at output token {at}: {what} leave every token's "
                                            f"logit at -inf")
-
-
-def controlled(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-               eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar],
-               faults: dict[str, RequestFault]) -> dict[str, tuple[int, torch.Tensor]]:
-    """The rows of requests whose sampling controls or grammar read their history, reshaped and masked, by request:
-    (its first row in logits, its rows [n, V] fp32). Row j of a chain after the first j draft tokens, a tree's node
-    rows after the path to the node. Only these rows are copied (the step's logits stay the model's, as logprobs read
-    them). A request whose controls or grammar fail is entered in faults (its rows are then never read)."""
-    parts, row = [], 0
-    for it in items:
-        req, n = it.request, it.num_logits
-        if n and (req.params.reshapes_logits or req.request_id in grammars):
-            parts.append((req, row, _prefixes(drafts.get(req.request_id), n)))
-        row += n
-    if not parts:
-        return {}
-    rows = _reshaped(logits, parts, eos_token_ids, faults)
-    if any(req.request_id in grammars for req, _, _ in parts):
-        _masked(rows, parts, grammars, faults)
-    blocks = rows.split([len(prefixes) for _, _, prefixes in parts])
-    return {req.request_id: (start, block) for (req, start, _), block in zip(parts, blocks)
-            if req.request_id not in faults}
-
-
-def _prefixes(draft: Draft | None, n: int) -> list[list[int]]:
-    """The draft tokens before each of a request's n rows."""
-    if draft is None:
-        return [[]]
-    if draft.tree is not None:
-        return [[]] + draft.tree.paths()
-    return [draft.tokens[:j] for j in range(n)]
-
-
-def _reshaped(logits: torch.Tensor, parts: list[tuple[Request, int, list[list[int]]]],
-              eos_token_ids: Collection[int], faults: dict[str, RequestFault]) -> torch.Tensor:
-    """The parts' rows copied out of the step's logits, one after another, and reshaped by their controls, all parts
-    in one pass (reshape_rows: a request without controls comes out as copied). Where that pass fails, each part
-    alone: the one whose controls fail is entered in faults (its rows are then copied as they were, never read),
-    the others go on."""
-    sizes = [len(prefixes) for _, _, prefixes in parts]
-    rows = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes)
-            for req, _, prefixes in parts]
-    index = [i for (_, start, _), n in zip(parts, sizes) for i in range(start, start + n)]
-    try:
-        return reshape_rows(logits, rows, eos_token_ids, index)
-    except Exception:  # told apart below, request by request
-        pass
-    blocks = []
-    for (req, start, _), n, one in zip(parts, sizes, rows):
-        block = logits[start:start + n]
-        try:
-            with stage("logits controls"):
-                blocks.append(reshape_rows(block, [one], eos_token_ids))
-        except Exception as exc:
-            faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
-            blocks.append(block.float())
-    return torch.cat(blocks)
-
-
-def _masked(rows: torch.Tensor, parts: list[tuple[Request, int, list[list[int]]]],
-            grammars: dict[str, RequestGrammar], faults: dict[str, RequestFault]) -> None:
-    """The structured parts' rows (in `rows`, the parts' rows one after another) masked in place by their grammars
-    after each row's prefix: each grammar fills its rows of one bitmask (a failure is its request's fault), and the
-    masks are unpacked and applied in one pass over every part's rows (apply_masks)."""
-    vocab = next(grammars[req.request_id].vocab_size for req, _, _ in parts if req.request_id in grammars)
-    bitmask = empty_masks(len(rows), vocab)
-    valid, at = [], 0
-    for req, _, prefixes in parts:
-        grammar, rid = grammars.get(req.request_id), req.request_id
-        ok = [False] * len(prefixes)
-        if grammar is not None and rid not in faults:
-            try:
-                with stage("grammar"):
-                    ok = grammar.fill_masks(prefixes, bitmask, at)
-            except Exception as exc:
-                faults[rid] = fault_of(exc, rid, "grammar")
-        valid += ok
-        at += len(prefixes)
-    try:
-        apply_masks(rows, bitmask, valid)
-    except Exception as exc:  # the masks' own pass: each structured request's (its rows cannot be trusted)
-        for req, _, _ in parts:
-            if req.request_id in grammars and req.request_id not in faults:
-                faults[req.request_id] = fault_of(StageError("grammar", exc), req.request_id, "grammar")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection
+from typing import NamedTuple
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 
-from smartspec.runtime.upload import upload_lists
+from smartspec.runtime.upload import HostBatch
 from smartspec.structured.compile import TOOL_CALL_TAGS, grammar_of, refuse_invalid
 from smartspec.types.sampling_params import ParamError, StructuredOutput
 
@@ -134,9 +135,6 @@ class RequestGrammar:
             raise GrammarRefusedToken(f"grammar refused committed tokens {tokens}: {self.matcher.get_error()[:500]}")
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def empty_masks(rows: int, vocab_size: int) -> torch.Tensor:
     """Bitmasks [rows, ceil(V / 32)] that allow every token, for grammars to fill (RequestGrammar.fill_masks)."""
     return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
@@ -145,7 +143,8 @@ def empty_masks(rows: int, vocab_size: int) -> torch.Tensor:
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[n, vocab_size] bool: bit j of word w of each row's bitmask allows token 32 w + j (none past the mask's
     32 W tokens: logits wider than the tokenizer's vocabulary)."""
-    bits = ((bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1).flatten(1).bool()
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no copy from the host
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
     if bits.shape[1] < vocab_size:
         return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
     return bits[:, :vocab_size]
@@ -154,13 +153,33 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, valid: list[bool]) -> None:
     """Disallowed tokens' logits to -inf, in place, on the rows with a valid prefix. Unpacked eagerly, not by
     llguidance's torch.compile'd kernel: that compiled on a process's first structured request and again on its
-    first with another row count (0.2-2 s on a CPU, the whole batch's step stalled), for no gain at a few rows."""
-    rows = [i for i, ok in enumerate(valid) if ok]
-    if not rows:
+    first with another row count (0.2-2 s on a CPU, the whole batch's step stalled), for no gain at a few rows.
+    A stage that sends other values too stages the masks with them (StagedMasks) and calls apply_staged_masks."""
+    batch = HostBatch()
+    staged = StagedMasks.of(bitmask, valid, batch)
+    if staged is not None:
+        apply_staged_masks(logits, staged, batch.send(logits.device))
+
+
+class StagedMasks(NamedTuple):
+    """The bitmask and the rows it applies to, staged in a HostBatch (keys into what it sends)."""
+    bits: int
+    rows: int | None  # None: every row
+
+    @classmethod
+    def of(cls, bitmask: torch.Tensor, valid: list[bool], batch: HostBatch) -> StagedMasks | None:
+        """None where no row has a valid prefix (nothing to mask)."""
+        rows = [i for i, ok in enumerate(valid) if ok]
+        if not rows:
+            return None
+        return cls(batch.ints(bitmask), None if len(rows) == len(valid) else batch.ints(rows))
+
+
+def apply_staged_masks(logits: torch.Tensor, staged: StagedMasks, sent: list[torch.Tensor]) -> None:
+    """apply_masks with its bitmask and rows staged (StagedMasks.of) and sent (HostBatch.send's answer)."""
+    bits = sent[staged.bits]
+    if staged.rows is None:
+        logits.masked_fill_(~allowed_tokens(bits, logits.shape[1]), float("-inf"))
         return
-    if len(rows) == len(valid):
-        logits.masked_fill_(~allowed_tokens(upload_lists([bitmask], logits.device)[0], logits.shape[1]),
-                            float("-inf"))
-        return
-    bits, index = upload_lists([bitmask, rows], logits.device)  # one copy
+    index = sent[staged.rows]
     logits[index] = logits[index].masked_fill(~allowed_tokens(bits, logits.shape[1])[index], float("-inf"))
