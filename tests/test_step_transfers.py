@@ -1,15 +1,13 @@
 """An engine step's host values cross to the device in one copy a stage: the forward's inputs, the accept stage's
 (the controls' values, the grammars' masks, the sampled chains' drafts, the plain rows) and, where a request asks
-for logprobs, their rows; however many requests the step holds and whatever they ask for. Counted at every copy
-point (tests/transfers.py), none exempt."""
+for logprobs, their rows; however many requests the step holds and whatever they ask for. A draft model adds its
+own forward's copy at each depth it drafts. Counted at every copy point (tests/transfers.py), none exempt."""
 import pytest
 from engines import PROMPTS, make
 from transfers import Transfers
 
 from smartspec import SamplingParams
 from smartspec.types.sampling_params import StructuredOutput
-
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}
 
 
 def every_kind(seed: int) -> list[SamplingParams]:
@@ -23,9 +21,8 @@ def every_kind(seed: int) -> list[SamplingParams]:
             SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)]
 
 
-@pytest.mark.parametrize("copies", [1, 3])
-def test_a_step_sends_one_copy_a_stage_whatever_it_holds(tiny_qwen, copies, monkeypatch):
-    engine = make(tiny_qwen, SPEC).engine
+def copies_per_step(engine, copies: int, monkeypatch) -> list[list[str]]:
+    """`copies` requests of every kind decoded to their end; each step's transfers."""
     for c in range(copies):
         for j, params in enumerate(every_kind(c)):
             engine.add_request(PROMPTS[j % len(PROMPTS)], params, request_id=f"{c}-{j}")
@@ -35,8 +32,22 @@ def test_a_step_sends_one_copy_a_stage_whatever_it_holds(tiny_qwen, copies, monk
         engine.step()
         monkeypatch.undo()
         steps.append(transfers.seen)
-    drafted = engine.speculation.metrics.num_draft_tokens
-    assert drafted > 0  # chains were verified, sampled ones among them
+    assert engine.speculation.metrics.num_draft_tokens > 0  # chains were verified, sampled ones among them
     assert all(set(seen) <= {"upload"} for seen in steps), steps
+    return steps
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_a_step_sends_one_copy_a_stage_whatever_it_holds(tiny_qwen, copies, monkeypatch):
+    engine = make(tiny_qwen, {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}).engine
+    steps = copies_per_step(engine, copies, monkeypatch)
     # the forward's, the accept stage's, the logprobs': no more in any step, and in the steps where all run, all three
     assert max(map(len, steps)) == 3, steps
+
+
+def test_a_draft_models_steps_send_as_many_copies_whatever_they_hold(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """A draft model's forward at each depth sends its inputs (and its controlled rows' values) in copies of its
+    own: a fixed number a step, the same at one and at three requests of every kind."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "policy": "fixed", "model": tiny_qwen_draft}
+    most = [max(map(len, copies_per_step(make(tiny_qwen, spec).engine, copies, monkeypatch))) for copies in (1, 3)]
+    assert most[0] == most[1] > 3, most
