@@ -93,6 +93,15 @@ def params_owner(engine):
     return find
 
 
+def row_params_owner(engine):
+    """Finds the victim among the requests whose rows a batched sampling pass was given (target_probs_rows: rows,
+    their controls, with each row's params), or one of the others."""
+    def find(rows, controls, *args):
+        given = [r for r in engine.requests.values() if any(p is r.params for p in controls.params)]
+        return next((r for r in given if r.request_id == VICTIM), given[0] if given else None)
+    return find
+
+
 def rows_owner(engine):
     """Finds the victim among the requests whose rows a reshape was given (reshape_staged: logits, the staged
     controls of the requests' rows, batched or one request's), or one of the others."""
@@ -107,7 +116,8 @@ def rows_owner(engine):
 FAULTS = {
     "logits controls": [(controlled_module, "reshape_staged", rows_owner)],
     "grammar": [(RequestGrammar, "fill_masks", GrammarOf)],
-    "sampling": [(accept_module, "target_probs", params_owner), (sampler_module, "target_probs", params_owner)],
+    "sampling": [(accept_module, "target_probs_rows", row_params_owner), (accept_module, "target_probs", params_owner),
+                 (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
     "commit": [(commit_module.TokenCommitter, "commit", lambda engine: lambda committer, req, *a: req)],
     "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req, *end: req),

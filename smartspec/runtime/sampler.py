@@ -3,9 +3,11 @@ requests' tokens from noise keyed by (seed, position)."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
+from smartspec.runtime.upload import HostBatch
 from smartspec.types.sampling_params import SamplingParams
 
 
@@ -27,6 +29,60 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class RowControls(NamedTuple):
+    """The controls target_probs applies, per row of a batch of logits, on the rows' device (StagedRowControls,
+    sent with a stage's other values): each row its own request's. A control no row uses is None, its operations
+    skipped for the whole batch."""
+    params: list[SamplingParams]  # per row: the request's (what the tensors were made from)
+    temperature: torch.Tensor  # [R, 1]
+    log_min_p: torch.Tensor | None  # [R, 1] log(min_p); -inf in a row without min_p (its floor is then -inf)
+    top_k: torch.Tensor | None  # [R, 1] the index of the k-th largest value; -1 in a row without top_k
+    max_top_k: int  # the largest top_k among the rows that use it
+    top_p: torch.Tensor | None  # [R, 1]; +inf in a row without top_p (nothing dropped, nothing renormalised)
+
+
+class StagedRowControls:
+    """RowControls' values for rows of these params, gathered on the host and staged in a stage's HostBatch;
+    `on` makes the RowControls from what the batch sent."""
+
+    def __init__(self, params: list[SamplingParams], vocab: int, batch: HostBatch) -> None:
+        self.params = params
+        self.temperature = batch.floats([p.temperature for p in params])
+        self.log_min_p = batch.floats([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]) \
+            if any(p.min_p > 0 for p in params) else None
+        top_ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+        self.max_top_k = max(top_ks, default=0)
+        self.top_k = batch.ints([k - 1 for k in top_ks]) if self.max_top_k else None
+        self.top_p = batch.floats([p.top_p if p.top_p < 1.0 else math.inf for p in params]) \
+            if any(p.top_p < 1.0 for p in params) else None
+
+    def on(self, sent: list[torch.Tensor]) -> RowControls:
+        def column(key: int | None) -> torch.Tensor | None:
+            return None if key is None else sent[key][:, None]
+        return RowControls(self.params, column(self.temperature), column(self.log_min_p), column(self.top_k),
+                           self.max_top_k, column(self.top_p))
+
+
+def target_probs_rows(logits: torch.Tensor, controls: RowControls) -> torch.Tensor:
+    """target_probs for a batch of rows [R, V], each with its own request's controls, in one pass: every row
+    bitwise what target_probs gives it alone (the same operations, a row's own values in place of its request's
+    numbers, each reduction within its row), so a request's distribution does not depend on its batch."""
+    x = logits.float() / controls.temperature
+    if controls.log_min_p is not None:
+        x = x.masked_fill(x < x.amax(dim=-1, keepdim=True) + controls.log_min_p, float("-inf"))
+    if controls.top_k is not None:
+        kth = torch.topk(x, controls.max_top_k, dim=-1).values.gather(-1, controls.top_k.clamp(min=0))
+        x = x.masked_fill((x < kth) & (controls.top_k >= 0), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if controls.top_p is not None:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= controls.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = torch.where(controls.top_p < 1.0, probs / probs.sum(dim=-1, keepdim=True), probs)
     return probs
 
 

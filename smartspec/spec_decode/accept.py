@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import draw_tokens, seeded_tokens, target_probs
+from smartspec.runtime.sampler import (RowControls, StagedRowControls, draw_tokens, seeded_tokens, target_probs,
+                                       target_probs_rows)
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.controlled import ControlledParts
 from smartspec.spec_decode.proposer import Draft
@@ -65,10 +66,15 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     chains = {p.request.request_id: batch.ints(p.draft.tokens) for p in parts if _is_sampled_chain(p)}
     plain = [p for p in parts if _is_plain(p) and p.request.request_id not in faults]
     plain_rows = batch.ints([p.start for p in plain]) if plain else None
+    sampled = [p for p in parts if _is_sampled(p) and p.request.request_id not in faults]
+    controls = StagedRowControls([p.request.params for p in sampled for _ in range(p.count)], logits.shape[1],
+                                 batch) if sampled else None
     sent = batch.send(logits.device)
     step = _StepRows(logits, controlled.rows(logits, sent, faults), faults,
                      {rid: sent[key] for rid, key in chains.items()}, plain,
                      None if plain_rows is None else sent[plain_rows])
+    if controls is not None:
+        step.sample_probs(sampled, controls.on(sent))
     for part in parts:
         if part.request.request_id not in faults and not _is_plain(part):
             step.take(part)
@@ -80,6 +86,12 @@ def _is_plain(part: _Rows) -> bool:
     """An unseeded sampled request without drafts: its one token is drawn with the others' (draw_tokens)."""
     params = part.request.params
     return part.draft is None and not params.greedy and params.seed is None
+
+
+def _is_sampled(part: _Rows) -> bool:
+    """A sampled request whose rows are verified or drawn by the noise of its seed (seeded, or with drafts): its
+    target probabilities are made with the step's others (_StepRows.sample_probs)."""
+    return not part.request.params.greedy and not _is_plain(part)
 
 
 def _is_sampled_chain(part: _Rows) -> bool:
@@ -115,13 +127,28 @@ class _StepRows:
         self.out: dict[str, list[int]] = {}  # sampled trees' tokens (they read on their own)
         self.later: list[_Rows] = []  # parts read from the step's read
         self.plain, self.plain_rows = plain, plain_rows
+        self.probs: dict[str, torch.Tensor] = {}  # sampled parts' target probabilities, made together (sample_probs)
 
     def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
         """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
         return self.reshaped[rid][1] if rid in self.reshaped else self.logits[start:start + n]
 
+    def sample_probs(self, parts: list[_Rows], controls: RowControls) -> None:
+        """The sampled parts' target probabilities in one pass over all their rows (target_probs_rows: each row
+        bitwise its own request's alone), by request; where that pass fails, each part's are made alone as it is
+        taken (a failure there is that request's)."""
+        try:
+            rows = torch.cat([self.rows_of(p.request.request_id, p.start, p.count) for p in parts])
+            live = torch.cat([self.live[p.start:p.start + p.count] for p in parts])
+            probs = target_probs_rows(_sampleable(rows, live), controls)
+        except Exception:  # told apart in take, request by request
+            return
+        self.probs = dict(zip((p.request.request_id for p in parts), probs.split([p.count for p in parts])))
+
     def _probs(self, part: _Rows) -> torch.Tensor:
         rid, start, n = part.request.request_id, part.start, part.count
+        if rid in self.probs:
+            return self.probs[rid]
         return target_probs(_sampleable(self.rows_of(rid, start, n), self.live[start:start + n]), part.request.params)
 
     def take(self, part: _Rows) -> None:
