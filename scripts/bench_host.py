@@ -2,9 +2,11 @@
 target forward returns its logits at once (smartspec/bench/instant_runner.py; a tiny random model's config and
 byte-level tokenizer) decodes 1, 64 and 256 requests at once, with prompt lookup drafting chains or token trees
 of K (fixed k = K by default, the same shapes every run; the goodput policy's own time is bench_select's); in the
-mix, an eighth of the requests each use penalties, logprobs, a grammar (regex) or temperature sampling. Each row
-times `--steps` decoding steps after every prompt is in, stage by stage, with the start's heap frozen out of the
-collector's full collections as a replica freezes it (runtime/heap.py).
+mix, an eighth of the requests each use penalties, logprobs, a grammar (regex) or temperature sampling (`--plain`:
+every request greedy; `--sampled`: every request sampled as chat traffic is, temperature 0.8, top-p 0.9, top-k 50,
+unseeded). Each row times `--steps` decoding steps after every prompt is in, stage by stage, with the start's heap
+frozen out of the collector's full collections as a replica freezes it (runtime/heap.py); then counts the device
+operations (kernel launches on a GPU) of a few more steps, untimed.
 
     python scripts/bench_host.py                    # ~2 min on 2 cores
     python scripts/bench_host.py --rows 64 --steps 20 --drafts chain
@@ -27,6 +29,7 @@ from smartspec.engine import llm_engine
 from smartspec.engine.llm_engine import LLMEngine
 from smartspec.runtime.heap import frozen_heap
 from smartspec.types.sampling_params import SamplingParams, StructuredOutput
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CYCLE_TEXT = "abcdefghijklmnop"  # the stand-in continues this cycle (one byte-level token a letter)
 PROMPT_TOKENS = 48
@@ -38,10 +41,17 @@ STAGES = ["schedule", "plan", "propose", "prepare inputs", "forward (stand-in)",
           "observe"]
 
 
-def params_of(i: int, max_tokens: int, mix: bool = True) -> SamplingParams:
-    """The mix: of every 8 requests, one with penalties, one with logprobs, one under a grammar, one sampled at
-    temperature 0.8 (seeded); the rest greedy. Without the mix, every one greedy."""
-    kind = i % 8 if mix else 0
+MIXES = ("mixed", "plain", "sampled")
+COUNTED_STEPS = 3  # steps whose device operations are counted, after the timed ones
+
+
+def params_of(i: int, max_tokens: int, mix: str = "mixed") -> SamplingParams:
+    """"mixed": of every 8 requests, one with penalties, one with logprobs, one under a grammar, one sampled at
+    temperature 0.8 (seeded); the rest greedy. "plain": every one greedy. "sampled": every one sampled (temperature
+    0.8, top-p 0.9, top-k 50, unseeded)."""
+    if mix == "sampled":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50)
+    kind = i % 8 if mix == "mixed" else 0
     extra = {1: {"repetition_penalty": 1.1, "presence_penalty": 0.2},
              2: {"logprobs": 3},
              3: {"structured": StructuredOutput(regex=f"[{CYCLE_TEXT[0]}-{CYCLE_TEXT[-1]}]+")},
@@ -110,7 +120,21 @@ def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed"
     return LLMEngine(config, runner_factory=runner_factory), made[0]
 
 
-def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed", mix: bool = True) -> dict:
+class DeviceOps(TorchDispatchMode):
+    """Counts the tensor operations run while active: on a GPU each is a kernel launch (or a host-side view), the
+    host's share of a step that a device's pace exposes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed", mix: str = "mixed") \
+        -> dict:
     """ms per step by stage over `steps` decoding steps of `rows` requests, after every prompt is in."""
     engine, runner = engine_for(model, rows, drafts, k, policy)
     prompt = (CYCLE_TEXT * (PROMPT_TOKENS // len(CYCLE_TEXT) + 1))[:PROMPT_TOKENS]
@@ -131,22 +155,27 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
             for _ in range(steps):
                 engine.step()
             total_s = time.perf_counter() - began
+            stages, chosen = clock.per_step(steps, total_s), dict(engine.stats.chosen_k)
+            with DeviceOps() as ops:
+                for _ in range(COUNTED_STEPS):
+                    engine.step()
     finally:
         clock.close()
     if len(engine.requests) != rows:
         raise RuntimeError(f"{rows - len(engine.requests)} requests finished inside the measured steps")
-    chosen = engine.stats.chosen_k
     mean_k = (sum(k * n for k, n in chosen.items()) - drafted_before) / max(1, sum(chosen.values()) - ks_before)
     engine.close()
     return {"rows": rows, "drafts": drafts, "mix": mix, "k": k, "steps": steps, "mean_k": mean_k,
-            "host_ms": 1e3 * total_s / steps, **clock.per_step(steps, total_s)}
+            "host_ms": 1e3 * total_s / steps, **stages, "device_ops": ops.count / COUNTED_STEPS}
 
 
 def print_table(results: list[dict]) -> None:
     columns = ["host_ms", *STAGES, "other"]
-    print(f"{'rows':>5s} {'drafts':>6s} {'mean k':>6s} " + " ".join(f"{c[:12]:>12s}" for c in columns))
+    print(f"{'rows':>5s} {'drafts':>6s} {'mean k':>6s} " + " ".join(f"{c[:12]:>12s}" for c in columns)
+          + f" {'device ops':>10s}")
     for r in results:
-        print(f"{r['rows']:5d} {r['drafts']:>6s} {r['mean_k']:6.2f} " + " ".join(f"{r[c]:12.3f}" for c in columns))
+        print(f"{r['rows']:5d} {r['drafts']:>6s} {r['mean_k']:6.2f} " + " ".join(f"{r[c]:12.3f}" for c in columns)
+              + f" {r['device_ops']:10.0f}")
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -176,17 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="K: draft tokens of a chain, nodes of a tree")
     ap.add_argument("--steps", type=int, default=40, help="decoding steps timed per row")
     ap.add_argument("--policy", default="fixed", help="the speculation policy (fixed: k = K; smartspec, off, ...)")
-    ap.add_argument("--plain", action="store_true", help="every request greedy, no controls (the base the mix adds to)")
+    kinds = ap.add_mutually_exclusive_group()
+    kinds.add_argument("--plain", action="store_true",
+                       help="every request greedy, no controls (the base the mix adds to)")
+    kinds.add_argument("--sampled", action="store_true", help="every request sampled (temperature 0.8, top-p 0.9, "
+                       "top-k 50, unseeded): chat traffic")
     ap.add_argument("--out", default="results/bench_host")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or args.k * (args.steps + WARM_STEPS + 1) > 400:
-        ap.error("--rows, --steps and --k must be >= 1, and k x (steps + 4) at most 400 (the context's room)")
+    if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or \
+            args.k * (args.steps + WARM_STEPS + COUNTED_STEPS + 1) > 400:
+        ap.error(f"--rows, --steps and --k must be >= 1, and k x (steps + {WARM_STEPS + COUNTED_STEPS + 1}) at most "
+                 "400 (the context's room)")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(Path(tmp) / "tiny"))
         for rows in args.rows:
             for drafts in args.drafts:
-                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy, not args.plain))
+                mix = "plain" if args.plain else "sampled" if args.sampled else "mixed"
+                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy, mix))
                 print(f"[{len(results)}/{len(args.rows) * len(args.drafts)}] {rows} rows, {drafts}s: "
                       f"{results[-1]['host_ms']:.2f} ms per step", file=sys.stderr, flush=True)
     print_table(results)

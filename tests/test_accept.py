@@ -179,3 +179,37 @@ def test_a_step_sends_its_host_values_in_one_copy(monkeypatch):
         assert sent.seen == [] and len(out) == 8 * copies
         counts.append(sent.copies)
     assert counts == [1, 1]
+
+
+def test_a_steps_sampled_chains_and_plain_rows_made_together_equal_each_rule_alone():
+    """Several unseeded sampled requests in one step, with top-k and top-p, chains with draft probabilities and
+    without, and rows without drafts: their probabilities, verdicts and draws are made together
+    (target_probs_rows, sampled_chains.py), and each request's tokens are those of its rule alone with its own
+    generator."""
+    g = torch.Generator().manual_seed(7)
+    params = [SamplingParams(temperature=0.9, top_k=6), SamplingParams(temperature=0.7, top_p=0.8),
+              SamplingParams(temperature=1.2, min_p=0.05), SamplingParams(temperature=0.8, top_k=4, top_p=0.9)]
+    for seed in range(10):
+        items, rows, drafts, alone = [], [], {}, {}
+        for i in range(8):
+            p = params[i % len(params)]
+            k = 0 if i % 4 == 3 else 1 + (i + seed) % 4
+            logits = torch.randn(k + 1, V, generator=g) * 2
+            request = Request(f"r{i}", [1, 2, 3], p)
+            request.generator = torch.Generator().manual_seed(100 * seed + i)
+            items.append(ForwardItem(request, [0] * (k + 1), 3, k + 1))
+            rows.append(logits)
+            if k:
+                tokens = [int(t) for t in torch.randint(0, V, (k,), generator=g)]
+                for j, t in enumerate(tokens[:2]):
+                    logits[j, t] += 3.0  # some drafts accepted
+                q = torch.softmax(torch.randn(k, V, generator=g), -1) if i % 2 else None
+                drafts[request.request_id] = Draft(tokens, q)
+            alone[request.request_id] = (logits, p, torch.Generator().manual_seed(100 * seed + i))
+        out = accept_drafts(items, torch.cat(rows), drafts).tokens
+        for rid, (logits, p, generator) in alone.items():
+            if rid in drafts:
+                expected = accept_sampled(target_probs(logits, p), drafts[rid].tokens, drafts[rid].probs, generator)
+            else:
+                expected = [int(torch.multinomial(target_probs(logits[0], p), 1, generator=generator))]
+            assert out[rid] == expected, rid

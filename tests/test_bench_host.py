@@ -60,9 +60,21 @@ def test_bench_host_prints_its_stages_and_writes_them(tmp_path, capsys):
         assert min(stages) >= 0 and r["plan"] > 0 and r["commit"] > 0 and r["prepare inputs"] > 0
         assert sum(stages) == pytest.approx(r["host_ms"], rel=1e-6)
         assert r["mean_k"] > 0  # the mix's prompts are drafted for
+        assert r["device_ops"] > 0
     assert (tmp_path / "host.png").stat().st_size > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("host ms per step: 1 row ") and "; 8 rows " in last
+
+
+def test_sampled_traffic_is_measured_and_its_device_operations_do_not_grow_per_request(tmp_path):
+    """--sampled: every request sampled (top-p, top-k, unseeded) and drafting; the accept stage makes their
+    probabilities and verdicts together, so eight requests cost far fewer than eight times one's device operations
+    (per request, each still draws its uniforms and its token from its own generator)."""
+    assert bench_host.main(["--rows", "1", "8", "--drafts", "chain", "--steps", "3", "--sampled",
+                            "--out", str(tmp_path)]) == 0
+    one, eight = pq.read_table(tmp_path / "stages.parquet").to_pylist()
+    assert one["mix"] == eight["mix"] == "sampled" and one["mean_k"] > 0 and eight["mean_k"] > 0
+    assert eight["device_ops"] < 4 * one["device_ops"]
 
 
 def test_the_stage_clock_puts_the_engines_functions_back(tiny_qwen):

@@ -87,9 +87,11 @@ def target_probs_rows(logits: torch.Tensor, controls: RowControls) -> torch.Tens
 
 
 def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, dict[int, Exception]]:
+                generators: list[torch.Generator | None], probs: torch.Tensor | None = None) \
+        -> tuple[torch.Tensor, dict[int, Exception]]:
     """One token per row of logits [R, V], left on the logits' device (the step reads its tokens back once, not a
-    row at a time): best, the rows' argmax, for the greedy rows; each sampled row drawn from its own generator.
+    row at a time): best, the rows' argmax, for the greedy rows; each sampled row drawn from its own generator, from
+    probs [R, V] where the rows' target probabilities were made together (target_probs_rows), else its own.
     A row whose draw raises keeps its argmax and is returned by row with its exception: one request's failure is
     its own, never its neighbours'."""
     tokens, failed = [], {}
@@ -97,7 +99,8 @@ def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingP
         token = best[row:row + 1]
         if not p.greedy:
             try:
-                token = torch.multinomial(target_probs(logits[row], p), 1, generator=generators[row])
+                row_probs = target_probs(logits[row], p) if probs is None else probs[row]
+                token = torch.multinomial(row_probs, 1, generator=generators[row])
             except Exception as exc:
                 failed[row] = exc
         tokens.append(token)

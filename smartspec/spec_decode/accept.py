@@ -11,6 +11,7 @@ acceptance) becomes that request's fault (types/faults.py), and a row with no fi
 request whose output reaches it ends with a fault that names its controls."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.controlled import ControlledParts
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
+from smartspec.spec_decode.sampled_chains import StagedChains
 from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import rows_of_new_tokens
@@ -63,18 +65,26 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
         row += it.num_logits
     batch = HostBatch()
     controlled = ControlledParts(items, logits.shape[1], drafts, eos_token_ids, grammars, faults, batch)
-    chains = {p.request.request_id: batch.ints(p.draft.tokens) for p in parts if _is_sampled_chain(p)}
     plain = [p for p in parts if _is_plain(p) and p.request.request_id not in faults]
     plain_rows = batch.ints([p.start for p in plain]) if plain else None
+    # one request's probabilities are made alone (target_probs): the batched pass's own operations would outweigh it
+    plain_controls = StagedRowControls([p.request.params for p in plain], logits.shape[1], batch) \
+        if len(plain) > 1 else None
     sampled = [p for p in parts if _is_sampled(p) and p.request.request_id not in faults]
     controls = StagedRowControls([p.request.params for p in sampled for _ in range(p.count)], logits.shape[1],
-                                 batch) if sampled else None
+                                 batch) if len(sampled) > 1 else None
+    at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled), initial=0)))
+    chains = [p for p in sampled if _is_sampled_chain(p)]
+    staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch) \
+        if chains else None
     sent = batch.send(logits.device)
-    step = _StepRows(logits, controlled.rows(logits, sent, faults), faults,
-                     {rid: sent[key] for rid, key in chains.items()}, plain,
-                     None if plain_rows is None else sent[plain_rows])
+    step = _StepRows(logits, controlled.rows(logits, sent, faults), faults, plain,
+                     None if plain_rows is None else sent[plain_rows],
+                     None if plain_controls is None else plain_controls.on(sent))
     if controls is not None:
         step.sample_probs(sampled, controls.on(sent))
+    if staged_chains is not None:
+        step.verify_chains(chains, staged_chains, sent)
     for part in parts:
         if part.request.request_id not in faults and not _is_plain(part):
             step.take(part)
@@ -108,11 +118,11 @@ class _StepRows:
     plain rows' draws; and what reads each request's part of the read."""
 
     def __init__(self, logits: torch.Tensor, reshaped: dict[str, tuple[int, torch.Tensor]],
-                 faults: dict[str, RequestFault], chains: dict[str, torch.Tensor], plain: list[_Rows],
-                 plain_rows: torch.Tensor | None) -> None:
-        """chains: the sampled chains' draft tokens on the logits' device, by request; plain: the parts drawn
-        together (_is_plain), plain_rows their first rows on the device (both sent with the step's values)."""
-        self.logits, self.reshaped, self.faults, self.chains = logits, reshaped, faults, chains
+                 faults: dict[str, RequestFault], plain: list[_Rows], plain_rows: torch.Tensor | None,
+                 plain_controls: RowControls | None) -> None:
+        """plain: the parts drawn together (_is_plain), plain_rows their first rows on the device and
+        plain_controls their sampling controls (sent with the step's values)."""
+        self.logits, self.reshaped, self.faults = logits, reshaped, faults
         self.live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
         self.chosen = logits.argmax(dim=-1)
         if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
@@ -126,8 +136,10 @@ class _StepRows:
         self.at = 2 * logits.shape[0]  # where the next of them sits in the read
         self.out: dict[str, list[int]] = {}  # sampled trees' tokens (they read on their own)
         self.later: list[_Rows] = []  # parts read from the step's read
-        self.plain, self.plain_rows = plain, plain_rows
-        self.probs: dict[str, torch.Tensor] = {}  # sampled parts' target probabilities, made together (sample_probs)
+        self.plain, self.plain_rows, self.plain_controls = plain, plain_rows, plain_controls
+        self.sampled_p: torch.Tensor | None = None  # the sampled parts' target probabilities, made together,
+        self.probs: dict[str, torch.Tensor] = {}  # and each part's rows of them (sample_probs)
+        self.chain_at: dict[str, int] = {}  # where each sampled chain's verdict, made together, sits in the read
 
     def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
         """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
@@ -143,7 +155,29 @@ class _StepRows:
             probs = target_probs_rows(_sampleable(rows, live), controls)
         except Exception:  # told apart in take, request by request
             return
+        self.sampled_p = probs
         self.probs = dict(zip((p.request.request_id for p in parts), probs.split([p.count for p in parts])))
+
+    def verify_chains(self, chains: list[_Rows], staged: StagedChains, sent: list[torch.Tensor]) -> None:
+        """The sampled chains' verdicts in one pass (sampled_chains.py: each bitwise the rule's alone), put in the
+        read; where the probabilities were not made together or the pass fails, each chain is verified alone as it
+        is taken (a failure there is its own)."""
+        try:
+            if len(chains) == 1:  # the rule alone: fewer operations than the batched pass (its draft sent as staged)
+                part = chains[0]
+                with stage("sampling"):
+                    probs = self._probs(part)
+                verdicts = sampled_verdict(probs, part.draft.tokens, part.draft.probs, part.request.generator,
+                                           sent[staged.tokens])
+            elif self.sampled_p is not None:
+                verdicts = staged.verdicts(self.sampled_p, [p.request.generator for p in chains], sent)
+            else:
+                return
+        except Exception:  # told apart in take, request by request
+            return
+        self.on_device.append(verdicts.flatten())
+        self.chain_at = {p.request.request_id: self.at + 2 * i for i, p in enumerate(chains)}
+        self.at += 2 * len(chains)
 
     def _probs(self, part: _Rows) -> torch.Tensor:
         rid, start, n = part.request.request_id, part.start, part.count
@@ -170,12 +204,13 @@ class _StepRows:
                 with stage("acceptance"):
                     self.out[rid] = accept_tree_sampled(probs, draft.tree, req.generator)
                 self.later.append(part)
+            elif rid in self.chain_at:  # verified with the step's other sampled chains
+                self.later.append(part._replace(verdict_at=self.chain_at[rid]))
             else:
                 with stage("sampling"):
                     probs = self._probs(part)
                 with stage("acceptance"):
-                    self.on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator,
-                                                          self.chains.get(rid)))
+                    self.on_device.append(sampled_verdict(probs, draft.tokens, draft.probs, req.generator))
                 self.later.append(part._replace(verdict_at=self.at))
                 self.at += 2
         except Exception as exc:
@@ -193,8 +228,13 @@ class _StepRows:
         for i, p in enumerate(plain):
             if p.request.request_id in self.reshaped:
                 rows[i] = self.reshaped[p.request.request_id][1][0]
-        draws, failed = draw_tokens(_sampleable(rows, self.live[rows_on_device]), self.chosen[rows_on_device],
-                                    [p.request.params for p in plain], [p.request.generator for p in plain])
+        rows = _sampleable(rows, self.live[rows_on_device])
+        try:
+            probs = target_probs_rows(rows, self.plain_controls)  # each row bitwise its own alone
+        except Exception:  # each row's made alone in draw_tokens (a failure there is its own)
+            probs = None
+        draws, failed = draw_tokens(rows, self.chosen[rows_on_device], [p.request.params for p in plain],
+                                    [p.request.generator for p in plain], probs)
         self.on_device.append(draws)
         for i, exc in failed.items():  # (a part whose controls failed is drawn too, its first fault kept)
             self.faults.setdefault(plain[i].request.request_id, fault_of(exc, plain[i].request.request_id,
