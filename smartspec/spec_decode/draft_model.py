@@ -16,6 +16,7 @@ from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.sampler import seeded_tokens, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
+from smartspec.spec_decode.draft_sampling import DraftSampling
 from smartspec.spec_decode.proposer import Proposal, Proposer
 from smartspec.types.request import Request
 
@@ -128,12 +129,16 @@ class DraftModelProposer(Proposer):
         depth = 0
         catchup = sum(ds.num_tokens - ds.num_computed_tokens - 1 for _, ds, _ in live)
         self._catch_up_in_chunks([ds for _, ds, _ in live])
+        sampling = None  # the sampled rows' controls, staged once the first forward gives the logits' width
         while live:
             # first step: every unseen token (catch-up); later steps: the previous draft token
             items = [ForwardItem(ds, ds.token_ids[ds.num_computed_tokens:], ds.num_computed_tokens, 1)
                      for _, ds, _ in live]
             logits = self.runner.forward(items)
+            if sampling is None:
+                sampling = DraftSampling(live, requests, logits.shape[-1], logits.device)
             reshaped = _controlled_rows(logits, live, requests)
+            made = sampling.probs(depth, logits, reshaped)  # the depth's sampled rows' distributions, together
             drawn = []  # each row's token, left on the device: the depth's tokens come to the host in one read
             for row, (i, ds, _) in enumerate(live):
                 ds.num_computed_tokens = ds.num_tokens
@@ -142,7 +147,7 @@ class DraftModelProposer(Proposer):
                 if req.params.greedy:
                     drawn.append(row_logits.argmax().view(1))
                 else:
-                    q = self._fit_vocab(target_probs(row_logits, req.params))
+                    q = self._fit_vocab(made[row] if row in made else target_probs(row_logits, req.params))
                     if req.params.seed is not None:  # the noise the target's token will be drawn with there
                         drawn.append(seeded_tokens(q[None], req.params.seed, [ds.num_tokens]))
                     else:

@@ -1,7 +1,9 @@
 """A step's sampled chains verified together: every unseeded sampled request's chain draft accepted or rejected by
-rejection_sampler.sampled_verdict's rule, in one pass over all of them, each request's draws taken from its own
-generator in the rule's order (its uniforms, then its residual's draw). Each verdict is bitwise the rule's alone,
-at a few device operations a step and two a request instead of some twenty a request.
+rejection_sampler.sampled_verdict's rule, in one pass over all of them, each request's draws taken from its
+generator in the rule's order (its uniforms, then its residual's draw). With a generator of its own, each verdict
+is bitwise the rule's alone; requests that share one (the engine's, for unseeded requests) take their uniforms
+before any takes its draw, other numbers of the same law. A few device operations a step and two a request, where
+the rule alone takes some twenty a request.
 
 In two halves around the step's one copy of host values (runtime/upload.py HostBatch): the chains' layout (their
 rows among the step's sampled probabilities, padded to the longest chain, their tokens, their draft
