@@ -51,11 +51,12 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
     token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens.
 
-    The stage's host values (the controls' and the grammars' masks, the sampled chains' drafts, the plain rows) are
-    gathered first and sent in one copy. Every row's chosen token (argmax, or a seeded request's), each sampled
-    chain's verdict and the plain rows' draws stay on the logits' device and come to the host in one read for the
-    step, with each row's liveness; only a sampled token tree reads once per level of its own (which children it
-    tries at a level depends on the level above)."""
+    The stage's host values (the controls' values and the grammars' masks, the sampled rows' sampling controls,
+    the sampled chains' layout, the plain rows) are gathered first and sent in one copy; the sampled requests'
+    probabilities and chain verdicts are then made together. Every row's chosen token (argmax, or a seeded
+    request's), each sampled chain's verdict and the plain rows' draws stay on the logits' device and come to the
+    host in one read for the step, with each row's liveness; only a sampled token tree reads once per level of its
+    own (which children it tries at a level depends on the level above)."""
     faults: dict[str, RequestFault] = {}
     grammars = grammars or {}
     parts, row = [], 0
