@@ -8,6 +8,7 @@ from engines import make
 
 import smartspec.engine.commit as commit_module
 import smartspec.engine.llm_engine as engine_module
+import smartspec.runtime.logits_controls as logits_controls_module
 import smartspec.runtime.sampler as sampler_module
 import smartspec.spec_decode.accept as accept_module
 import smartspec.spec_decode.controlled as controlled_module
@@ -104,7 +105,8 @@ def row_params_owner(engine):
 
 def rows_owner(engine):
     """Finds the victim among the requests whose rows a reshape was given (reshape_staged: logits, the staged
-    controls of the requests' rows, batched or one request's), or one of the others."""
+    controls of the requests' rows: the step's batched pass, or one request's alone through reshape_rows), or one of
+    the others."""
     def find(logits, staged, *args):
         given = [r for r in engine.requests.values() if any(c.params is r.params for c in staged.requests)]
         return next((r for r in given if r.request_id == VICTIM), given[0] if given else None)
@@ -114,7 +116,8 @@ def rows_owner(engine):
 # stage -> the places a fault is injected: (module or class, attribute, how the request is found among the call's
 # arguments)
 FAULTS = {
-    "logits controls": [(controlled_module, "reshape_staged", rows_owner)],
+    "logits controls": [(controlled_module, "reshape_staged", rows_owner),
+                        (logits_controls_module, "reshape_staged", rows_owner)],
     "grammar": [(RequestGrammar, "fill_masks", GrammarOf)],
     "sampling": [(accept_module, "target_probs_rows", row_params_owner), (accept_module, "target_probs", params_owner),
                  (sampler_module, "target_probs", params_owner)],

@@ -58,8 +58,9 @@ class HostBatch:
 
     def floats(self, values: list[float]) -> int:
         """Numbers, as float32; their key in send's answer."""
-        self._floats.add(self.ints(values))
-        return len(self._values) - 1
+        key = self.ints(values)
+        self._floats.add(key)
+        return key
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
         """Every staged value on `device`, in one copy (none where nothing was staged), indexed by key."""

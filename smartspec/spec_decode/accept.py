@@ -74,10 +74,12 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     sampled = [p for p in parts if _is_sampled(p) and p.request.request_id not in faults]
     controls = StagedRowControls([p.request.params for p in sampled for _ in range(p.count)], logits.shape[1],
                                  batch) if len(sampled) > 1 else None
-    at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled), initial=0)))
     chains = [p for p in sampled if _is_sampled_chain(p)]
-    staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch) \
-        if chains else None
+    staged_chains = None
+    if chains:  # each chain's first row among the sampled parts' rows
+        at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
+                                                                                     initial=0)))
+        staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch)
     sent = batch.send(logits.device)
     step = _StepRows(logits, controlled.rows(logits, sent, faults), faults, plain,
                      None if plain_rows is None else sent[plain_rows],

@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 import torch
 
-from smartspec.runtime.logits_controls import ControlledRows, StagedControls, reshape_staged
+from smartspec.runtime.logits_controls import ControlledRows, StagedControls, reshape_rows, reshape_staged
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.proposer import Draft
@@ -83,9 +83,7 @@ class ControlledParts:
             block = logits[start:start + len(prefixes)]
             try:
                 with stage("logits controls"):
-                    alone = HostBatch()
-                    staged = StagedControls([one], self.eos_token_ids, logits.shape[1], None, alone)
-                    blocks.append(reshape_staged(block, staged, alone.send(logits.device)))
+                    blocks.append(reshape_rows(block, [one], self.eos_token_ids))
             except Exception as exc:
                 faults[req.request_id] = fault_of(exc, req.request_id, "logits controls")
                 blocks.append(block.float())
