@@ -73,4 +73,4 @@ def _application(cfg: AppConfig, engine_factory: EngineFactory) -> Application:
     # replica does (Serve's default of 20 s cut streams that a loaded replica was still generating)
     ingress = OpenAIIngress.options(graceful_shutdown_timeout_s=cfg.drain_timeout_s)
     return ingress.bind(server, controller, cfg.name, api_key=cfg.api_key, metrics_need_key=cfg.metrics_need_key,
-                        replica_wait_s=cfg.replica_wait_s)
+                        replica_wait_s=cfg.replica_wait_s, channels=cfg.stream_channels and cfg.router == "goodput")

@@ -3,7 +3,9 @@ and the events its stream sends back (`Event`).
 
 A replica's stream is `Accepted` or `Refused` first, so the front knows the status code before it sends
 headers; then `Delta`s, the last one with `finished` set. Failover (placement/failover.py) adds `Restart` where
-a generation is retried whole and its earlier tokens are void. Beside them: what a replica tells the router
+a generation is retried whole and its earlier tokens are void. A streamed generation asked with `channel` may have
+its deltas carried instead by the caller's channel to that replica (`ChannelCall`): one `DeltaBatch` a step for
+all the caller's streams there (replica/channels.py, http/channels.py). Beside them: what a replica tells the router
 (`RoutingStats`) and the goodput controller (`ReplicaReport`), and what the controller shows (`ControllerStatus`).
 Every part of the serving layer reads these fields by name; none reads a dict of the wire."""
 from __future__ import annotations
@@ -39,6 +41,9 @@ class GenerateCall:
     request_id: str = field(default_factory=new_request_id)
     retry_of: str | None = None  # the request id of the attempt this one retries (the router avoids its replica)
     caller: str | None = None  # the asking ingress replica's actor id: a replica aborts the generation once it dies
+    # the caller reads a channel from the replica that takes it (ChannelCall): the replica sends the deltas there
+    # while one is open, on this stream otherwise
+    channel: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -80,6 +85,10 @@ class Accepted:
     prompt_tokens: int
     prompt_text: str = ""  # echo: the prompt as text
     prompt_first_token: str | None = None  # echo: the first token's text (it has no logprob)
+    replica_id: str = ""  # the replica that took it
+    # a call with `channel`: its deltas go by the caller's channel to this replica while one is open, and none is
+    # open now (the caller opens one: ChannelCall)
+    open_channel: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,25 @@ class Restart:
 
 
 Event = Accepted | Refused | Delta | Restart
+
+
+@dataclass(frozen=True)
+class ChannelCall:
+    """An ingress replica (`caller`, its actor id) opens its channel to one LLMServer replica: the router sends the
+    call to that replica alone. The channel's stream is `ChannelOpen`, then `DeltaBatch`es."""
+    caller: str
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class ChannelOpen:
+    """The replica took the channel: deltas of the caller's streams come by it from now on."""
+
+
+@dataclass(frozen=True)
+class DeltaBatch:
+    """The deltas a replica had for one caller's streams at a step (request id, delta): one message for all."""
+    deltas: tuple[tuple[str, Delta], ...]
 
 
 @dataclass(frozen=True)

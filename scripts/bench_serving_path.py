@@ -4,6 +4,7 @@ wire, at the token rates a GPU produces, with an engine that emits tokens withou
 
     python scripts/bench_serving_path.py                      # 64 and 256 streams, ~10 min on 2 cores
     python scripts/bench_serving_path.py --streams 64 --steps-ms 40 20
+    python scripts/bench_serving_path.py --channels on off    # with and without stream_channels, in turn
 
 One Ray head (`ray start`), the application deployed per rate with `serve deploy` (the config `serve run` takes);
 closed-loop streams of chat completions over HTTP/SSE, each `--max-tokens` long. Per point: the tokens the clients
@@ -36,20 +37,20 @@ HOLD_GAP_S, HOLD_SHARE = 0.050, 0.9
 SERVING = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "LLMServer"}
 
 
-def serve_config(streams: int, step_s: float, interval_ms: float) -> dict:
+def serve_config(streams: int, step_s: float, interval_ms: float, channels: bool = True) -> dict:
     args = {"model": "paced", "served_model_name": "paced", "max_num_seqs": streams, "max_model_len": 4096,
             "max_ongoing_requests": 2 * streams, "max_waiting": 2 * streams, "paced_step_s": step_s,
-            "stream_interval_ms": interval_ms, "replica_num_cpus": 0.5}
+            "stream_interval_ms": interval_ms, "stream_channels": channels, "replica_num_cpus": 0.5}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [{"name": "smartspec", "route_prefix": "/",
                               "import_path": "deployments.app:build_paced_app", "args": args}]}
 
 
-def deploy(streams: int, step_s: float, interval_ms: float, out: Path) -> None:
+def deploy(streams: int, step_s: float, interval_ms: float, channels: bool, out: Path) -> None:
     """The application at this step interval, deployed and answering: Serve reports it running, on a replica
     started after this deploy (a change of args replaces the replica)."""
     path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(serve_config(streams, step_s, interval_ms), sort_keys=False))
+    path.write_text(yaml.safe_dump(serve_config(streams, step_s, interval_ms, channels), sort_keys=False))
     deployed = time.time()
     subprocess.run([ray_cli("serve"), "deploy", str(path)], cwd=ROOT, env=ray_env(), check=True,
                    capture_output=True)
@@ -138,7 +139,7 @@ async def closed_loop(streams: int, max_tokens: int, warmup_s: float, window_s: 
     return {"times": times, "tokens": tokens, "window": window, "marks": marks, "ends": ends, "errors": errors}
 
 
-def summarise(streams: int, interval_ms: float, rate: float, run: dict) -> dict:
+def summarise(streams: int, interval_ms: float, channels: bool, rate: float, run: dict) -> dict:
     lo, hi = run["window"]
     gaps, tokens = [], 0
     for ts, ns in zip(run["times"], run["tokens"]):
@@ -155,7 +156,8 @@ def summarise(streams: int, interval_ms: float, rate: float, run: dict) -> dict:
     outside = sum(by_role.values()) - engine_s
     delivered = tokens / (hi - lo)
     p99 = float(np.percentile(gaps, 99)) if gaps else float("inf")
-    return {"streams": streams, "interval_ms": interval_ms, "offered": rate, "delivered": delivered,
+    return {"streams": streams, "interval_ms": interval_ms, "channels": channels, "offered": rate,
+            "delivered": delivered,
             "p99_gap_ms": 1e3 * p99,
             "median_gap_ms": 1e3 * statistics.median(gaps) if gaps else float("inf"),
             "us_per_token": 1e6 * outside / max(1, tokens), "engine_us_per_token": 1e6 * engine_s / max(1, tokens),
@@ -164,13 +166,13 @@ def summarise(streams: int, interval_ms: float, rate: float, run: dict) -> dict:
             "errors": len(run["errors"]), "window_s": t1 - t0}
 
 
-def run_point(streams: int, interval_ms: float, rate: float, args, out: Path) -> dict:
+def run_point(streams: int, interval_ms: float, channels: bool, rate: float, args, out: Path) -> dict:
     step_s = streams / rate
     print(f"{streams} streams at {rate:.0f} tok/s (a step every {1e3 * step_s:.1f} ms), stream_interval_ms "
-          f"{interval_ms:g}: deploying", flush=True)
-    deploy(streams, step_s, interval_ms, out)
+          f"{interval_ms:g}, channels {'on' if channels else 'off'}: deploying", flush=True)
+    deploy(streams, step_s, interval_ms, channels, out)
     run = asyncio.run(closed_loop(streams, args.max_tokens, args.warmup_s, args.window_s))
-    row = summarise(streams, interval_ms, rate, run)
+    row = summarise(streams, interval_ms, channels, rate, run)
     print(f"  delivered {row['delivered']:.0f} tok/s, p99 gap {row['p99_gap_ms']:.1f} ms, "
           f"{row['us_per_token']:.0f} us a token outside the engine, {row['errors']} errors, "
           f"{'held' if row['held'] else 'not held'}",
@@ -179,11 +181,12 @@ def run_point(streams: int, interval_ms: float, rate: float, args, out: Path) ->
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("streams", "interval ms", "offered", "delivered", "p99 gap ms", "us/token", "proxy", "ingress", "replica",
-            "engine", "held")
+    head = ("streams", "interval ms", "channels", "offered", "delivered", "p99 gap ms", "us/token", "proxy", "ingress",
+            "replica", "engine", "held")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['streams']} | {r['interval_ms']:g} | {r['offered']:.0f} | {r['delivered']:.0f} | "
+        print(f"| {r['streams']} | {r['interval_ms']:g} | {'on' if r['channels'] else 'off'} | {r['offered']:.0f} | "
+              f"{r['delivered']:.0f} | "
               f"{r['p99_gap_ms']:.1f} | "
               f"{r['us_per_token']:.0f} | {r['proxy_us_per_token']:.0f} | {r['ingress_us_per_token']:.0f} | "
               f"{r['replica_us_per_token']:.0f} | {r['engine_us_per_token']:.1f} | {'yes' if r['held'] else 'no'} |")
@@ -196,9 +199,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (gap, cpu) = plt.subplots(1, 2, figsize=(10, 4))
-    for series in sorted({(r["streams"], r["interval_ms"]) for r in rows}):
-        mine = [r for r in rows if (r["streams"], r["interval_ms"]) == series]
-        label = f"{series[0]} streams, interval {series[1]:g} ms"
+    for series in sorted({(r["streams"], r["interval_ms"], r["channels"]) for r in rows}):
+        mine = [r for r in rows if (r["streams"], r["interval_ms"], r["channels"]) == series]
+        label = f"{series[0]} streams, interval {series[1]:g} ms, channels {'on' if series[2] else 'off'}"
         gap.plot([r["delivered"] for r in mine], [r["p99_gap_ms"] for r in mine], "o-", label=label)
         cpu.plot([r["delivered"] for r in mine], [r["us_per_token"] for r in mine], "o-", label=label)
     gap.axhline(1e3 * HOLD_GAP_S, color="grey", ls=":")
@@ -217,6 +220,8 @@ def main() -> int:
                          "streams / step (a step of 50 ms or more cannot hold: the gap is at least a step)")
     ap.add_argument("--stream-interval-ms", type=float, nargs="+", default=[0, 25],
                     help="the replica's stream_interval_ms: 0 sends a stream's tokens as they come")
+    ap.add_argument("--channels", choices=["on", "off"], nargs="+", default=["on"],
+                    help="stream_channels: a message a step for all streams (on), or one a stream (off)")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per completion")
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--window-s", type=float, default=15.0)
@@ -233,7 +238,9 @@ def main() -> int:
         for streams in args.streams:
             for interval_ms in args.stream_interval_ms:
                 for step_ms in sorted(args.steps_ms, reverse=True):
-                    rows.append(run_point(streams, interval_ms, streams / (step_ms / 1e3), args, out))
+                    for channels in args.channels:  # in turn at each point: the box's drift falls on both
+                        rows.append(run_point(streams, interval_ms, channels == "on", streams / (step_ms / 1e3),
+                                              args, out))
     finally:
         subprocess.run([ray_cli("serve"), "shutdown", "-y"], cwd=ROOT, env=ray_env(), capture_output=True)
         subprocess.run([ray_cli("ray"), "stop", "--force"], cwd=ROOT, env=ray_env(), capture_output=True)
@@ -248,14 +255,17 @@ def report(rows: list[dict], args, out: Path) -> int:
     print_table(rows)
     lines = {}
     for interval_ms in args.stream_interval_ms:
-        mine = [r for r in rows if r["interval_ms"] == interval_ms]
-        held = [r["delivered"] for r in mine if r["held"]]
-        per_streams = [max((r["delivered"] for r in mine if r["held"] and r["streams"] == s), default=0.0)
-                       for s in args.streams]
-        x = statistics.median(r["us_per_token"] for r in mine)
-        lines[interval_ms] = (x, f"us per streamed token {x:.0f}; rate held {min(per_streams):.0f} tok/s")
-        print(f"stream_interval_ms {interval_ms:g}: {lines[interval_ms][1]} ({len(held)} of {len(mine)} points held)")
-    print(min(lines.values())[1])  # the interval that costs least
+        for channels in args.channels:
+            mine = [r for r in rows if r["interval_ms"] == interval_ms and r["channels"] == (channels == "on")]
+            held = [r["delivered"] for r in mine if r["held"]]
+            per_streams = [max((r["delivered"] for r in mine if r["held"] and r["streams"] == s), default=0.0)
+                           for s in args.streams]
+            x = statistics.median(r["us_per_token"] for r in mine)
+            line = lines[interval_ms, channels] = (x, f"us per streamed token {x:.0f}; rate held "
+                                                      f"{min(per_streams):.0f} tok/s")
+            print(f"stream_interval_ms {interval_ms:g}, channels {channels}: {line[1]} ({len(held)} of {len(mine)} "
+                  "points held)")
+    print(min(lines.values())[1])  # the setting that costs least
     return 0
 
 

@@ -3,6 +3,7 @@ One Ray instance for the whole module (start-up is the slow part); stopped at th
 import asyncio
 import os
 import json
+from concurrent.futures import ThreadPoolExecutor
 import re
 import time
 
@@ -983,14 +984,25 @@ def test_the_paced_application_streams_without_a_model(ray_serve):
     url = f"{ray_serve}/paced"
     wait_ready(url)
     try:
-        body = {"model": "paced", "messages": [{"role": "user", "content": "go"}], "max_tokens": 12, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        last = [c for c in chunks if c["choices"]][-1]
-        assert text == "the quick br" and last["choices"][0]["finish_reason"] == "length"
+        def stream(max_tokens: int) -> tuple[str, str]:
+            body = {"model": "paced", "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+                    "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            return text, [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"]
+
+        assert stream(12) == ("the quick br", "length")
+        # four at once: their deltas come back by the ingress's channel to the replica (the goodput router sends
+        # it there), several a message
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(stream, [150, 160, 170, 180]))
+        assert answers == [(("the quick brown fox jumps over the lazy dog " * 5)[:n], "length")
+                           for n in [150, 160, 170, 180]]
         stats = serve.get_deployment_handle("LLMServer", "paced").stats.remote().result(timeout_s=30)
-        assert stats["steps"]["generated_tokens"] >= 12 and stats["steps"]["busy_s"] > 0
+        assert stats["steps"]["generated_tokens"] >= 12 + 660 and stats["steps"]["busy_s"] > 0
+        channels = stats["channels"]
+        assert channels["deltas"] + channels["direct"] >= 660 and channels["deltas"] >= 2 * channels["batches"] > 0
     finally:
         serve.delete("paced")

@@ -79,6 +79,10 @@ class AppConfig(Strict):
     # a streamed answer's tokens after its first: sent as they come (0), or gathered and sent at most every this
     # many milliseconds, fewer messages for the ingress and Serve's proxy to carry at a GPU's token rates
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
+    # the streamed answers an ingress replica has on one replica come back by one channel, a message a step for
+    # all of them, not one each (needs router: goodput, which sends a channel to its replica; each channel holds
+    # one of that replica's max_ongoing_requests while the ingress streams from it)
+    stream_channels: bool = True
     controller_interval_s: float = Field(1.0, gt=0)
     # how often a replica checks that the ingress replicas asking for its generations live (replica/orphans.py)
     orphan_check_s: float = Field(1.0, gt=0)

@@ -21,6 +21,7 @@ from deployments.control.metrics import IngressMetrics, render_replica_metrics
 from deployments.http import answers, proxy_guard
 from deployments.http import protocol as proto
 from deployments.http.answers import Endpoint
+from deployments.http.channels import Channels
 from deployments.http.fold import AnswerFold, GenerationFailedInServer
 from deployments.http.tools import template_messages
 from deployments.placement.failover import FailoverStream, NoReplicaInTime
@@ -86,7 +87,9 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, server, controller, model_name: str, max_tokens_default: int = 16, api_key: str | None = None,
-                 metrics_need_key: bool = False, replica_wait_s: float = 60.0) -> None:
+                 metrics_need_key: bool = False, replica_wait_s: float = 60.0, channels: bool = False) -> None:
+        """channels: streamed generations' deltas come by one channel to each replica (http/channels.py); it
+        needs the goodput router, which sends a channel to the replica it names."""
         self.server = server
         self.controller = controller
         self.model_name = model_name
@@ -101,6 +104,8 @@ class OpenAIIngress:
         # the same cap the proxy guard keeps (proxy_guard.py), for a proxy that runs without it
         self.max_body_bytes = int(float(os.environ.get(proxy_guard.MAX_BODY_ENV, "8")) * 2**20)
         self._publishing = asyncio.get_event_loop().create_task(publish_key(self.api_key))
+        caller = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        self.channels = Channels(server, caller) if channels and caller else None
 
     def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
         """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
@@ -296,6 +301,8 @@ class OpenAIIngress:
         return streams, firsts
 
     def _generate(self, call: GenerateCall):
+        if self.channels is not None and call.streamed:
+            return self.channels.start(call)
         return self.server.options(stream=True).generate.remote(call)
 
     @staticmethod

@@ -27,7 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from deployments.control import metrics
 from deployments.placement.latency import (Choice, PrefillBacklog, PrefixIndex, ReplicaEstimate, RoutedRequest,
                                            rank)
-from deployments.wire import GenerateCall, RoutingStats
+from deployments.wire import ChannelCall, GenerateCall, RoutingStats
 
 logger = logging.getLogger("ray.serve")
 REMEMBERED_REQUESTS = 10_000  # request id -> replica, for a retry to avoid the replica its first try died on
@@ -94,6 +94,9 @@ class GoodputRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # all full: back off before the next try
         replicas = list(candidate_replicas)
         random.shuffle(replicas)  # ties go to a random replica
+        if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], ChannelCall):
+            # an ingress's channel to the replica it names, or (that replica gone) nowhere: the caller gives up
+            return [[r] for r in replicas if r.replica_id.unique_id == pending_request.args[0].replica_id]
         call = generate_call(pending_request)
         if call is None:  # stats, ping: light calls, to any replica
             return [[r] for r in replicas]

@@ -2,7 +2,9 @@
 
 `generate` takes a `GenerateCall` and streams the wire's events (deployments/wire.py): `Accepted` or `Refused`
 first, so the ingress knows the status code before it sends headers; then `Delta`s, the last with finished.
-A caller that goes away (a client disconnect cancels the handle call) aborts its request and frees its blocks."""
+A caller that goes away (a client disconnect cancels the handle call) aborts its request and frees its blocks.
+A streamed call with `channel` has its deltas carried by its caller's channel (`channel`, replica/channels.py)
+while one is open: one message a step for all that caller's streams here."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 
 import ray
@@ -19,11 +22,13 @@ from ray import serve
 from deployments.control.config import AppConfig
 from deployments.placement.autoscaling import autoscaling_metrics
 from deployments.placement.ledger import RoutingLedger
+from deployments.replica.channels import ChannelHub, Member
 from deployments.replica.orphans import OrphanWatch
 from deployments.replica.deltas import HELD_DELTAS_S, delta_of, held
 from deployments.replica.parts import EngineFactory, start_engine
 from deployments.replica.prompts import ending_at_first_call, prompt_of
-from deployments.wire import Accepted, Delta, Event, GenerateCall, Refused, ReplicaGauges, ReplicaReport
+from deployments.wire import (Accepted, ChannelCall, ChannelOpen, Delta, DeltaBatch, Event, GenerateCall, Refused,
+                             ReplicaGauges, ReplicaReport)
 from smartspec.engine.client import EngineClient
 from smartspec.engine.start_phases import StartPhases
 from smartspec.runtime.heap import freeze_startup_heap
@@ -63,8 +68,10 @@ class LLMServer:
         if (age := _process_age_s()) is not None:
             phases.record("process start and imports", age)
         self.cfg = AppConfig.model_validate(config)
-        context = serve.get_replica_context()
-        self.replica_id = context.replica_id.unique_id if context else uuid.uuid4().hex[:8]
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # built outside Serve (the channel tests build it with an engine but no replica)
+            self.replica_id = uuid.uuid4().hex[:8]
         self.draft_actor_name = None  # named once the draft actor is started
 
         def named(name: str) -> None:
@@ -80,6 +87,7 @@ class LLMServer:
         self._report_task = asyncio.get_event_loop().create_task(self._report_loop()) if controller else None
         self.orphans = OrphanWatch(self.engine.abort, self.cfg.orphan_check_s)
         self.generations = {"submitted": 0, "completed": 0}  # taken, and answered to their end (not aborted)
+        self.channels = ChannelHub(self.cfg.stream_interval_ms / 1e3)
         logger.info("LLMServer %s ready: %s, speculation %s", self.replica_id, self.cfg.model,
                     self.cfg.speculation.as_dict() if self.cfg.speculation else None)
         phases.done()
@@ -104,15 +112,42 @@ class LLMServer:
         started = time.monotonic()
         self.generations["submitted"] += 1
         self.orphans.add(call.request_id, call.caller)
+        member = self.channels.join(call.caller, call.request_id) if call.channel and call.caller else None
         try:
+            if member is not None:
+                yield replace(accepted, replica_id=self.replica_id, open_channel=not member.channel_open)
+                async with aclosing(self._by_channel(member, self._deltas(stream, started))) as sent_here:
+                    async for ready in sent_here:
+                        yield ready
+                return
             yield accepted
             hold_s = self.cfg.stream_interval_ms / 1e3 if call.streamed else HELD_DELTAS_S
             async for ready in held(self._deltas(stream, started), hold_s, timed=call.streamed):
                 yield ready
         finally:
+            if member is not None:
+                member.leave()
             self.orphans.remove(call.request_id)
             await stream.aclose()  # a caller gone before the end: abort the request, free its blocks
             self.engine.discard(call.request_id)  # (aclose of a stream never started runs none of its cleanup)
+
+    @staticmethod
+    async def _by_channel(member: Member, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+        """What a channel's member sends on its own stream: deltas while its caller has no channel open here, and
+        those a channel gave back; after its last delta, it waits for that to go."""
+        async for delta in deltas:
+            for ready in member.route(delta):
+                yield ready
+        for ready in await member.rest():
+            yield ready
+
+    async def channel(self, call: ChannelCall) -> AsyncIterator[ChannelOpen | DeltaBatch]:
+        """The caller's channel to this replica (the router sends a ChannelCall to the replica it names): the
+        deltas of all the caller's channel streams here, a batch a step (replica/channels.py)."""
+        if call.replica_id != self.replica_id:  # routed elsewhere (a router that does not pin): no channel
+            return
+        async for item in self.channels.attach(call.caller):
+            yield item
 
     async def _deltas(self, stream: AsyncIterator, started: float) -> AsyncIterator[Delta]:
         """The engine's outputs as the wire's deltas, a finished generation counted."""
@@ -151,6 +186,7 @@ class LLMServer:
                     "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
         out["in_flight"] = self.engine.num_in_flight
         out["generations"] = {**self.generations, "orphans_aborted": self.orphans.aborted}
+        out["channels"] = self.channels.stats()
         out["controller_errors"] = self.controller_errors
         return out
 
