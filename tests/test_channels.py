@@ -11,6 +11,7 @@ import random
 from functools import partial
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from deployments.http.channels import Channels, ChannelLost
 from deployments.placement.failover import FailoverStream
@@ -224,21 +225,24 @@ def test_a_client_that_leaves_stops_its_generation_alone(replica):
     assert not replica.channels.members and replica.engine.num_in_flight == 0
 
 
-def test_a_stream_whose_channel_is_lost_fails_instead_of_waiting():
+@pytest.mark.parametrize("channel_error, raised", [(ConnectionError("lost"), ChannelLost),
+                                                    (ActorDiedError(), ActorDiedError)])
+def test_a_stream_whose_channel_is_lost_fails_instead_of_waiting(channel_error, raised):
     """A replica ended a generation's own stream after its deltas went to a channel that then broke: the
-    generation fails (failover decides what follows), it does not wait for ever."""
+    generation fails, it does not wait for ever; with the replica's death where that broke it (so that failover
+    retries a generation whose caller has no token yet), else with ChannelLost."""
     class BrokenReplica:
         async def generate(self, call):
             yield Accepted(3, replica_id="r1", open_channel=True)
 
         async def channel(self, call):
-            raise ConnectionError("the replica died")
+            raise channel_error
             yield  # an async generator
 
     async def main():
         stream = Channels(Handle(BrokenReplica()), CALLER).start(_call(5))
         assert isinstance(await anext(stream), Accepted)
-        with pytest.raises(ChannelLost):
+        with pytest.raises(raised):
             await asyncio.wait_for(anext(stream), 5)
 
     asyncio.run(main())

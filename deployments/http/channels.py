@@ -14,6 +14,7 @@ import heapq
 import logging
 from dataclasses import replace
 
+from deployments.placement.failover import is_replica_failure
 from deployments.wire import Accepted, ChannelCall, ChannelOpen, Delta, Event, GenerateCall
 
 logger = logging.getLogger("ray.serve")
@@ -52,6 +53,7 @@ class Channels:
     async def _read(self, replica_id: str) -> None:
         me = asyncio.current_task()
         stream = self.server.options(stream=True).channel.remote(ChannelCall(self.caller, replica_id))
+        ended: BaseException | None = None
         try:
             first = await asyncio.wait_for(anext(stream), OPEN_TIMEOUT_S)
             if not isinstance(first, ChannelOpen):
@@ -66,13 +68,14 @@ class Channels:
             raise
         except Exception as exc:  # its replica died, or never took it: deltas stay on the own streams
             stream.cancel()
+            ended = exc
             logger.info("channel to replica %s ended: %r", replica_id, exc)
         finally:
             self.opened.discard(me)
             if self.readers.get(replica_id) is me:
                 del self.readers[replica_id]
                 for generation in list(self.streams.values()):
-                    generation.channel_gone(replica_id)
+                    generation.channel_gone(replica_id, ended)
 
 
 class ChanneledStream:
@@ -148,10 +151,13 @@ class ChanneledStream:
                 self.events.put_nowait(_END)
                 return
 
-    def channel_gone(self, replica_id: str) -> None:
-        """No channel to replica_id is left: a generation whose own stream has ended waits for nothing more."""
+    def channel_gone(self, replica_id: str, error: BaseException | None) -> None:
+        """No channel to replica_id is left: a generation whose own stream has ended waits for nothing more. It
+        fails with the channel's error where that is its replica's failure (failover's rules apply), else with
+        ChannelLost."""
         if replica_id == self.replica_id and self.own_ended and not self.finished:
-            self.events.put_nowait(ChannelLost(f"the channel to replica {replica_id} ended before the generation's "
+            self.events.put_nowait(error if is_replica_failure(error) else
+                                   ChannelLost(f"the channel to replica {replica_id} ended before the generation's "
                                                "last delta"))
 
     def cancel(self) -> None:
