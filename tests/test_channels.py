@@ -68,11 +68,11 @@ class Transport:
 
 class Handle:
     """`server.options(stream=True).generate.remote(call)` and `.channel.remote(call)` over a replica in this loop;
-    `place` rewrites a channel's call (a router that sends it elsewhere)."""
+    jitter_s: how late the generations' own items may come; `place` rewrites a channel's call (a router that sends
+    it elsewhere)."""
 
-    def __init__(self, replica, jitter_s: float = 0.0, seed: int = 0, place=None, channel_jitter_s: float = 0.0) -> None:
+    def __init__(self, replica, jitter_s: float = 0.0, seed: int = 0, place=None) -> None:
         self.replica, self.jitter_s, self.rng, self.place = replica, jitter_s, random.Random(seed), place
-        self.channel_jitter_s = channel_jitter_s
         self.channel_calls: list[Transport] = []
 
     def options(self, stream: bool):
@@ -85,8 +85,8 @@ class Handle:
     @property
     def channel(self):
         def open_channel(call: ChannelCall) -> Transport:
-            transport = Transport(self.replica.channel(self.place(call) if self.place else call),
-                                  self.channel_jitter_s, self.rng)
+            # the channel's items come at once: the streams' own, up to jitter_s late, fall behind them
+            transport = Transport(self.replica.channel(self.place(call) if self.place else call), 0.0, self.rng)
             self.channel_calls.append(transport)
             return transport
         return _Remote(open_channel)

@@ -135,21 +135,25 @@ class ChanneledStream:
         channel may bring the first deltas before the own stream brings the acceptance)."""
         if self.finished:
             return
-        self.arrivals += 1
         start = delta.completion_tokens - len(delta.token_ids)
+        if self.accepted and not self.held and start <= self.next_offset:  # in order: the common case
+            self._hand_on(delta)
+            return
+        self.arrivals += 1
         heapq.heappush(self.held, (start, delta.finished, self.arrivals, delta))
         if self.accepted:
             self._release()
 
     def _release(self) -> None:
-        while self.held and self.held[0][0] <= self.next_offset:
-            _, _, _, ready = heapq.heappop(self.held)
-            self.next_offset = max(self.next_offset, ready.completion_tokens)
-            self.events.put_nowait(ready)
-            if ready.finished:
-                self.finished = True
-                self.events.put_nowait(_END)
-                return
+        while self.held and self.held[0][0] <= self.next_offset and not self.finished:
+            self._hand_on(heapq.heappop(self.held)[3])
+
+    def _hand_on(self, delta: Delta) -> None:
+        self.next_offset = max(self.next_offset, delta.completion_tokens)
+        self.events.put_nowait(delta)
+        if delta.finished:
+            self.finished = True
+            self.events.put_nowait(_END)
 
     def channel_gone(self, replica_id: str, error: BaseException | None) -> None:
         """No channel to replica_id is left: a generation whose own stream has ended waits for nothing more. It
