@@ -194,6 +194,20 @@ def test_a_channel_that_ends_gives_its_deltas_back(stream_interval_ms):
     assert replica.channels.direct > 0 and not replica.channels.channels
 
 
+def test_a_caller_that_falls_behind_reads_the_deltas_since_as_one(replica):
+    """Deltas that came while the caller was busy are handed on together: fewer, longer chunks, in order."""
+    async def main():
+        stream = Channels(Handle(replica), CALLER).start(_call(60))
+        events = [await anext(stream), await anext(stream)]  # the acceptance, the first delta
+        await asyncio.sleep(0.1)  # some 20 steps of 5 ms
+        events += [event async for event in stream]
+        return events
+
+    events = asyncio.run(main())
+    _check(events, "".join(e.text for e in events[1:]), 60)
+    assert len(events[2].token_ids) >= 5 and len(events) < 60
+
+
 def test_no_channel_where_the_router_places_it_elsewhere(replica):
     """A channel call that reaches another replica is not taken: the deltas come on the streams themselves."""
     async def main():

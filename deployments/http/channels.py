@@ -6,12 +6,14 @@ acceptance or refusal from the generation's own stream, then its deltas in order
 the replica has one open and on the own stream otherwise (before the channel is open, after one ended), and two
 streams keep no order between them, so deltas are put back in order by their token offsets. The generation ends
 with its finished delta. Its own stream ending first means that delta is on its way by the channel; if no channel
-to that replica is left to bring it, the generation fails with `ChannelLost` (its replica died: failover decides)."""
+to that replica is left to bring it, the generation fails with `ChannelLost` (its replica died: failover decides).
+Deltas that came while the caller was not reading are handed on as one (`Delta.then`)."""
 from __future__ import annotations
 
 import asyncio
 import heapq
 import logging
+from collections import deque
 from dataclasses import replace
 
 from deployments.placement.failover import is_replica_failure
@@ -84,7 +86,8 @@ class ChanneledStream:
     def __init__(self, channels: Channels, call: GenerateCall) -> None:
         self.channels, self.request_id = channels, call.request_id
         self.own = channels.server.options(stream=True).generate.remote(call)
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events: deque = deque()  # what the caller has yet to read, in order
+        self.wake = asyncio.Event()
         self.held: list[tuple[int, bool, int, Delta]] = []  # (token offset, finished, arrival, delta), a heap
         self.arrivals = 0
         self.next_offset = 0  # tokens handed on so far
@@ -99,13 +102,24 @@ class ChanneledStream:
     async def __anext__(self) -> Event:
         if self.over:
             raise StopAsyncIteration
-        item = await self.events.get()
+        while not self.events:
+            self.wake.clear()
+            await self.wake.wait()
+        item = self.events.popleft()
         if item is _END or isinstance(item, BaseException):
             self._done()
             if item is _END:
                 raise StopAsyncIteration
             raise item
+        # deltas the caller has not read yet go on as one: a caller that falls behind (a loaded ingress) sends
+        # fewer, longer chunks, one message each to Serve's proxy, instead of falling further behind
+        while isinstance(item, Delta) and self.events and isinstance(self.events[0], Delta):
+            item = item.then(self.events.popleft())
         return item
+
+    def _put(self, item) -> None:
+        self.events.append(item)
+        self.wake.set()
 
     async def _pump(self) -> None:
         try:
@@ -113,7 +127,7 @@ class ChanneledStream:
                 if isinstance(event, Delta):
                     self.offer(event)
                     continue
-                self.events.put_nowait(event)
+                self._put(event)
                 if isinstance(event, Accepted):
                     self.accepted = True
                     if event.replica_id:
@@ -122,13 +136,13 @@ class ChanneledStream:
                     self._release()
             self.own_ended = True
             if not self.finished and not (self.replica_id and self.channels.live(self.replica_id)):
-                self.events.put_nowait(_END if not self.replica_id else
+                self._put(_END if not self.replica_id else
                                        ChannelLost(f"replica {self.replica_id} ended the generation's stream "
                                                    "before its last delta, and no channel to it is left"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # its replica failed: FailoverStream decides
-            self.events.put_nowait(exc)
+            self._put(exc)
 
     def offer(self, delta: Delta) -> None:
         """A delta from either stream: handed on once the acceptance and every token before it have been (the
@@ -150,17 +164,17 @@ class ChanneledStream:
 
     def _hand_on(self, delta: Delta) -> None:
         self.next_offset = max(self.next_offset, delta.completion_tokens)
-        self.events.put_nowait(delta)
+        self._put(delta)
         if delta.finished:
             self.finished = True
-            self.events.put_nowait(_END)
+            self._put(_END)
 
     def channel_gone(self, replica_id: str, error: BaseException | None) -> None:
         """No channel to replica_id is left: a generation whose own stream has ended waits for nothing more. It
         fails with the channel's error where that is its replica's failure (failover's rules apply), else with
         ChannelLost."""
         if replica_id == self.replica_id and self.own_ended and not self.finished:
-            self.events.put_nowait(error if is_replica_failure(error) else
+            self._put(error if is_replica_failure(error) else
                                    ChannelLost(f"the channel to replica {replica_id} ended before the generation's "
                                                "last delta"))
 
