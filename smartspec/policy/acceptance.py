@@ -39,22 +39,29 @@ def log_gamma(x: np.ndarray) -> np.ndarray:
             - np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5)))
 
 
-def _log_gamma_of_a_number(x: float) -> float:
-    """log_gamma's formula in Python floats, for one number (numpy's per-call cost is most of a small batch's)."""
-    z = x + 6.0
-    zi = 1.0 / z
-    series = zi * (1 / 12 - zi * zi * (1 / 360 - zi * zi / 1260))
-    return ((z - 0.5) * math.log(z) - z + 0.5 * math.log(2 * math.pi) + series
-            - math.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5)))
+def _log_gammas_of_numbers(xs: list[float]) -> list[float]:
+    """log_gamma's formula for a few numbers in Python floats (numpy's per-call cost is most of a small batch's), their
+    logarithms taken by numpy in one call, as log_gamma takes them: numpy's SIMD log and libm's differ in the last
+    bit on some CPUs (AVX-512), and a request's estimate must not depend on its batch's size."""
+    zs = [x + 6.0 for x in xs]
+    logs = np.log(np.array(zs + [x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5) for x in xs])).tolist()
+    out = []
+    for z, log_z, log_p in zip(zs, logs[:len(xs)], logs[len(xs):]):
+        zi = 1.0 / z
+        series = zi * (1 / 12 - zi * zi * (1 / 360 - zi * zi / 1260))
+        out.append((z - 0.5) * log_z - z + 0.5 * math.log(2 * math.pi) + series - log_p)
+    return out
 
 
 def _strength_averaged_of_a_request(per_strength: tuple, a: float, r: float) -> float:
-    """_strength_averaged for one request's outcomes, in Python floats; per_strength: (s, a0, r0, log Gamma(a0),
-    log Gamma(r0), log Gamma(s)) per strength."""
-    logs = [_log_gamma_of_a_number(a + a0) + _log_gamma_of_a_number(r + r0) - _log_gamma_of_a_number(a + r + s)
-            - log_a0 - log_r0 + log_s for s, a0, r0, log_a0, log_r0, log_s in per_strength]
+    """_strength_averaged for one request's outcomes, in Python floats but for numpy's log and exp (the batch's
+    own: see _log_gammas_of_numbers); per_strength: (s, a0, r0, log Gamma(a0), log Gamma(r0), log Gamma(s)) per
+    strength."""
+    lg = _log_gammas_of_numbers([v for s, a0, r0, *_ in per_strength for v in (a + a0, r + r0, a + r + s)])
+    logs = [lg[3 * i] + lg[3 * i + 1] - lg[3 * i + 2] - log_a0 - log_r0 + log_s
+            for i, (s, a0, r0, log_a0, log_r0, log_s) in enumerate(per_strength)]
     top = max(logs)
-    weights = [math.exp(v - top) for v in logs]
+    weights = np.exp(np.array(logs) - top).tolist()
     return sum(w * (a + t[1]) / (a + r + t[0]) for w, t in zip(weights, per_strength)) / sum(weights)
 
 
