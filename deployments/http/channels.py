@@ -137,8 +137,8 @@ class ChanneledStream:
             self.own_ended = True
             if not self.finished and not (self.replica_id and self.channels.live(self.replica_id)):
                 self._put(_END if not self.replica_id else
-                                       ChannelLost(f"replica {self.replica_id} ended the generation's stream "
-                                                   "before its last delta, and no channel to it is left"))
+                          ChannelLost(f"replica {self.replica_id} ended the generation's stream before its last "
+                                      "delta, and no channel to it is left"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # its replica failed: FailoverStream decides
@@ -175,8 +175,7 @@ class ChanneledStream:
         ChannelLost."""
         if replica_id == self.replica_id and self.own_ended and not self.finished:
             self._put(error if is_replica_failure(error) else
-                                   ChannelLost(f"the channel to replica {replica_id} ended before the generation's "
-                                               "last delta"))
+                      ChannelLost(f"the channel to replica {replica_id} ended before the generation's last delta"))
 
     def cancel(self) -> None:
         try:

@@ -104,8 +104,9 @@ class OpenAIIngress:
         # the same cap the proxy guard keeps (proxy_guard.py), for a proxy that runs without it
         self.max_body_bytes = int(float(os.environ.get(proxy_guard.MAX_BODY_ENV, "8")) * 2**20)
         self._publishing = asyncio.get_event_loop().create_task(publish_key(self.api_key))
-        caller = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        self.channels = Channels(server, caller) if channels and caller else None
+        # this ingress replica, whose death aborts its generations (replica/orphans.py); None outside one
+        self.caller = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        self.channels = Channels(server, self.caller) if channels and self.caller else None
 
     def _refused(self, request: Request, endpoint: str | None = None) -> JSONResponse | None:
         """A 401 unless the request carries the key as `Authorization: Bearer <key>` (vLLM's and OpenAI's header);
@@ -273,9 +274,7 @@ class OpenAIIngress:
         else:
             prompts = [dict(prompt=p, echo=body.echo, prefix_text=prefix_text(None, p)) for p in body.prompts()]
         seeded = [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(body.n)]
-        # this ingress replica, whose death aborts its generations (replica/orphans.py); None outside one
-        caller = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), caller=caller, **prompt)
+        return [GenerateCall(p, until_context_end=until_end, streamed=bool(body.stream), caller=self.caller, **prompt)
                 for prompt in prompts for p in seeded]
 
     async def _start(self, body, endpoint: Endpoint):

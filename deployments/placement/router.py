@@ -34,12 +34,23 @@ REMEMBERED_REQUESTS = 10_000  # request id -> replica, for a retry to avoid the 
 IN_TRANSIT_S = 10.0  # a match not sent by then was dropped (its caller was cancelled in between)
 
 
-def generate_call(pending_request: PendingRequest | None) -> GenerateCall | None:
-    """The call of an LLMServer.generate request; None for other calls (stats, ping)."""
+def _wire_call(pending_request: PendingRequest | None):
+    """A request's one argument, the wire's call it carries (GenerateCall, ChannelCall); None: no argument."""
     if pending_request is None or not pending_request.args or len(pending_request.args) != 1:
         return None
-    call = pending_request.args[0]
+    return pending_request.args[0]
+
+
+def generate_call(pending_request: PendingRequest | None) -> GenerateCall | None:
+    """The call of an LLMServer.generate request; None for other calls (stats, ping, channels)."""
+    call = _wire_call(pending_request)
     return call if isinstance(call, GenerateCall) else None
+
+
+def channel_call(pending_request: PendingRequest | None) -> ChannelCall | None:
+    """The call of an LLMServer.channel request (an ingress's channel to the replica it names); None for others."""
+    call = _wire_call(pending_request)
+    return call if isinstance(call, ChannelCall) else None
 
 
 class InTransit:
@@ -94,9 +105,9 @@ class GoodputRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # all full: back off before the next try
         replicas = list(candidate_replicas)
         random.shuffle(replicas)  # ties go to a random replica
-        if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], ChannelCall):
+        if (channel := channel_call(pending_request)) is not None:
             # an ingress's channel to the replica it names, or (that replica gone) nowhere: the caller gives up
-            return [[r] for r in replicas if r.replica_id.unique_id == pending_request.args[0].replica_id]
+            return [[r] for r in replicas if r.replica_id.unique_id == channel.replica_id]
         call = generate_call(pending_request)
         if call is None:  # stats, ping: light calls, to any replica
             return [[r] for r in replicas]

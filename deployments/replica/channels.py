@@ -43,9 +43,7 @@ class Channel:
             self.flush_at = loop.call_soon(self.flush) if wait_s == 0.0 else loop.call_later(wait_s, self.flush)
 
     def flush(self) -> None:
-        if self.flush_at is not None:
-            self.flush_at.cancel()
-            self.flush_at = None
+        self._no_flush_due()
         if self.gathering:
             self.ready.put_nowait(list(self.gathering.items()))
             self.gathering = {}
@@ -53,15 +51,18 @@ class Channel:
 
     def unsent(self) -> list[tuple[str, Delta]]:
         """Every delta not yet sent, in order; the channel keeps none after."""
-        if self.flush_at is not None:
-            self.flush_at.cancel()
-            self.flush_at = None
+        self._no_flush_due()
         out = []
         while not self.ready.empty():
             out.extend(self.ready.get_nowait() or [])
         out.extend(self.gathering.items())
         self.gathering = {}
         return out
+
+    def _no_flush_due(self) -> None:
+        if self.flush_at is not None:
+            self.flush_at.cancel()
+            self.flush_at = None
 
 
 class Member:
@@ -82,10 +83,11 @@ class Member:
         out, self.given_back = self.given_back, []
         channel = self.hub.channels.get(self.caller)
         if channel is None:
-            self.hub.direct += 1
-            return out + [delta]
-        channel.add(self.request_id, delta)
-        self.last_by_channel = delta.finished
+            out.append(delta)
+        else:
+            channel.add(self.request_id, delta)
+            self.last_by_channel = delta.finished
+        self.hub.direct += len(out)
         return out
 
     async def rest(self) -> list[Delta]:
@@ -93,6 +95,7 @@ class Member:
         if self.last_by_channel:
             await self.last_sent.wait()
         out, self.given_back = self.given_back, []
+        self.hub.direct += len(out)
         return out
 
     def leave(self) -> None:
