@@ -122,3 +122,35 @@ def test_no_proposer_or_no_decoding_asks_no_policy():
     assert plan_step(Speculation(None, policy, 4), [decoding("r", 5)], [], DraftRoom(100, blocks, 100))[1].ks == [0]
     assert plan_step(Speculation(NgramProposer(), policy, 4), [], [], DraftRoom(100, blocks, 100))[1].ks == []
     assert policy.views == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_capping_over_the_batch_matches_capping_request_by_request(seed):
+    """cap_and_reserve's flat arrays give the draft lengths and block tables that capping and reserving one request
+    after another gives, whichever caps bind: max_tokens, the request's own cap, the context, the step's budget, and
+    free blocks plentiful or short (where it takes them in turn)."""
+    import copy
+    import random
+
+    from smartspec.engine.planner import _cap_and_reserve_in_turn, cap_and_reserve
+    rng = random.Random(seed)
+    blocks = BlockManager(rng.choice([6, 12, 40, 400]), rng.choice([1, 4, 16]))
+    reqs = []
+    for i in range(rng.randint(1, 12)):
+        n = rng.randint(2, 40)
+        r = decoding(f"r{i}", n, max_tokens=rng.randint(1, 30), k_cap=rng.choice([None, None, 0, 1, 3]))
+        r.token_ids.extend([1] * rng.randint(0, 5))  # some output already
+        if not blocks.can_hold(r, r.num_tokens):
+            break
+        blocks.allocate(r, r.num_tokens)
+        reqs.append(r)
+    if seed % 2:  # free blocks short: another request holds all but a few
+        blocks.allocate(decoding("other", 1), (blocks.num_free - rng.randint(0, 3)) * blocks.block_size)
+    ks = [rng.randint(0, 6) for _ in reqs]
+    room = (rng.choice([0, 3, 10, 1000]), rng.choice([20, 45, 1000]))
+    twin_blocks, twin_reqs = copy.deepcopy((blocks, reqs))
+    got = cap_and_reserve(ks, reqs, DraftRoom(room[0], blocks, room[1]))
+    want = _cap_and_reserve_in_turn(ks, twin_reqs, DraftRoom(room[0], twin_blocks, room[1]))
+    assert got == want and all(type(k) is int for k in got)
+    assert [r.block_table for r in reqs] == [r.block_table for r in twin_reqs]
+    assert blocks.num_free == twin_blocks.num_free

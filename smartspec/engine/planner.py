@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, sub
 
+import numpy as np
+
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
@@ -44,6 +46,7 @@ class Speculation:
 _REQUEST_ID, _TOKEN_IDS = attrgetter("request_id"), attrgetter("token_ids")
 _PROMPT_IDS, _ARRIVAL = attrgetter("prompt_token_ids"), attrgetter("arrival_time")
 _MAX_TOKENS, _K_CAP = attrgetter("params.max_tokens"), attrgetter("params.k_cap")
+_BLOCK_TABLE = attrgetter("block_table")
 
 
 def _view_columns(decoding: list[Request]) -> tuple[list, ...]:
@@ -129,17 +132,43 @@ def _check(plan: SpecPlan, view: StepView) -> None:
 
 def cap_and_reserve(ks: list[int], decoding: list[Request], room: DraftRoom) -> list[int]:
     """Each k capped by the request's max_tokens and own cap, the context, the step's token budget and the free
-    KV blocks; the blocks for the drafts are allocated."""
+    KV blocks; the blocks for the drafts are allocated. Over the batch in flat arrays: where the free blocks hold
+    every request's drafts (nearly always: a draft needs a new block once in block_size tokens) none caps a draft,
+    and only the requests whose drafts cross into a new block are visited; otherwise the requests take blocks in
+    turn (_cap_and_reserve_in_turn), as they did."""
     if not any(ks):  # no speculation: nothing to cap or reserve (a loaded batch's steady state, walked for nothing)
         return list(ks)
+    n, blocks = len(decoding), room.blocks
+    lengths = np.fromiter(map(len, map(_TOKEN_IDS, decoding)), np.int64, n)
+    outputs = lengths - np.fromiter(map(len, map(_PROMPT_IDS, decoding)), np.int64, n)
+    k = np.minimum(np.array(ks, np.int64), np.fromiter(map(_MAX_TOKENS, decoding), np.int64, n) - outputs - 1)
+    k = np.minimum(k, room.max_model_len - lengths - 1)
+    own = list(map(_K_CAP, decoding))
+    if own.count(None) < n:
+        k = np.minimum(k, np.array([k_max if c is None else c for c, k_max in zip(own, ks)], np.int64))
+    k = np.maximum(k, 0)
+    taken = np.cumsum(k)  # the step's budget, in turn: each takes what those before it left
+    k = np.minimum(taken, room.budget) - np.minimum(taken - k, room.budget)
+    need = np.maximum(0, -(-(lengths + k) // blocks.block_size)
+                      - np.fromiter(map(len, map(_BLOCK_TABLE, decoding)), np.int64, n))
+    if int(need.sum()) > blocks.num_free:
+        return _cap_and_reserve_in_turn(ks, decoding, room)
+    for i in np.flatnonzero(need).tolist():
+        blocks.allocate(decoding[i], int(lengths[i] + k[i]))
+    return k.tolist()
+
+
+def _cap_and_reserve_in_turn(ks: list[int], decoding: list[Request], room: DraftRoom) -> list[int]:
+    """cap_and_reserve request by request, where the free blocks are short: each one's drafts as far as the blocks
+    left after those before it reach."""
     budget, blocks, max_model_len = room.budget, room.blocks, room.max_model_len
     out = []
     for req, k in zip(decoding, ks):
         k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
         if req.params.k_cap is not None:
             k = min(k, req.params.k_cap)
-        room = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
-        k = max(0, min(k, room))
+        room_k = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
+        k = max(0, min(k, room_k))
         if k:
             blocks.allocate(req, req.num_tokens + k)
         budget -= k
