@@ -163,7 +163,7 @@ def test_a_full_plan_due_next_step_is_made_beside_this_steps_forward_and_taken_a
         if twin is not None:  # a plan was made ahead: the twin, copied before, plans this step in full
             assert twin.plan(v).ks == ks
             taken += 1
-        twin = copy.deepcopy(p) if p.plan_hold.runs_out(p.step + 1, False, v.requests.ids, 4) else None
+        twin = copy.deepcopy(p) if p.plan_hold.plans_in_full(p.step + 1, False, v.requests.ids) else None
         if twin is not None:
             del twin._plan_chains  # its own, not p's counted one
         p.plan_ahead(v)
@@ -205,7 +205,8 @@ def test_beside_a_prefill_the_joining_request_and_the_next_prefill_step_are_plan
     for prefilling in ((), (later,)):  # the next step decodes alone, or beside another prompt
         for _ in range(40):  # up to the step before the last the plan beside prefill holds for
             ids = tuple(r.request_id for r in decoding)
-            if p.plan_hold.runs_out(p.step + 2, True, ids, 5) and not p.plan_hold.runs_out(p.step + 1, True, ids, 5):
+            hold = p.plan_hold
+            if hold.plans_in_full(p.step + 2, True, ids) and not hold.plans_in_full(p.step + 1, True, ids):
                 break
             p.plan(view(decoding, 5, base_tokens=100, base_context=100, prefilling=(later,)))
         now = view(decoding, 5, base_tokens=joining.num_tokens, base_context=joining.num_tokens, prefilling=(joining,),
@@ -222,6 +223,31 @@ def test_beside_a_prefill_the_joining_request_and_the_next_prefill_step_are_plan
         assert p.plan(nxt).ks == twin.plan(nxt).ks
         assert newcomers[0] == 0 and full[0] == made  # nothing planned before the forward
         del p._newcomer_ks
+
+
+def test_a_batch_turned_mostly_new_since_its_plan_is_planned_ahead_in_full():
+    """A decoding step's plan is held apart from one beside prefill: where steps beside prefill have run since it, and
+    more than a quarter of the requests are new to it, the next decoding step would plan in full before its forward.
+    Beside the last step's forward that plan is made ahead instead, and the next step takes it as made."""
+    p = drafting_policy(0.0)
+    p.shape_probe_interval = 0
+    requests = [Request(f"r{i}", list(range(100 + i)), SamplingParams(max_tokens=10_000)) for i in range(8)]
+    prompt = Request("p", list(range(100)), SamplingParams())
+    for i, r in enumerate(requests):
+        for _ in range(30):
+            p.acceptance.observe(r.request_id, 5, 5 if i % 2 else 1)
+    old, mostly_new = requests[:4], requests[:1] + requests[4:]  # three left, four joined
+    ids = tuple(r.request_id for r in old)
+    while p.step < 3 or p.plan_hold.plans_in_full(p.step + 3, False, ids):  # a decoding plan for the first four
+        p.plan(view(old, 5))
+    beside = view(mostly_new, 5, base_tokens=100, base_context=100, prefilling=(prompt,))
+    p.plan(beside)  # a step beside prefill: planned by its own plan
+    full = full_plans_counted(p)
+    p.plan_ahead(beside)
+    assert p.ahead[False].ids == beside.requests.ids and full[0] >= 1
+    made = full[0]
+    p.plan(view(mostly_new, 5))
+    assert full[0] == made  # the decoding step took the plan made ahead: nothing planned before its forward
 
 
 def test_a_draft_catch_up_is_charged_and_tracked():

@@ -151,3 +151,13 @@ def test_no_speculation_holds_longer_while_the_batch_does_not_shrink_nor_turn_ne
     assert not hold.holds_no_drafts(planned + 5, False, ids[:6], 6)  # past it, a smaller batch plans in full
     assert not hold.holds_no_drafts(planned + 5, False, ids[:3], 3)
     assert not hold.holds_no_drafts(planned + 5, False, tuple("stuvwxyz"), 8)  # and so does a new one
+
+
+def test_a_step_ahead_plans_in_full_where_its_hold_ends_or_too_many_of_its_requests_are_new():
+    hold, ids = PlanHold(max_hold=8, max_newcomers=0.25), tuple("abcdefgh")
+    for step in (1, 2):
+        hold.planned(step, ids, False, [2] * 8, RULE)  # held for one step: step 3, then 4 plans in full
+    assert not hold.plans_in_full(3, False, ids) and hold.plans_in_full(4, False, ids)
+    assert not hold.plans_in_full(3, False, ids[:7] + ("x",))  # one in eight new: the held plan's rule plans it
+    assert hold.plans_in_full(3, False, ids[:6] + ("x", "y", "z"))  # three in nine: held_plan would plan in full
+    assert hold.held_plan(3, ids[:6] + ("x", "y", "z"), False) is None

@@ -185,7 +185,7 @@ class GoodputPolicy(Policy):
         alone = replace(view, prefill_tokens=0, prefill_context=0, prefilling=[]) if view.prefill_tokens else view
         for prefilling, like in ((False, alone), (True, view))[:2 if view.prefill_tokens else 1]:
             ids = like.requests.ids
-            if ids and self.plan_hold.runs_out(at, prefilling, ids, len(ids)):
+            if ids and self.plan_hold.plans_in_full(at, prefilling, ids):
                 step = StepNumbers.of(like, now)
                 if self.drafted_last or not self._nothing_can_pay(step):  # else the next step's bound says so
                     self.ahead[prefilling] = AheadPlan(at, step.ids, self._plan_in_full(step, at, prefilling))

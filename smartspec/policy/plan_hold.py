@@ -100,17 +100,25 @@ class PlanHold:
         planned = last.ks
         return rows - sum(map(planned.__contains__, ids)) <= self.max_newcomers * rows  # newcomers, counted in C
 
-    def runs_out(self, step: int, prefilling: bool, ids: Iterable[str], rows: int) -> bool:
-        """Whether a step like it (beside prefill or not) at `step`, of these requests, finds the hold of the last
-        such plan ended there (GoodputPolicy.plan_ahead makes the full plan that follows a step early)."""
-        last = self._by_prefill[prefilling]
-        return step >= last.next_plan and (last.drafts or not self._idle_holds(last, step, ids, rows))
+    def plans_in_full(self, step: int, prefilling: bool, ids: tuple[str, ...]) -> bool:
+        """Whether a step like it (beside prefill or not) at `step`, of these requests, plans in full: the hold of
+        the last such plan ended there, or too many of the requests are new to a drafting plan (held_plan).
+        GoodputPolicy.plan_ahead makes such a plan a step early, beside the forward."""
+        last, rows = self._by_prefill[prefilling], len(ids)
+        if step >= last.next_plan:
+            return last.drafts or not self._idle_holds(last, step, ids, rows)
+        return last.drafts and self._too_new(last, ids)
+
+    def _too_new(self, last: _Held, ids: tuple[str, ...]) -> bool:
+        """Whether more than max_newcomers of the requests (or all) are ones the last full plan did not plan."""
+        joined = len(ids) - sum(map(last.ks.__contains__, ids))  # counted in C
+        return bool(joined) and (joined == len(ids) or joined > self.max_newcomers * len(ids))
 
     def held_plan(self, step: int, ids: tuple[str, ...], prefilling: bool) -> HeldPlan | None:
         """The draft lengths this step's requests keep from the last full plan of a step like it (beside prefill
         or not), or None where it plans in full."""
         last = self._by_prefill[prefilling]
-        if step >= last.next_plan:
+        if step >= last.next_plan or (last.drafts and self._too_new(last, ids)):
             return None
         if not last.drafts:
             ks, newcomers = [0] * len(ids), []  # no speculation suits any batch
@@ -118,8 +126,6 @@ class PlanHold:
             get = last.ks.get
             ks = [get(rid, -1) for rid in ids]
             joined = [i for i, k in enumerate(ks) if k < 0]  # the full plan did not plan them
-            if joined and (len(joined) == len(ids) or len(joined) > self.max_newcomers * len(ids)):
-                return None
             newcomers, adopted = [], last.adopted.get
             for i in joined:
                 ks[i] = adopted(ids[i], -1)
