@@ -198,7 +198,7 @@ class GoodputPolicy(Policy):
 
     def _plan_ahead_taken(self, step: StepNumbers, plan: SpecPlan) -> SpecPlan:
         """The plan made beside the last step's forward, for the same requests, within today's caps."""
-        ks = [min(k, cap) for k, cap in zip(plan.ks, step.caps)]
+        ks = list(map(min, plan.ks, step.caps))
         if ks == plan.ks:
             return plan
         sum_k, depth = sum(ks), max(ks, default=0)
@@ -244,7 +244,7 @@ class GoodputPolicy(Policy):
         """The last full plan's draft lengths again, within today's caps, and a newcomer's by the plan's rule, held
         from then on with the plan's (PlanHold); no speculation with the draft's price checked as in _plan_none.
         probes: the requests whose k is a learning probe (a plan made ahead, AheadPlan.overlaid)."""
-        ks, start_s = [min(k, cap) for k, cap in zip(held.ks, step.caps)], 0.0
+        ks, start_s = list(map(min, held.ks, step.caps)), 0.0
         if held.newcomers:
             newcomer_ks, seconds = self._newcomer_ks(step, held.newcomers, held.rule)
             self.plan_hold.adopt(prefilling, [step.ids[i] for i in held.newcomers], newcomer_ks)

@@ -64,8 +64,10 @@ class StepNumbers:
         if len(num_output) <= _FEW_ROWS:  # numpy's overhead on a few rows is most of a small batch's held plan
             return [max(0, min(m - o - 1, k_max) if c is None else min(m - o - 1, c, k_max))
                     for o, m, c in zip(num_output, max_tokens, own)]
-        own = np.array(own, dtype=np.float64)  # a request without a cap of its own: NaN, which fmin skips
-        return np.maximum(0, np.fmin(np.fmin(self._left - 1, own), k_max)).astype(np.int64).tolist()
+        caps = np.minimum(self._left - 1, k_max)
+        if own.count(None) != len(own):  # a request without a cap of its own: NaN, which fmin skips
+            caps = np.fmin(caps, np.array(own, dtype=np.float64))
+        return np.maximum(caps, 0).astype(np.int64).tolist()
 
     @property
     def requests(self) -> list[RequestView]:
