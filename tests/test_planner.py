@@ -124,15 +124,30 @@ def test_no_proposer_or_no_decoding_asks_no_policy():
     assert policy.views == []
 
 
+def capped_in_turn(ks, decoding, room):
+    """cap_and_reserve as first written: each request's caps through its properties, then the blocks it may take."""
+    budget, blocks, out = room.budget, room.blocks, []
+    for req, k in zip(decoding, ks):
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1, room.max_model_len - req.num_tokens - 1, budget)
+        if req.params.k_cap is not None:
+            k = min(k, req.params.k_cap)
+        k = max(0, min(k, (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens))
+        if k:
+            blocks.allocate(req, req.num_tokens + k)
+        budget -= k
+        out.append(k)
+    return out
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_capping_over_the_batch_matches_capping_request_by_request(seed):
-    """cap_and_reserve's flat arrays give the draft lengths and block tables that capping and reserving one request
-    after another gives, whichever caps bind: max_tokens, the request's own cap, the context, the step's budget, and
-    free blocks plentiful or short (where it takes them in turn)."""
+def test_capping_matches_capping_through_each_requests_properties(seed):
+    """cap_and_reserve, reading the requests' lists directly and the block manager only where drafts cross into a
+    new block, gives the draft lengths and block tables of the plain rule, whichever caps bind: max_tokens, the
+    request's own cap, the context, the step's budget, and free blocks plentiful or short."""
     import copy
     import random
 
-    from smartspec.engine.planner import _cap_and_reserve_in_turn, cap_and_reserve
+    from smartspec.engine.planner import cap_and_reserve
     rng = random.Random(seed)
     blocks = BlockManager(rng.choice([6, 12, 40, 400]), rng.choice([1, 4, 16]))
     reqs = []
@@ -146,11 +161,11 @@ def test_capping_over_the_batch_matches_capping_request_by_request(seed):
         reqs.append(r)
     if seed % 2:  # free blocks short: another request holds all but a few
         blocks.allocate(decoding("other", 1), (blocks.num_free - rng.randint(0, 3)) * blocks.block_size)
-    ks = [rng.randint(0, 6) for _ in reqs]
+    ks = [rng.randint(0, 8) for _ in reqs]
     room = (rng.choice([0, 3, 10, 1000]), rng.choice([20, 45, 1000]))
     twin_blocks, twin_reqs = copy.deepcopy((blocks, reqs))
     got = cap_and_reserve(ks, reqs, DraftRoom(room[0], blocks, room[1]))
-    want = _cap_and_reserve_in_turn(ks, twin_reqs, DraftRoom(room[0], twin_blocks, room[1]))
+    want = capped_in_turn(ks, twin_reqs, DraftRoom(room[0], twin_blocks, room[1]))
     assert got == want and all(type(k) is int for k in got)
     assert [r.block_table for r in reqs] == [r.block_table for r in twin_reqs]
     assert blocks.num_free == twin_blocks.num_free

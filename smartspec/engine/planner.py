@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, sub
 
-import numpy as np
-
 from smartspec.engine.scheduler import ScheduledRequest
 from smartspec.policy import OffPolicy, Policy
 from smartspec.runtime.block_manager import BlockManager
@@ -46,7 +44,6 @@ class Speculation:
 _REQUEST_ID, _TOKEN_IDS = attrgetter("request_id"), attrgetter("token_ids")
 _PROMPT_IDS, _ARRIVAL = attrgetter("prompt_token_ids"), attrgetter("arrival_time")
 _MAX_TOKENS, _K_CAP = attrgetter("params.max_tokens"), attrgetter("params.k_cap")
-_BLOCK_TABLE = attrgetter("block_table")
 
 
 def _view_columns(decoding: list[Request]) -> tuple[list, ...]:
@@ -132,45 +129,28 @@ def _check(plan: SpecPlan, view: StepView) -> None:
 
 def cap_and_reserve(ks: list[int], decoding: list[Request], room: DraftRoom) -> list[int]:
     """Each k capped by the request's max_tokens and own cap, the context, the step's token budget and the free
-    KV blocks; the blocks for the drafts are allocated. Over the batch in flat arrays: where the free blocks hold
-    every request's drafts (nearly always: a draft needs a new block once in block_size tokens) none caps a draft,
-    and only the requests whose drafts cross into a new block are visited; otherwise the requests take blocks in
-    turn (_cap_and_reserve_in_turn), as they did."""
+    KV blocks; the blocks for the drafts are allocated. Read from each request's lists directly, and the block
+    manager asked only where the drafts cross into a new block (once in block_size tokens): one pass in turn,
+    since the budget and the free blocks each request takes are not left to those after it."""
     if not any(ks):  # no speculation: nothing to cap or reserve (a loaded batch's steady state, walked for nothing)
         return list(ks)
-    n, blocks = len(decoding), room.blocks
-    lengths = np.fromiter(map(len, map(_TOKEN_IDS, decoding)), np.int64, n)
-    outputs = lengths - np.fromiter(map(len, map(_PROMPT_IDS, decoding)), np.int64, n)
-    k = np.minimum(np.array(ks, np.int64), np.fromiter(map(_MAX_TOKENS, decoding), np.int64, n) - outputs - 1)
-    k = np.minimum(k, room.max_model_len - lengths - 1)
-    own = list(map(_K_CAP, decoding))
-    if own.count(None) < n:
-        k = np.minimum(k, np.array([k_max if c is None else c for c, k_max in zip(own, ks)], np.int64))
-    k = np.maximum(k, 0)
-    taken = np.cumsum(k)  # the step's budget, in turn: each takes what those before it left
-    k = np.minimum(taken, room.budget) - np.minimum(taken - k, room.budget)
-    need = np.maximum(0, -(-(lengths + k) // blocks.block_size)
-                      - np.fromiter(map(len, map(_BLOCK_TABLE, decoding)), np.int64, n))
-    if int(need.sum()) > blocks.num_free:
-        return _cap_and_reserve_in_turn(ks, decoding, room)
-    for i in np.flatnonzero(need).tolist():
-        blocks.allocate(decoding[i], int(lengths[i] + k[i]))
-    return k.tolist()
-
-
-def _cap_and_reserve_in_turn(ks: list[int], decoding: list[Request], room: DraftRoom) -> list[int]:
-    """cap_and_reserve request by request, where the free blocks are short: each one's drafts as far as the blocks
-    left after those before it reach."""
     budget, blocks, max_model_len = room.budget, room.blocks, room.max_model_len
+    size, free = blocks.block_size, blocks.num_free
     out = []
     for req, k in zip(decoding, ks):
-        k = min(k, req.params.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1, budget)
-        if req.params.k_cap is not None:
-            k = min(k, req.params.k_cap)
-        room_k = (len(req.block_table) + blocks.num_free) * blocks.block_size - req.num_tokens
-        k = max(0, min(k, room_k))
-        if k:
-            blocks.allocate(req, req.num_tokens + k)
+        n, params = len(req.token_ids), req.params
+        k = min(k, params.max_tokens - (n - len(req.prompt_token_ids)) - 1, max_model_len - n - 1, budget)
+        if params.k_cap is not None:
+            k = min(k, params.k_cap)
+        if k > 0:
+            held = len(req.block_table)
+            if -(-(n + k) // size) - held > free:  # as far as the free blocks reach
+                k = max(0, min(k, (held + free) * size - n))
+            if k and -(-(n + k) // size) > held:
+                blocks.allocate(req, n + k)
+                free = blocks.num_free
+        else:
+            k = 0
         budget -= k
         out.append(k)
     return out
