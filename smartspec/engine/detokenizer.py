@@ -10,10 +10,10 @@ def append_text(tokenizer, req: Request, end: int | None = None) -> str:
 
     Only the tokens since the last complete character are decoded again (a token may end inside a UTF-8
     sequence, which decodes to U+FFFD until the rest arrives)."""
-    out = req.output_token_ids
-    end = len(out) if end is None else end
-    prefix = decode(tokenizer, out[req.detok_prefix_offset:req.detok_read_offset])
-    full = decode(tokenizer, out[req.detok_prefix_offset:end])
+    ids, base = req.token_ids, len(req.prompt_token_ids)  # sliced in place: not a copy of every output token
+    end = len(ids) - base if end is None else end
+    prefix = decode(tokenizer, ids[base + req.detok_prefix_offset:base + req.detok_read_offset])
+    full = decode(tokenizer, ids[base + req.detok_prefix_offset:base + end])
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix):]
@@ -28,7 +28,7 @@ def append_step_text(tokenizer, req: Request, count: int) -> None:
     token), else token by token, so that the text of the tokens before a split character is not held back."""
     if append_text(tokenizer, req) or count <= 1:
         return
-    total = len(req.output_token_ids)
+    total = req.num_output_tokens
     for end in range(total - count + 1, total + 1):
         append_text(tokenizer, req, end)
 
