@@ -97,8 +97,7 @@ class PlanHold:
         if not (rows >= (1 - IDLE_SHRINK) * last.rows and last.hold == self.max_hold
                 and step < last.planned_at + 1 + IDLE_HOLDS * self.max_hold):
             return False
-        planned = last.ks
-        return rows - sum(map(planned.__contains__, ids)) <= self.max_newcomers * rows  # newcomers, counted in C
+        return _newcomers(last, ids, rows) <= self.max_newcomers * rows
 
     def plans_in_full(self, step: int, prefilling: bool, ids: tuple[str, ...]) -> bool:
         """Whether a step like it (beside prefill or not) at `step`, of these requests, plans in full: the hold of
@@ -107,18 +106,18 @@ class PlanHold:
         last, rows = self._by_prefill[prefilling], len(ids)
         if step >= last.next_plan:
             return last.drafts or not self._idle_holds(last, step, ids, rows)
-        return last.drafts and self._too_new(last, ids)
+        return last.drafts and self._too_many_new(_newcomers(last, ids, rows), rows)
 
-    def _too_new(self, last: _Held, ids: tuple[str, ...]) -> bool:
-        """Whether more than max_newcomers of the requests (or all) are ones the last full plan did not plan."""
-        joined = len(ids) - sum(map(last.ks.__contains__, ids))  # counted in C
-        return bool(joined) and (joined == len(ids) or joined > self.max_newcomers * len(ids))
+    def _too_many_new(self, joined: int, rows: int) -> bool:
+        """Whether `joined` of `rows` requests new to a drafting plan make the step plan in full: more than
+        max_newcomers of them, or all."""
+        return bool(joined) and (joined == rows or joined > self.max_newcomers * rows)
 
     def held_plan(self, step: int, ids: tuple[str, ...], prefilling: bool) -> HeldPlan | None:
         """The draft lengths this step's requests keep from the last full plan of a step like it (beside prefill
         or not), or None where it plans in full."""
         last = self._by_prefill[prefilling]
-        if step >= last.next_plan or (last.drafts and self._too_new(last, ids)):
+        if step >= last.next_plan:
             return None
         if not last.drafts:
             ks, newcomers = [0] * len(ids), []  # no speculation suits any batch
@@ -126,6 +125,8 @@ class PlanHold:
             get = last.ks.get
             ks = [get(rid, -1) for rid in ids]
             joined = [i for i, k in enumerate(ks) if k < 0]  # the full plan did not plan them
+            if self._too_many_new(len(joined), len(ids)):
+                return None
             newcomers, adopted = [], last.adopted.get
             for i in joined:
                 ks[i] = adopted(ids[i], -1)
@@ -162,6 +163,11 @@ class PlanHold:
         last.next_plan = step + 1 + last.hold
         last.ks, last.rule, last.rows, last.planned_at = dict(zip(ids, ks)), rule, len(ids), step
         last.adopted = {}
+
+
+def _newcomers(last: _Held, ids: Iterable[str], rows: int) -> int:
+    """How many of the step's `rows` requests the last full plan did not plan (counted in C)."""
+    return rows - sum(map(last.ks.__contains__, ids))
 
 
 @dataclass(frozen=True)
