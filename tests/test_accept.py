@@ -103,6 +103,19 @@ def test_a_row_with_no_finite_logit_is_never_sampled_and_ends_its_request_alone(
         assert got.tokens == {k: v for k, v in expected.items() if k not in got.faults}
 
 
+def test_a_dead_first_row_of_the_step_ends_its_request():
+    """The step's very first row (row 0, the first request's) with no finite logit ends that request with its
+    fault, as a dead row anywhere else does; the others keep their tokens."""
+    for bad in (float("-inf"), float("nan")):
+        items, logits, drafts = a_step(5)
+        expected = accept_drafts(*a_step(5)).tokens
+        logits[0] = bad  # the greedy chain's first row: whatever its draft, its output reaches it
+        got = accept_drafts(items, logits, drafts)
+        assert set(got.faults) == {"chain"}
+        assert "logits at output token 0 are not finite" in got.faults["chain"].message
+        assert got.tokens == {k: v for k, v in expected.items() if k != "chain"}
+
+
 def test_a_dead_row_after_a_rejected_draft_is_never_reached():
     """A dead row the output does not reach (after a rejected draft token) ends nothing: plain decoding would
     never have computed it."""

@@ -26,9 +26,11 @@ class BlockManager:
         # request id -> (its leading full blocks walked, the chain hash after them, the walked blocks whose tokens
         # another block held: (index, chain, tokens)): each step walks only the blocks after them, not the whole
         # table again (at long contexts, hundreds of blocks per request per step), and looks again only at those
-        # twins. A block the request holds stays registered (only the free pool evicts), so this registers what
-        # walking the whole table would. Dropped when the table shrinks below it or is freed.
-        self._walked: dict[str, tuple[int, int, tuple]] = {}
+        # twins, and only once a registered block was evicted since it last looked (the twin's holder may be gone).
+        # A block the request holds stays registered (only the free pool evicts), so this registers what walking
+        # the whole table would. Dropped when the table shrinks below it or is freed.
+        self._walked: dict[str, tuple[int, int, tuple, int]] = {}
+        self._evictions = 0  # registered blocks evicted (or forgotten), in all: when twins may be registered
         self.num_prefix_queries = 0  # prompt tokens looked up in the cache, and found (vLLM's counters)
         self.num_prefix_hits = 0
 
@@ -118,10 +120,10 @@ class BlockManager:
             return
         limit = min(req.num_computed_tokens, len(req.token_ids), num_tokens if num_tokens is not None else 1 << 62)
         full = min(limit // self.block_size, len(req.block_table))
-        walked, chain, twins = self._walked.get(req.request_id, (0, 0, ()))
-        if full <= walked and not twins:
+        walked, chain, twins, looked_at = self._walked.get(req.request_id, (0, 0, (), 0))
+        if full <= walked and (not twins or looked_at == self._evictions):
             return
-        if twins and not all(twin[1] in self._cached for twin in twins):
+        if twins and looked_at != self._evictions and not all(twin[1] in self._cached for twin in twins):
             for i, twin_chain, tokens in twins:  # registered now if the block holding their tokens was evicted
                 if twin_chain not in self._cached:
                     self._cached[twin_chain] = req.block_table[i]
@@ -139,13 +141,14 @@ class BlockManager:
                 self._key[block] = (chain, tokens)
             else:  # another block holds the same tokens: this one is registered if that one is evicted
                 twins += ((i, chain, tokens),)
-        self._walked[req.request_id] = (max(walked, full), chain, twins)
+        self._walked[req.request_id] = (max(walked, full), chain, twins, self._evictions)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block (their contents stay, unfindable): the next requests start cold."""
         self._cached.clear()
         self._key.clear()
         self._walked.clear()
+        self._evictions += 1
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
@@ -156,3 +159,4 @@ class BlockManager:
         key = self._key.pop(block, None)
         if key is not None:
             del self._cached[key[0]]
+            self._evictions += 1

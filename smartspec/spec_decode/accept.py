@@ -259,9 +259,12 @@ class _StepRows:
                     tokens[rid] = self.out[rid] if rid in self.out else _verdict(part, host)
             except Exception as exc:
                 faults[rid] = fault_of(exc, rid, "acceptance")
-        for part in [*self.later, *self.plain]:
+        live = host[r:2 * r]
+        for part in [*self.later, *self.plain] if 0 in live else ():  # a dead row is rare: one look for all
             rid = part.request.request_id
-            if rid in tokens and rid not in faults and (dead := _first_dead_row(part, tokens[rid], host[r:2 * r])):
+            # (row 0 is a row like any other: the test is against None)
+            if rid in tokens and rid not in faults and \
+                    (dead := _first_dead_row(part, tokens[rid], live)) is not None:
                 faults[rid] = no_token_fault(part.request, dead - part.start,
                                              bool(torch.isfinite(self.logits[dead].amax())), rid in grammars)
         for rid in faults:
