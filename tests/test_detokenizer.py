@@ -1,6 +1,8 @@
 """The engine's incremental detokenizer: its decode is the tokenizer's own decode, token for token."""
 import random
 
+import pytest
+
 from smartspec.bench.tiny_models import byte_tokenizer
 from smartspec.engine.detokenizer import append_text, decode
 from smartspec.types.request import Request
@@ -30,12 +32,14 @@ def test_append_text_yields_whole_characters_that_add_up_to_the_decoded_output()
     assert "" in deltas  # a token that ends inside a character waits for the rest
 
 
-def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives():
+@pytest.mark.parametrize("clean_up", [False, True])  # the Rust decoder's stream, or decodes of a step's tokens
+def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives(clean_up):
     """A request without stop strings decodes a step's tokens at once: the same text after every step as one
     decoded token by token, a character split across steps or inside one included."""
     from smartspec.engine.detokenizer import append_step_text
 
     tokenizer = byte_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = clean_up
     rng = random.Random(1)
     ids = tokenizer("naïve café — 東京 🙂🙂 ok, ß!")["input_ids"]
     for _ in range(20):
@@ -51,3 +55,27 @@ def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives():
             append_step_text(tokenizer, at_once, len(step))
             assert at_once.text == by_token.text, (at, step)
         assert at_once.text == tokenizer.decode(ids)
+        assert (at_once.detok_stream is not None) == (not clean_up)  # the path the test is about ran
+
+
+def test_the_streamed_text_of_any_tokens_is_append_texts_after_every_step():
+    """Random token ids (the end-of-sequence token, bytes that never make a character, characters split across
+    steps) in random steps: the text by the Rust decoder's stream equals append_text's, token by token, after
+    every step."""
+    from smartspec.engine.detokenizer import append_step_text
+
+    tokenizer = byte_tokenizer()
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 24))]
+        by_token, streamed = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in ("a", "b"))
+        at = 0
+        while at < len(ids):
+            step = ids[at:at + rng.randint(1, 5)]
+            at += len(step)
+            for token in step:
+                by_token.token_ids.append(token)
+                append_text(tokenizer, by_token)
+            streamed.token_ids.extend(step)
+            append_step_text(tokenizer, streamed, len(step))
+            assert streamed.text == by_token.text, ids[:at]

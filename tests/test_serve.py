@@ -236,8 +236,11 @@ def test_controller_merges_both_replicas_and_status_and_metrics(app):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = httpx.get(f"{app}/v1/smartspec/status", timeout=30).json()
-        if len(status["replicas"]) == 2 and status["merged_policy"] is None:
-            break  # policy "fixed" has no state to merge: the status still lists both replicas
+        # policy "fixed" has no state to merge: the status still lists both replicas; and the one that served the
+        # request has reported its steps (the controller polls every 0.5 s: read too early, the counters are zero)
+        if len(status["replicas"]) == 2 and status["merged_policy"] is None and \
+                any(r["steps"]["steps"] for r in status["replicas"].values()):
+            break
         time.sleep(0.5)
     assert len(status["replicas"]) == 2
     assert all("running" in r and "spec_decode" in r for r in status["replicas"].values())

@@ -73,8 +73,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted below to make room for an older request
-                continue
+            if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request (its
+                continue  # status, not a look through the running list: that is a pass per request, quadratic)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n == 0:  # nothing due (its next token is not known yet)
                 continue

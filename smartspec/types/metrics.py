@@ -17,10 +17,12 @@ class SpecDecodeMetrics:
     # the three counters per source of the drafts: source -> [drafts, draft tokens, accepted tokens] (sources:
     # "draft_model", "ngram", "suffix", "grammar", "prediction")
     by_source: dict[str, list[int]] = field(default_factory=dict)
+    _copy: SpecDecodeMetrics | None = field(default=None, init=False, repr=False, compare=False)  # copy()'s last
 
     def record(self, num_proposed: int, num_accepted: int, source: str | None = None) -> None:
         if num_proposed == 0:
             return
+        self._copy = None
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
@@ -35,6 +37,7 @@ class SpecDecodeMetrics:
             self.accepted_per_position[j] += 1
 
     def record_prediction(self, num_proposed: int, num_accepted: int) -> None:
+        self._copy = None
         self.accepted_prediction_tokens += num_accepted
         self.rejected_prediction_tokens += num_proposed - num_accepted
 
@@ -47,13 +50,17 @@ class SpecDecodeMetrics:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     def copy(self) -> SpecDecodeMetrics:
-        """The counters as they are now, apart from the ones that go on counting."""
-        # every field as it is, then its own lists: not dataclasses.replace, at several times the cost (every
-        # request's output copies them every step)
+        """The counters as they are now, apart from the ones that go on counting: one copy for as long as they
+        stay as they are (every request's output carries one every step; without drafts they do not change), so
+        a copy is read, never written."""
+        if self._copy is not None:
+            return self._copy
+        # every field as it is, then its own lists: not dataclasses.replace, at several times the cost
         copied = SpecDecodeMetrics.__new__(SpecDecodeMetrics)
         copied.__dict__.update(self.__dict__)
         copied.accepted_per_position = list(self.accepted_per_position)
         copied.by_source = {source: list(counts) for source, counts in self.by_source.items()}
+        self._copy = copied
         return copied
 
     def as_dict(self) -> dict:

@@ -43,6 +43,7 @@ class Request:
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
+    detok_stream: object | None = field(default=None, repr=False, compare=False)  # engine/detokenizer.py's decoder
     # filled only when params ask: per output token, and per prompt position (position 0 has none)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
