@@ -60,22 +60,24 @@ def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives(clean
 
 def test_the_streamed_text_of_any_tokens_is_append_texts_after_every_step():
     """Random token ids (the end-of-sequence token, bytes that never make a character, characters split across
-    steps) in random steps: the text by the Rust decoder's stream equals append_text's, token by token, after
-    every step."""
-    from smartspec.engine.detokenizer import append_step_text
+    steps) in random steps: the text by the Rust decoder's stream equals append_text's after every step, and each
+    token's own text (a request with stop strings) is append_text's for that token."""
+    from smartspec.engine.detokenizer import append_step_text, append_token_text
 
     tokenizer = byte_tokenizer()
     rng = random.Random(2)
     for _ in range(300):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 24))]
-        by_token, streamed = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in ("a", "b"))
+        by_token, streamed, each = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in "abc")
         at = 0
         while at < len(ids):
             step = ids[at:at + rng.randint(1, 5)]
             at += len(step)
             for token in step:
                 by_token.token_ids.append(token)
-                append_text(tokenizer, by_token)
+                expected = append_text(tokenizer, by_token)
+                each.token_ids.append(token)  # a request with stop strings: each token's text on its own
+                assert append_token_text(tokenizer, each) == expected, ids[:at]
             streamed.token_ids.extend(step)
             append_step_text(tokenizer, streamed, len(step))
-            assert streamed.text == by_token.text, ids[:at]
+            assert streamed.text == by_token.text == each.text, ids[:at]

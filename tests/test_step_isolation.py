@@ -123,7 +123,7 @@ FAULTS = {
                  (sampler_module, "target_probs", params_owner)],
     "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
     "commit": [(commit_module.TokenCommitter, "commit", lambda engine: lambda committer, req, *a: req)],
-    "detokenizing": [(commit_module, "append_text", lambda engine: lambda tokenizer, req, *end: req),
+    "detokenizing": [(commit_module, "append_token_text", lambda engine: lambda tokenizer, req: req),
                      (commit_module, "append_step_text", lambda engine: lambda tokenizer, req, count: req)],
     "logprobs": [(engine_module, "logprobs_of", lambda engine: lambda read, rid: engine.requests.get(rid))],
     "output": [(engine_module, "take_text", lambda engine: lambda req: req)],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from smartspec.engine.detokenizer import append_step_text, append_text, find_stop
+from smartspec.engine.detokenizer import append_step_text, append_token_text, find_stop
 from smartspec.engine.planner import Speculation
 from smartspec.engine.scheduler import Scheduler
 from smartspec.runtime.block_manager import BlockManager
@@ -68,7 +68,7 @@ class TokenCommitter:
             delta = ""
             if each_text:
                 with stage("detokenizing"):
-                    delta = append_text(self.tokenizer, req)
+                    delta = append_token_text(self.tokenizer, req)
             if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in self.stop_token_ids):
                 reason = "stop"
             elif req.num_output_tokens >= req.params.min_tokens and (cut := find_stop(req, delta)) is not None:

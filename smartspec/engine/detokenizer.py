@@ -36,9 +36,7 @@ def append_step_text(tokenizer, req: Request, count: int) -> None:
     back."""
     backend = _streaming_backend(tokenizer)
     if backend is not None:
-        if req.detok_stream is None:
-            req.detok_stream = DecodeStream(skip_special_tokens=True)
-        step, ids = req.detok_stream.step, req.token_ids
+        step, ids = _stream_of(req).step, req.token_ids
         req.text += "".join(filter(None, [step(backend, ids[i]) for i in range(len(ids) - count, len(ids))]))
         return
     if append_text(tokenizer, req) or count <= 1:
@@ -46,6 +44,24 @@ def append_step_text(tokenizer, req: Request, count: int) -> None:
     total = req.num_output_tokens
     for end in range(total - count + 1, total + 1):
         append_text(tokenizer, req, end)
+
+
+def append_token_text(tokenizer, req: Request) -> str:
+    """append_text for the request's newest token (a request whose text stop strings are looked for in, a token at
+    a time): by the Rust decoder's stream where it gives the text (append_step_text)."""
+    backend = _streaming_backend(tokenizer)
+    if backend is None:
+        return append_text(tokenizer, req)
+    delta = _stream_of(req).step(backend, req.token_ids[-1]) or ""
+    req.text += delta
+    return delta
+
+
+def _stream_of(req: Request):
+    """The request's incremental decoder, made at its first output token."""
+    if req.detok_stream is None:
+        req.detok_stream = DecodeStream(skip_special_tokens=True)
+    return req.detok_stream
 
 
 def _streaming_backend(tokenizer):
