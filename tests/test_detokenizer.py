@@ -32,6 +32,15 @@ def test_append_text_yields_whole_characters_that_add_up_to_the_decoded_output()
     assert "" in deltas  # a token that ends inside a character waits for the rest
 
 
+def random_steps(ids: list[int], rng: random.Random):
+    """The ids in steps of 1 to 5 tokens: (tokens so far, the step's)."""
+    at = 0
+    while at < len(ids):
+        step = ids[at:at + rng.randint(1, 5)]
+        at += len(step)
+        yield at, step
+
+
 @pytest.mark.parametrize("clean_up", [False, True])  # the Rust decoder's stream, or decodes of a step's tokens
 def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives(clean_up):
     """A request without stop strings decodes a step's tokens at once: the same text after every step as one
@@ -44,10 +53,7 @@ def test_a_steps_tokens_decoded_at_once_give_the_text_token_by_token_gives(clean
     ids = tokenizer("naïve café — 東京 🙂🙂 ok, ß!")["input_ids"]
     for _ in range(20):
         by_token, at_once = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in ("a", "b"))
-        at = 0
-        while at < len(ids):
-            step = ids[at:at + rng.randint(1, 5)]
-            at += len(step)
+        for at, step in random_steps(ids, rng):
             for token in step:
                 by_token.token_ids.append(token)
                 append_text(tokenizer, by_token)
@@ -69,10 +75,7 @@ def test_the_streamed_text_of_any_tokens_is_append_texts_after_every_step():
     for _ in range(300):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 24))]
         by_token, streamed, each = (Request(name, [0], SamplingParams(max_tokens=len(ids))) for name in "abc")
-        at = 0
-        while at < len(ids):
-            step = ids[at:at + rng.randint(1, 5)]
-            at += len(step)
+        for at, step in random_steps(ids, rng):
             for token in step:
                 by_token.token_ids.append(token)
                 expected = append_text(tokenizer, by_token)
