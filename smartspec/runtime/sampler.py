@@ -122,11 +122,14 @@ def noise_seed(seed: int, position: int) -> int:
 
 def seeded_noise(seed: int, positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:
     """[n, vocab] Exp(1) draws for a seeded request at these token positions, from a generator keyed by (seed,
-    position) alone, clamped away from 0 (p / 0 would be inf, or NaN for p = 0, which argmax would take)."""
-    noise = torch.empty(len(positions), vocab, device=device)
+    position) alone, clamped away from 0 (p / 0 would be inf, or NaN for p = 0, which argmax would take). Each is
+    -log(1 - U) of a float64 uniform U (53 bits, the inverse of Exp(1)'s distribution function): on a CPU a third of
+    exponential_'s time over a 152k vocabulary (1.0 against 2.8 ms a position, a seeded request's every verified
+    and drafted position)."""
+    noise = torch.empty(len(positions), vocab, dtype=torch.float64, device=device)
     for i, pos in enumerate(positions):
-        noise[i].exponential_(generator=torch.Generator(device=device).manual_seed(noise_seed(seed, pos)))
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        noise[i].uniform_(generator=torch.Generator(device=device).manual_seed(noise_seed(seed, pos)))
+    return noise.neg_().log1p_().neg_().to(torch.float32).clamp_(min=torch.finfo(torch.float32).tiny)
 
 
 def seeded_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> torch.Tensor:
