@@ -5,19 +5,24 @@ wire, at the token rates a GPU produces, with an engine that emits tokens withou
     python scripts/bench_serving_path.py                      # 64 and 256 streams, ~10 min on 2 cores
     python scripts/bench_serving_path.py --streams 64 --steps-ms 40 20
     python scripts/bench_serving_path.py --channels on off    # with and without stream_channels, in turn
+    python scripts/bench_serving_path.py --ingress proxy direct   # through Serve's proxy, then to the ingress itself
 
 One Ray head (`ray start`), the application deployed per rate with `serve deploy` (the config `serve run` takes);
-closed-loop streams of chat completions over HTTP/SSE, each `--max-tokens` long. Per point: the tokens the clients
-received per second, the p99 gap between two tokens of a stream, and the CPU microseconds per streamed token of
+closed-loop streams of chat completions over HTTP/SSE, each `--max-tokens` long, sent to Serve's proxy or, with
+`--ingress direct`, to the ingress replica's own HTTP server (Serve's direct ingress: docs/serving.md, "Direct
+ingress"; its port read from Serve's controller after each deploy). Per point: the tokens the clients received per
+second, the p99 gap between two tokens of a stream, and the CPU microseconds per streamed token of
 Serve's processes (proxy, ingress, replica; the engine's own steps taken out), read from /proc. A point holds when
 its p99 gap is under 50 ms and it delivers at least 90% of the offered rate. The clients run on the same machine
 and take a share of its cores. Prints a table and writes results/bench_serving_path/{points.parquet, gaps.png};
-the last line: `us per streamed token X; rate held Y tok/s` for the stream interval that costs least (X: the median
-over its points; Y: the lowest, over the stream counts, of the highest rate held), after a line for each."""
+the last line: `us per streamed token X; rate held Y tok/s` for the setting (interval, channels, ingress) that costs
+least (X: the median over its points; Y: the lowest, over the stream counts, of the highest rate held), after a
+line for each."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import subprocess
@@ -33,14 +38,20 @@ import yaml
 from smartspec.bench.servers import OURS_PORT, ROOT, ray_cli, ray_env
 
 PORT = OURS_PORT
+# Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS): each ingress replica serves HTTP on a port of its own
+# from this range; the proxy keeps PORT
+DIRECT_PORTS = (PORT + 1, PORT + 11)
 HOLD_GAP_S, HOLD_SHARE = 0.050, 0.9
 SERVING = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "LLMServer"}
 
 
 def serve_config(streams: int, step_s: float, interval_ms: float, channels: bool = True) -> dict:
+    # every stream's first request comes at once: Serve's queue holds them all while the router places them (at
+    # the default 64, a direct ingress, which no proxy paces, turned 192 of 256 away)
     args = {"model": "paced", "served_model_name": "paced", "max_num_seqs": streams, "max_model_len": 4096,
-            "max_ongoing_requests": 2 * streams, "max_waiting": 2 * streams, "paced_step_s": step_s,
-            "stream_interval_ms": interval_ms, "stream_channels": channels, "replica_num_cpus": 0.5}
+            "max_ongoing_requests": 2 * streams, "max_queued_requests": 2 * streams, "max_waiting": 2 * streams,
+            "paced_step_s": step_s, "stream_interval_ms": interval_ms, "stream_channels": channels,
+            "replica_num_cpus": 0.5}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": PORT},
             "applications": [{"name": "smartspec", "route_prefix": "/",
                               "import_path": "deployments.app:build_paced_app", "args": args}]}
@@ -89,20 +100,21 @@ def cpu_seconds(procs: dict[str, list[psutil.Process]]) -> dict[tuple[str, int],
     return out
 
 
-def engine_busy_s() -> dict[str, float]:
+def engine_busy_s(url: str) -> dict[str, float]:
     """Per replica, the paced engine's own step time so far (its steps' thread CPU), from the replicas' status
     (a replica of the last deployment may still be listed: only those in both readings are compared)."""
-    status = httpx.get(f"http://127.0.0.1:{PORT}/v1/smartspec/status", timeout=60).json()
+    status = httpx.get(f"{url}/v1/smartspec/status", timeout=60).json()
     return {rid: r.get("steps", {}).get("busy_s", 0.0) for rid, r in status.get("replicas", {}).items()
             if isinstance(r, dict)}
 
 
-async def stream_one(client: httpx.AsyncClient, max_tokens: int, times: list[float], tokens: list[int]) -> None:
+async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int, times: list[float],
+                     tokens: list[int]) -> None:
     """One chat completion streamed to its end; each content chunk's arrival appended to times, its tokens (the
     paced engine's are one character each) to tokens."""
     body = {"model": "paced", "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
             "stream": True}
-    async with client.stream("POST", f"http://127.0.0.1:{PORT}/v1/chat/completions", json=body) as resp:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
         async for line in resp.aiter_lines():
@@ -112,16 +124,16 @@ async def stream_one(client: httpx.AsyncClient, max_tokens: int, times: list[flo
                 tokens.append(len(choices[0]["delta"].get("content") or "") if choices else 0)
 
 
-async def closed_loop(streams: int, max_tokens: int, warmup_s: float, window_s: float) -> dict:
-    """`streams` clients, each starting a new completion when its last ends; the tokens inside the window, and
-    every stream's gaps between consecutive tokens within it."""
+async def closed_loop(url: str, streams: int, max_tokens: int, warmup_s: float, window_s: float) -> dict:
+    """`streams` clients of the server at `url`, each starting a new completion when its last ends; the tokens
+    inside the window, and every stream's gaps between consecutive tokens within it."""
     times: list[list[float]] = [[] for _ in range(streams)]
     tokens: list[list[int]] = [[] for _ in range(streams)]
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         async def client_loop(i: int) -> None:
             while True:
-                await stream_one(client, max_tokens, times[i], tokens[i])
+                await stream_one(client, url, max_tokens, times[i], tokens[i])
                 times[i].append(float("nan"))  # no gap across two completions
                 tokens[i].append(0)
 
@@ -129,9 +141,9 @@ async def closed_loop(streams: int, max_tokens: int, warmup_s: float, window_s: 
         window = (began + warmup_s, began + warmup_s + window_s)
         tasks = [asyncio.create_task(client_loop(i)) for i in range(streams)]
         await asyncio.sleep(warmup_s)
-        marks = (cpu_seconds(serving_processes()), engine_busy_s(), time.perf_counter())
+        marks = (cpu_seconds(serving_processes()), engine_busy_s(url), time.perf_counter())
         await asyncio.sleep(window_s)
-        ends = (cpu_seconds(serving_processes()), engine_busy_s(), time.perf_counter())
+        ends = (cpu_seconds(serving_processes()), engine_busy_s(url), time.perf_counter())
         for task in tasks:  # the streams still open are hung up on (their requests aborted)
             task.cancel()
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -166,13 +178,16 @@ def summarise(streams: int, interval_ms: float, channels: bool, rate: float, run
             "errors": len(run["errors"]), "window_s": t1 - t0}
 
 
-def run_point(streams: int, interval_ms: float, channels: bool, rate: float, args, out: Path) -> dict:
+def run_point(streams: int, interval_ms: float, channels: bool, rate: float, ingress: str, args,
+              out: Path) -> dict:
     step_s = streams / rate
     print(f"{streams} streams at {rate:.0f} tok/s (a step every {1e3 * step_s:.1f} ms), stream_interval_ms "
-          f"{interval_ms:g}, channels {'on' if channels else 'off'}: deploying", flush=True)
+          f"{interval_ms:g}, channels {'on' if channels else 'off'}, through the {ingress} ingress: deploying",
+          flush=True)
     deploy(streams, step_s, interval_ms, channels, out)
-    run = asyncio.run(closed_loop(streams, args.max_tokens, args.warmup_s, args.window_s))
-    row = summarise(streams, interval_ms, channels, rate, run)
+    url = direct_base_url() if ingress == "direct" else f"http://127.0.0.1:{PORT}"
+    run = asyncio.run(closed_loop(url, streams, args.max_tokens, args.warmup_s, args.window_s))
+    row = {**summarise(streams, interval_ms, channels, rate, run), "ingress": ingress}
     print(f"  delivered {row['delivered']:.0f} tok/s, p99 gap {row['p99_gap_ms']:.1f} ms, "
           f"{row['us_per_token']:.0f} us a token outside the engine, {row['errors']} errors, "
           f"{'held' if row['held'] else 'not held'}",
@@ -181,11 +196,12 @@ def run_point(streams: int, interval_ms: float, channels: bool, rate: float, arg
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("streams", "interval ms", "channels", "offered", "delivered", "p99 gap ms", "us/token", "proxy", "ingress",
-            "replica", "engine", "held")
+    head = ("via", "streams", "interval ms", "channels", "offered", "delivered", "p99 gap ms", "us/token", "proxy",
+            "ingress", "replica", "engine", "held")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['streams']} | {r['interval_ms']:g} | {'on' if r['channels'] else 'off'} | {r['offered']:.0f} | "
+        print(f"| {r['ingress']} | {r['streams']} | {r['interval_ms']:g} | {'on' if r['channels'] else 'off'} | "
+              f"{r['offered']:.0f} | "
               f"{r['delivered']:.0f} | "
               f"{r['p99_gap_ms']:.1f} | "
               f"{r['us_per_token']:.0f} | {r['proxy_us_per_token']:.0f} | {r['ingress_us_per_token']:.0f} | "
@@ -198,17 +214,18 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (gap, cpu) = plt.subplots(1, 2, figsize=(10, 4))
-    for series in sorted({(r["streams"], r["interval_ms"], r["channels"]) for r in rows}):
-        mine = [r for r in rows if (r["streams"], r["interval_ms"], r["channels"]) == series]
-        label = f"{series[0]} streams, interval {series[1]:g} ms, channels {'on' if series[2] else 'off'}"
+    fig, (gap, cpu) = plt.subplots(1, 2, figsize=(10, 5))
+    for series in sorted({(r["streams"], r["interval_ms"], r["channels"], r["ingress"]) for r in rows}):
+        mine = [r for r in rows if (r["streams"], r["interval_ms"], r["channels"], r["ingress"]) == series]
+        label = (f"{series[0]} streams, interval {series[1]:g} ms, channels {'on' if series[2] else 'off'}, "
+                 f"{series[3]} ingress")
         gap.plot([r["delivered"] for r in mine], [r["p99_gap_ms"] for r in mine], "o-", label=label)
         cpu.plot([r["delivered"] for r in mine], [r["us_per_token"] for r in mine], "o-", label=label)
     gap.axhline(1e3 * HOLD_GAP_S, color="grey", ls=":")
     gap.set(xlabel="tokens/s delivered", ylabel="p99 inter-token gap (ms)", yscale="log")
     cpu.set(xlabel="tokens/s delivered", ylabel="CPU us per streamed token, outside the engine")
-    gap.legend()
-    fig.tight_layout()
+    fig.legend(*cpu.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))  # the legend below both panels
     fig.savefig(path, dpi=120)
 
 
@@ -222,6 +239,9 @@ def main() -> int:
                     help="the replica's stream_interval_ms: 0 sends a stream's tokens as they come")
     ap.add_argument("--channels", choices=["on", "off"], nargs="+", default=["on"],
                     help="stream_channels: a message a step for all streams (on), or one a stream (off)")
+    ap.add_argument("--ingress", choices=["proxy", "direct"], nargs="+", default=["proxy"],
+                    help="where the clients connect: Serve's proxy, or the ingress replica itself (Serve's direct "
+                         "ingress); each its own Ray head, in turn")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per completion")
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--window-s", type=float, default=15.0)
@@ -231,20 +251,59 @@ def main() -> int:
         ap.error("--streams, --steps-ms, --window-s must be positive and --max-tokens at least 2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([ray_cli("ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"], cwd=ROOT,
-                   env=ray_env(), check=True, capture_output=True)
     rows = []
-    try:
-        for streams in args.streams:
-            for interval_ms in args.stream_interval_ms:
-                for step_ms in sorted(args.steps_ms, reverse=True):
-                    for channels in args.channels:  # in turn at each point: the box's drift falls on both
-                        rows.append(run_point(streams, interval_ms, channels == "on", streams / (step_ms / 1e3),
-                                              args, out))
-    finally:
-        subprocess.run([ray_cli("serve"), "shutdown", "-y"], cwd=ROOT, env=ray_env(), capture_output=True)
-        subprocess.run([ray_cli("ray"), "stop", "--force"], cwd=ROOT, env=ray_env(), capture_output=True)
+    for ingress in args.ingress:  # Serve reads the direct-ingress flag as it starts: a Ray head for each
+        subprocess.run([ray_cli("ray"), "start", "--head", "--num-cpus", "8", "--disable-usage-stats"], cwd=ROOT,
+                       env=ingress_env(ingress), check=True, capture_output=True)
+        try:
+            for streams in args.streams:
+                for interval_ms in args.stream_interval_ms:
+                    for step_ms in sorted(args.steps_ms, reverse=True):
+                        for channels in args.channels:  # in turn at each point: the box's drift falls on both
+                            rows.append(run_point(streams, interval_ms, channels == "on", streams / (step_ms / 1e3),
+                                                  ingress, args, out))
+        finally:
+            subprocess.run([ray_cli("serve"), "shutdown", "-y"], cwd=ROOT, env=ray_env(), capture_output=True)
+            subprocess.run([ray_cli("ray"), "stop", "--force"], cwd=ROOT, env=ray_env(), capture_output=True)
     return report(rows, args, out)
+
+
+def ingress_env(ingress: str) -> dict:
+    """The environment the Ray head starts in: with `direct`, Serve's direct ingress on DIRECT_PORTS."""
+    if ingress == "proxy":
+        return ray_env()
+    return {**ray_env(), "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS[0]),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS[1])}
+
+
+# Serve's controller knows where each ingress replica listens (its target groups, what a load balancer in front of
+# direct ingress reads); asked from a driver of its own, as the bench drives Ray by its command line
+_TARGETS = """
+import json, ray
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+from ray.serve.context import _get_global_client
+groups = ray.get(_get_global_client()._controller.get_target_groups.remote("smartspec"))
+print(json.dumps([t.port for g in groups if str(g.protocol).endswith("HTTP") for t in g.targets]))
+"""
+
+
+def direct_base_url(timeout_s: float = 60.0) -> str:
+    """The URL of the one ingress replica's own HTTP server, once the controller lists it alone and it answers."""
+    began = time.time()
+    while time.time() - began < timeout_s:
+        found = subprocess.run([sys.executable, "-c", _TARGETS], cwd=ROOT, env=ray_env(), capture_output=True,
+                               text=True)
+        ports = json.loads(found.stdout.strip().splitlines()[-1]) if found.returncode == 0 else []
+        if len(ports) == 1 and DIRECT_PORTS[0] <= ports[0] <= DIRECT_PORTS[1]:
+            url = f"http://127.0.0.1:{ports[0]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+        time.sleep(2)
+    raise TimeoutError(f"no ingress replica answered on its own port within {timeout_s:.0f} s")
 
 
 def report(rows: list[dict], args, out: Path) -> int:
@@ -254,17 +313,17 @@ def report(rows: list[dict], args, out: Path) -> int:
     plot(rows, out / "gaps.png")
     print_table(rows)
     lines = {}
-    for interval_ms in args.stream_interval_ms:
-        for channels in args.channels:
-            mine = [r for r in rows if r["interval_ms"] == interval_ms and r["channels"] == (channels == "on")]
-            held = [r["delivered"] for r in mine if r["held"]]
-            per_streams = [max((r["delivered"] for r in mine if r["held"] and r["streams"] == s), default=0.0)
-                           for s in args.streams]
-            x = statistics.median(r["us_per_token"] for r in mine)
-            line = lines[interval_ms, channels] = (x, f"us per streamed token {x:.0f}; rate held "
-                                                      f"{min(per_streams):.0f} tok/s")
-            print(f"stream_interval_ms {interval_ms:g}, channels {channels}: {line[1]} ({len(held)} of {len(mine)} "
-                  "points held)")
+    for setting in itertools.product(args.stream_interval_ms, args.channels, args.ingress):
+        interval_ms, channels, ingress = setting
+        mine = [r for r in rows if r["interval_ms"] == interval_ms and r["channels"] == (channels == "on")
+                and r["ingress"] == ingress]
+        held = [r["delivered"] for r in mine if r["held"]]
+        per_streams = [max((r["delivered"] for r in mine if r["held"] and r["streams"] == s), default=0.0)
+                       for s in args.streams]
+        x = statistics.median(r["us_per_token"] for r in mine)
+        line = lines[setting] = (x, f"us per streamed token {x:.0f}; rate held {min(per_streams):.0f} tok/s")
+        print(f"stream_interval_ms {interval_ms:g}, channels {channels}, {ingress} ingress: {line[1]} ({len(held)} "
+              f"of {len(mine)} points held)")
     print(min(lines.values())[1])  # the setting that costs least
     return 0
 
