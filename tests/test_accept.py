@@ -88,6 +88,29 @@ def test_batched_verdicts_equal_each_rule_alone():
         assert out["seeded_tree"] == greedy_path(chosen.tolist(), tree)
 
 
+def test_a_seeded_draw_that_fails_ends_its_request_alone(monkeypatch):
+    """The step's seeded parts draw together; where that pass fails, each draws alone, and the one whose draw fails
+    ends with a fault at sampling while the other seeded request keeps the tokens it gets without it."""
+    import smartspec.spec_decode.accept as accept
+
+    seed = 7
+    expected = accept_drafts(*a_step(seed)).tokens
+    real, calls = accept.seeded_draws, []
+
+    def failing_for_the_chain(probs, keys):  # the seeded chain alone reaches position 6 (the tree: 3, 4, 4, 5)
+        calls.append(len(keys))
+        if (seed, 6) in keys:
+            raise RuntimeError("no noise at position 6")
+        return real(probs, keys)
+
+    monkeypatch.setattr(accept, "seeded_draws", failing_for_the_chain)
+    got = accept_drafts(*a_step(seed))
+    assert calls == [8, 4, 4]  # together, then each alone
+    assert set(got.faults) == {"seeded"}
+    assert got.faults["seeded"].stage == "sampling" and "no noise at position 6" in got.faults["seeded"].message
+    assert got.tokens == {k: v for k, v in expected.items() if k != "seeded"}
+
+
 def test_a_row_with_no_finite_logit_is_never_sampled_and_ends_its_request_alone():
     """A sampled request whose row is all -inf or NaN (the model's own logits here) is not handed to the
     sampler (which would raise, and stop every request of the step): it gets a fault naming why; the others in the

@@ -121,13 +121,19 @@ def noise_seed(seed: int, position: int) -> int:
 
 
 def seeded_noise(seed: int, positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[n, vocab] Exp(1) draws for a seeded request at these token positions, from a generator keyed by (seed,
-    position) alone, clamped away from 0 (p / 0 would be inf, or NaN for p = 0, which argmax would take). Each is
-    -log(1 - U) of a float64 uniform U (53 bits, the inverse of Exp(1)'s distribution function): on a CPU a third of
-    exponential_'s time over a 152k vocabulary (1.0 against 2.8 ms a position, a seeded request's every verified
-    and drafted position)."""
-    noise = torch.empty(len(positions), vocab, dtype=torch.float64, device=device)
-    for i, pos in enumerate(positions):
+    """[n, vocab] Exp(1) draws for a seeded request at these token positions (seeded_noise_rows)."""
+    return seeded_noise_rows([(seed, pos) for pos in positions], vocab, device)
+
+
+def seeded_noise_rows(keys: list[tuple[int, int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[len(keys), vocab] Exp(1) draws, a row for each (seed, position), from a generator keyed by them alone,
+    clamped away from 0 (p / 0 would be inf, or NaN for p = 0, which argmax would take). Each is -log(1 - U) of a
+    float64 uniform U (53 bits, the inverse of Exp(1)'s distribution function): on a CPU a third of exponential_'s
+    time over a 152k vocabulary (1.0 against 2.8 ms a position, a seeded request's every verified and drafted
+    position). Rows of several requests are made together: a row's values are its key's whatever the others are
+    (elementwise operations on its own uniforms), and the operations after the draws run once for all of them."""
+    noise = torch.empty(len(keys), vocab, dtype=torch.float64, device=device)
+    for i, (seed, pos) in enumerate(keys):
         noise[i].uniform_(generator=torch.Generator(device=device).manual_seed(noise_seed(seed, pos)))
     return noise.neg_().log1p_().neg_().to(torch.float32).clamp_(min=torch.finfo(torch.float32).tiny)
 
@@ -139,4 +145,11 @@ def seeded_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> torch
     anything drew before. So a seeded request repeats itself, and under speculation a draft token is accepted
     exactly where it equals this token (greedy verification against it). A draft model that draws its own tokens
     with the same noise (argmax q / E) proposes what the target will take wherever q and p agree."""
-    return (probs / seeded_noise(seed, positions, probs.shape[-1], probs.device)).argmax(dim=-1)
+    return seeded_draws(probs, [(seed, pos) for pos in positions])
+
+
+def seeded_draws(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """seeded_tokens for rows of any seeded requests at once: row i's token by the noise of keys[i] = (seed,
+    position), each row's the same token its request's rows alone give (a row's division and argmax read that row
+    alone)."""
+    return (probs / seeded_noise_rows(keys, probs.shape[-1], probs.device)).argmax(dim=-1)

@@ -3,8 +3,9 @@ lossless rules of rejection_sampler.py; requests without drafts sample their one
 step's tokens come to the host in one read.
 
 Seeded sampled requests take, at each position, the Gumbel-max token of noise keyed by (seed, position)
-(runtime/sampler.seeded_tokens) and verify drafts against it as greedy requests verify against the argmax: their
-output is seeded decoding's without speculation, whatever the proposers offered.
+(runtime/sampler.seeded_tokens; the step's seeded rows drawn together, seeded_draws) and verify drafts against it
+as greedy requests verify against the argmax: their output is seeded decoding's without speculation, whatever the
+proposers offered.
 
 Each request's part runs on its own: what fails in it (its logits controls, its grammar, its sampling, its
 acceptance) becomes that request's fault (types/faults.py), and a row with no finite logit is never sampled: the
@@ -18,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from smartspec.runtime.model_runner import ForwardItem
-from smartspec.runtime.sampler import (RowControls, StagedRowControls, draw_tokens, seeded_tokens, target_probs,
+from smartspec.runtime.sampler import (RowControls, StagedRowControls, draw_tokens, seeded_draws, target_probs,
                                        target_probs_rows)
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.controlled import ControlledParts
@@ -91,6 +92,7 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     for part in parts:
         if part.request.request_id not in faults and not _is_plain(part):
             step.take(part)
+    step.draw_seeded()
     step.draw_plain()
     return step.verdicts(step.read(), grammars)
 
@@ -134,7 +136,7 @@ class _StepRows:
             blocks = torch.cat([block for _, block in reshaped.values()])
             self.live = self.live.index_put((at_rows,), torch.isfinite(blocks.amax(dim=-1)))
             self.chosen = self.chosen.index_put((at_rows,), blocks.argmax(dim=-1))
-        self.seeded: list[tuple[int, torch.Tensor]] = []  # (first row, its tokens): seeded requests' draws
+        self.seeded: list[tuple[_Rows, torch.Tensor]] = []  # seeded parts and their probabilities, drawn together
         self.on_device: list[torch.Tensor] = []  # what the read brings after chosen and live
         self.at = 2 * logits.shape[0]  # where the next of them sits in the read
         self.out: dict[str, list[int]] = {}  # sampled trees' tokens (they read on their own)
@@ -195,9 +197,7 @@ class _StepRows:
         try:
             if not req.params.greedy and req.params.seed is not None:
                 with stage("sampling"):
-                    probs = self._probs(part)
-                    self.seeded.append((part.start, seeded_tokens(probs, req.params.seed,
-                                                                  _positions(req, draft, part.count))))
+                    self.seeded.append((part, self._probs(part)))
                 self.later.append(part)
             elif req.params.greedy:
                 self.later.append(part)
@@ -219,11 +219,33 @@ class _StepRows:
         except Exception as exc:
             self.faults[rid] = fault_of(exc, rid, "sampling")
 
+    def draw_seeded(self) -> None:
+        """The seeded parts' tokens (Gumbel-max by their noise, seeded_draws), drawn together and put in the chosen
+        tokens; where that pass fails, each part's alone (a failure there is its own: a fault, its rows left as
+        they were, never read)."""
+        if not self.seeded:
+            return
+        keys = [[(part.request.params.seed, pos) for pos in _positions(part.request, part.draft, part.count)]
+                for part, _ in self.seeded]
+        try:
+            drawn = list(zip(self.seeded, seeded_draws(torch.cat([probs for _, probs in self.seeded]),
+                                                        [key for mine in keys for key in mine])
+                             .split([part.count for part, _ in self.seeded])))
+        except Exception:  # told apart below, part by part
+            drawn = []
+            for (part, probs), mine in zip(self.seeded, keys):
+                try:
+                    with stage("sampling"):
+                        drawn.append(((part, probs), seeded_draws(probs, mine)))
+                except Exception as exc:
+                    self.faults[part.request.request_id] = fault_of(exc, part.request.request_id, "sampling")
+        if drawn:
+            rows = torch.cat([torch.arange(part.start, part.start + part.count, device=self.chosen.device)
+                              for (part, _), _ in drawn])
+            self.chosen = self.chosen.index_put((rows,), torch.cat([tokens for _, tokens in drawn]))
+
     def draw_plain(self) -> None:
-        """The seeded draws into the chosen tokens; the plain parts' tokens drawn in one batched call."""
-        if self.seeded:
-            rows = torch.cat([torch.arange(s, s + len(t), device=self.chosen.device) for s, t in self.seeded])
-            self.chosen = self.chosen.index_put((rows,), torch.cat([t for _, t in self.seeded]))
+        """The plain parts' tokens drawn in one batched call."""
         plain, rows_on_device = self.plain, self.plain_rows
         if not plain:
             return
