@@ -98,6 +98,29 @@ def test_sampled_drafts_come_with_the_distributions_they_were_drawn_from(target,
     assert all(int((row > 0).sum()) <= 20 for row in q)  # top_k applies to the draft as to the target
 
 
+def test_a_batch_drafts_what_each_of_its_requests_drafts_alone(target, tiny_qwen_draft):
+    """Greedy rows' tokens taken in one pass, seeded rows' drawn together, the rest each by its own generator, then
+    put back in the batch's order: each request's drafts and distributions are the ones it gets drafted alone (a
+    row misplaced would still be lossless, only accepted less: hence this test)."""
+    kinds = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, top_k=20),
+             SamplingParams(max_tokens=8, temperature=0.7, seed=11),
+             SamplingParams(max_tokens=8, repetition_penalty=1.3),
+             SamplingParams(max_tokens=8, temperature=1.1, seed=5), SamplingParams(max_tokens=8)]
+
+    def requests():
+        return [Request(f"r{i}", [p + i for p in PROMPT], params, torch.Generator().manual_seed(i))
+                for i, params in enumerate(kinds)]
+
+    together = draft_of(target, tiny_qwen_draft).propose(requests(), [3, 2, 3, 3, 1, 2])
+    for i, (req, k) in enumerate(zip(requests(), [3, 2, 3, 3, 1, 2])):
+        alone = draft_of(target, tiny_qwen_draft).propose([req], [k])
+        assert together.tokens[i] == alone.tokens[0], f"request {i}"
+        if alone.probs[0] is None:
+            assert together.probs[i] is None
+        else:
+            assert torch.equal(together.probs[i], alone.probs[0]), f"request {i}"
+
+
 def test_a_draft_of_another_vocabulary_is_refused(target, tiny_llama_tied):
     with pytest.raises(ValueError, match="same vocabulary"):
         draft_of(target, tiny_llama_tied)

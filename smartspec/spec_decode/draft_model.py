@@ -14,7 +14,7 @@ from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
-from smartspec.runtime.sampler import seeded_tokens, target_probs
+from smartspec.runtime.sampler import seeded_draws, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
 from smartspec.spec_decode.draft_sampling import DraftSampling
 from smartspec.spec_decode.proposer import Proposal, Proposer
@@ -103,6 +103,40 @@ class DraftModelProposer(Proposer):
             return torch.nn.functional.pad(q, (0, v - q.shape[-1]))
         return q if q.shape[-1] == v else q[..., :v] / q[..., :v].sum()
 
+    def _draw(self, live: list[tuple[int, Request, int]], requests: list[Request], logits: torch.Tensor,
+              reshaped: dict[int, torch.Tensor], made: dict[int, torch.Tensor],
+              probs: list[list[torch.Tensor] | None]) -> torch.Tensor:
+        """A depth's tokens, one a row of `live`, on the device: greedy rows' argmax in one pass over the model's
+        rows (a row its controls reshaped takes its own), seeded rows drawn together with the noise the target's
+        token will be drawn with there (seeded_draws), the others each from its own generator. Each sampled row's
+        distribution q is kept in probs."""
+        best = logits.argmax(dim=-1)
+        own: list[torch.Tensor | None] = []  # a row's own token (None: best's)
+        seeded: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (row, q, its noise's key)
+        for row, (i, ds, _) in enumerate(live):
+            req = requests[i]
+            if req.params.greedy:
+                own.append(reshaped[row].argmax().view(1) if row in reshaped else None)
+                continue
+            q = self._fit_vocab(made[row] if row in made else target_probs(reshaped.get(row, logits[row]), req.params))
+            probs[i].append(q)
+            if req.params.seed is not None:
+                seeded.append((row, q, (req.params.seed, ds.num_tokens)))
+            own.append(None if req.params.seed is not None else torch.multinomial(q, 1, generator=req.generator))
+        if seeded:
+            tokens = seeded_draws(torch.stack([q for _, q, _ in seeded]), [key for _, _, key in seeded])
+            for (row, _, _), token in zip(seeded, tokens.split(1)):
+                own[row] = token
+        if all(t is None for t in own):
+            return best
+        # consecutive rows taking best's tokens as one slice
+        pieces, start = [], 0
+        for row, token in enumerate(own):
+            if token is not None:
+                pieces += [best[start:row], token] if row > start else [token]
+                start = row + 1
+        return torch.cat(pieces + [best[start:]])
+
     def _catch_up_in_chunks(self, states: list) -> None:
         """Reads each long unseen context in pieces of CATCHUP_CHUNK tokens, leaving at most that many (the last
         one among them) to the first drafting forward."""
@@ -139,21 +173,11 @@ class DraftModelProposer(Proposer):
                 sampling = DraftSampling(live, requests, logits.shape[-1], logits.device)
             reshaped = _controlled_rows(logits, live, requests)
             made = sampling.probs(depth, logits, reshaped)  # the depth's sampled rows' distributions, together
-            drawn = []  # each row's token, left on the device: the depth's tokens come to the host in one read
-            for row, (i, ds, _) in enumerate(live):
+            for _, ds, _ in live:
                 ds.num_computed_tokens = ds.num_tokens
-                req = requests[i]
-                row_logits = reshaped.get(row, logits[row])
-                if req.params.greedy:
-                    drawn.append(row_logits.argmax().view(1))
-                else:
-                    q = self._fit_vocab(made[row] if row in made else target_probs(row_logits, req.params))
-                    if req.params.seed is not None:  # the noise the target's token will be drawn with there
-                        drawn.append(seeded_tokens(q[None], req.params.seed, [ds.num_tokens]))
-                    else:
-                        drawn.append(torch.multinomial(q, 1, generator=req.generator))
-                    probs[i].append(q)
-            for (i, ds, _), tok in zip(live, torch.cat(drawn).tolist()):
+            # each row's token, left on the device: the depth's tokens come to the host in one read
+            drawn = self._draw(live, requests, logits, reshaped, made, probs)
+            for (i, ds, _), tok in zip(live, drawn.tolist()):
                 tokens[i].append(tok)
                 ds.token_ids.append(tok)
             depth += 1
