@@ -94,3 +94,20 @@ def test_seeded_speculation_follows_the_target_distribution():
             by_index[j].append(tok)
     stats = [chi2(s, p[j]) for j, s in enumerate(by_index) if len(s) > 500]
     assert len(stats) >= 3 and max(stats) < CHI2_CRIT, stats
+
+
+def test_seeded_rows_drawn_in_several_passes_are_each_requests_own(monkeypatch):
+    """seeded_draws draws at most SEEDED_ROWS_AT_ONCE rows a pass (whole requests' blocks; a block longer than
+    that alone): its tokens, pass boundaries wherever they fall, are each request's seeded_tokens alone."""
+    import smartspec.runtime.sampler as sampler
+
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.softmax(torch.randn(n, 50, generator=g), -1) for n in (2, 1, 4, 2, 1)]
+    starts = [10, 3, 40, 7, 0]
+    seeds = [5, 6, 7, 8, 9]
+    alone = torch.cat([sampler.seeded_tokens(b, s, list(range(at, at + len(b))))
+                       for b, s, at in zip(blocks, seeds, starts)])
+    keys = [(s, at + j) for b, s, at in zip(blocks, seeds, starts) for j in range(len(b))]
+    for at_once in (64, 3, 1):
+        monkeypatch.setattr(sampler, "SEEDED_ROWS_AT_ONCE", at_once)
+        assert torch.equal(sampler.seeded_draws(blocks, keys), alone), at_once

@@ -109,6 +109,7 @@ def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingP
 
 
 _MASK64 = (1 << 64) - 1
+SEEDED_ROWS_AT_ONCE = 64  # seeded rows drawn in one pass (seeded_draws): 78 MB of noise at a 152k vocabulary
 
 
 def noise_seed(seed: int, position: int) -> int:
@@ -145,11 +146,26 @@ def seeded_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> torch
     anything drew before. So a seeded request repeats itself, and under speculation a draft token is accepted
     exactly where it equals this token (greedy verification against it). A draft model that draws its own tokens
     with the same noise (argmax q / E) proposes what the target will take wherever q and p agree."""
-    return seeded_draws(probs, [(seed, pos) for pos in positions])
+    return seeded_draws([probs], [(seed, pos) for pos in positions])
 
 
-def seeded_draws(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
-    """seeded_tokens for rows of any seeded requests at once: row i's token by the noise of keys[i] = (seed,
-    position), each row's the same token its request's rows alone give (a row's division and argmax read that row
-    alone)."""
-    return (probs / seeded_noise_rows(keys, probs.shape[-1], probs.device)).argmax(dim=-1)
+def seeded_draws(probs: list[torch.Tensor], keys: list[tuple[int, int]]) -> torch.Tensor:
+    """seeded_tokens for rows of any seeded requests at once: probs, the rows' distributions as blocks [n_i, V] (a
+    request's rows each), in the order of keys; row i's token by the noise of keys[i] = (seed, position), each the
+    same token its request's rows alone give (a row's division and argmax read that row alone). Drawn in passes of
+    at most SEEDED_ROWS_AT_ONCE rows, whole blocks each: the noise is float64, and 256 requests' five positions at
+    once over a 152k vocabulary would be 1.6 GB of it."""
+    passes, group, rows = [], [], 0
+    for block in probs:
+        if group and rows + len(block) > SEEDED_ROWS_AT_ONCE:
+            passes.append(group)
+            group, rows = [], 0
+        group.append(block)
+        rows += len(block)
+    passes.append(group)
+    drawn, at = [], 0
+    for group in passes:
+        p = group[0] if len(group) == 1 else torch.cat(group)
+        drawn.append((p / seeded_noise_rows(keys[at:at + len(p)], p.shape[-1], p.device)).argmax(dim=-1))
+        at += len(p)
+    return drawn[0] if len(drawn) == 1 else torch.cat(drawn)

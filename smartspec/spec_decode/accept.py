@@ -228,7 +228,7 @@ class _StepRows:
         keys = [[(part.request.params.seed, pos) for pos in _positions(part.request, part.draft, part.count)]
                 for part, _ in self.seeded]
         try:
-            drawn = list(zip(self.seeded, seeded_draws(torch.cat([probs for _, probs in self.seeded]),
+            drawn = list(zip(self.seeded, seeded_draws([probs for _, probs in self.seeded],
                                                         [key for mine in keys for key in mine])
                              .split([part.count for part, _ in self.seeded])))
         except Exception:  # told apart below, part by part
@@ -236,7 +236,7 @@ class _StepRows:
             for (part, probs), mine in zip(self.seeded, keys):
                 try:
                     with stage("sampling"):
-                        drawn.append(((part, probs), seeded_draws(probs, mine)))
+                        drawn.append(((part, probs), seeded_draws([probs], mine)))
                 except Exception as exc:
                     self.faults[part.request.request_id] = fault_of(exc, part.request.request_id, "sampling")
         if drawn:
