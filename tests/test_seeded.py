@@ -98,7 +98,8 @@ def test_seeded_speculation_follows_the_target_distribution():
 
 def test_seeded_rows_drawn_in_several_passes_are_each_requests_own(monkeypatch):
     """seeded_draws draws at most SEEDED_ROWS_AT_ONCE rows a pass (whole requests' blocks; a block longer than
-    that alone): its tokens, pass boundaries wherever they fall, are each request's seeded_tokens alone."""
+    that alone), of blocks or of single rows: its tokens, pass boundaries wherever they fall, are each request's
+    seeded_tokens alone."""
     import smartspec.runtime.sampler as sampler
 
     g = torch.Generator().manual_seed(0)
@@ -108,6 +109,8 @@ def test_seeded_rows_drawn_in_several_passes_are_each_requests_own(monkeypatch):
     alone = torch.cat([sampler.seeded_tokens(b, s, list(range(at, at + len(b))))
                        for b, s, at in zip(blocks, seeds, starts)])
     keys = [(s, at + j) for b, s, at in zip(blocks, seeds, starts) for j in range(len(b))]
+    rows = [row for block in blocks for row in block]  # the same rows one by one, as the draft model gives them
     for at_once in (64, 3, 1):
         monkeypatch.setattr(sampler, "SEEDED_ROWS_AT_ONCE", at_once)
         assert torch.equal(sampler.seeded_draws(blocks, keys), alone), at_once
+        assert torch.equal(sampler.seeded_draws(rows, keys), alone), at_once

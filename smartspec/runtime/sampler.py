@@ -150,22 +150,23 @@ def seeded_tokens(probs: torch.Tensor, seed: int, positions: list[int]) -> torch
 
 
 def seeded_draws(probs: list[torch.Tensor], keys: list[tuple[int, int]]) -> torch.Tensor:
-    """seeded_tokens for rows of any seeded requests at once: probs, the rows' distributions as blocks [n_i, V] (a
-    request's rows each), in the order of keys; row i's token by the noise of keys[i] = (seed, position), each the
-    same token its request's rows alone give (a row's division and argmax read that row alone). Drawn in passes of
-    at most SEEDED_ROWS_AT_ONCE rows, whole blocks each: the noise is float64, and 256 requests' five positions at
-    once over a 152k vocabulary would be 1.6 GB of it."""
+    """seeded_tokens for rows of any seeded requests at once: probs, the rows' distributions in the order of keys,
+    either all blocks [n_i, V] (a request's rows each) or all single rows [V]; row i's token by the noise of
+    keys[i] = (seed, position), each the same token its request's rows alone give (a row's division and argmax read
+    that row alone). Drawn in passes of at most SEEDED_ROWS_AT_ONCE rows, whole blocks each: the noise is float64,
+    and 256 requests' five positions at once over a 152k vocabulary would be 1.6 GB of it."""
     passes, group, rows = [], [], 0
     for block in probs:
-        if group and rows + len(block) > SEEDED_ROWS_AT_ONCE:
+        n = 1 if block.dim() == 1 else len(block)
+        if group and rows + n > SEEDED_ROWS_AT_ONCE:
             passes.append(group)
             group, rows = [], 0
         group.append(block)
-        rows += len(block)
+        rows += n
     passes.append(group)
     drawn, at = [], 0
     for group in passes:
-        p = group[0] if len(group) == 1 else torch.cat(group)
+        p = torch.stack(group) if group[0].dim() == 1 else group[0] if len(group) == 1 else torch.cat(group)
         drawn.append((p / seeded_noise_rows(keys[at:at + len(p)], p.shape[-1], p.device)).argmax(dim=-1))
         at += len(p)
     return drawn[0] if len(drawn) == 1 else torch.cat(drawn)

@@ -14,7 +14,7 @@ from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
-from smartspec.runtime.sampler import SEEDED_ROWS_AT_ONCE, seeded_draws, target_probs
+from smartspec.runtime.sampler import seeded_draws, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
 from smartspec.spec_decode.draft_sampling import DraftSampling
 from smartspec.spec_decode.proposer import Proposal, Proposer
@@ -122,11 +122,11 @@ class DraftModelProposer(Proposer):
             probs[i].append(q)
             if req.params.seed is not None:
                 seeded.append((row, q, (req.params.seed, ds.num_tokens)))
-            own.append(None if req.params.seed is not None else torch.multinomial(q, 1, generator=req.generator))
+                own.append(None)  # filled below, drawn with the other seeded rows
+            else:
+                own.append(torch.multinomial(q, 1, generator=req.generator))
         if seeded:
-            qs = [q for _, q, _ in seeded]  # stacked a pass's rows at a time (seeded_draws' passes)
-            tokens = seeded_draws([torch.stack(qs[at:at + SEEDED_ROWS_AT_ONCE])
-                                   for at in range(0, len(qs), SEEDED_ROWS_AT_ONCE)], [key for _, _, key in seeded])
+            tokens = seeded_draws([q for _, q, _ in seeded], [key for _, _, key in seeded])
             for (row, _, _), token in zip(seeded, tokens.split(1)):
                 own[row] = token
         if all(t is None for t in own):
