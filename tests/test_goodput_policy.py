@@ -307,6 +307,56 @@ def cpu_draft_model_costs(p: GoodputPolicy) -> GoodputPolicy:
     return p
 
 
+def random_chain_step(seed: int) -> tuple[GoodputPolicy, StepNumbers, int]:
+    """A policy with a random cost fit, a learned prior (low or high), some requests with outcomes, some whose context
+    the draft has read (a cheap catch-up), some not due a probe, maybe a prefill beside; the step it plans and at."""
+    rng = random.Random(seed)
+    p = GoodputPolicy(key="t")
+    p.cost.v = [rng.uniform(0.005, 0.05)] + [rng.choice([0.0, rng.uniform(1e-5, 2e-3)]) for _ in range(6)] + [
+        rng.uniform(0.0, 2e-6)]
+    p.cost.d = [rng.uniform(1e-3, 0.05), rng.uniform(0.0, 1e-3), rng.choice([0.0, rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 1e-3)])]
+    level = rng.choice([0.1, 0.3, 0.6, 0.9])
+    for _ in range(80):
+        p.observe_calibration([StepRecord(0, 1, [4], [4], [sum(rng.random() < level for _ in range(4))], ["c"], 5,
+                                          0, 5, 0.0, 0.0, 0.0)])
+    requests = [Request(f"r{i}", list(range(rng.randint(20, 400))), SamplingParams(max_tokens=rng.randint(2, 300)))
+                for i in range(rng.randint(1, 40))]
+    for r in requests:
+        if rng.random() < 0.3:
+            for _ in range(rng.randint(1, 6)):
+                p.acceptance.observe(r.request_id, 4, rng.randint(0, 4))
+        if rng.random() < 0.1:
+            p.catchup.seen[r.request_id] = r.num_tokens - rng.randint(1, 5)
+        if rng.random() < 0.6:
+            p.exploration.due_at[r.request_id] = rng.randint(0, 200)
+    p.step = rng.randint(1, 100)
+    prefilling = [Request("p", list(range(300)), SamplingParams(max_tokens=8))] if rng.random() < 0.3 else []
+    v = view(requests, 5, base_tokens=128 * len(prefilling), base_context=20_000 * len(prefilling),
+             prefilling=prefilling, now=10.0)
+    return p, StepNumbers.of(v, 10.0), p.step
+
+
+def test_a_plan_surely_without_drafts_is_the_full_plan_cut_short():
+    """Where the batch's own estimates show that no plan could pay and no probe is affordable, the full plan stops
+    there (GoodputPolicy._plan_of_no_drafts): across random costs, evidence, catch-ups and prefills its answer is the
+    full selection's float for float (plan, planned draft lengths, rule, the draft's price check), and it is cut
+    short in some of them, not in others."""
+    cut = 0
+    for seed in range(300):  # in 3 of them the bound holds and a probe runs
+        answers = []
+        for quick in (True, False):
+            p, step, at = random_chain_step(seed)
+            early = p._plan_of_no_drafts
+            taken = []
+            p._plan_of_no_drafts = (lambda *a, early=early, taken=taken: taken.append(early(*a)) or taken[-1]) \
+                if quick else (lambda *a: None)
+            plan, ks, rule = p._plan_chains(step, at)
+            answers.append((plan.ks, plan.predicted_s, plan.probes, ks, rule, p.draft_check.checks, p.shape_probes))
+            cut += quick and taken[0] is not None
+        assert answers[0] == answers[1], seed
+    assert 30 <= cut <= 270
+
+
 def test_the_rows_due_a_probe_are_those_at_k_0_with_room_whose_probe_is_due():
     """Exploration.due_rows, read over the batch at once, is each request's is_due at k = 0 with room to draft."""
     from smartspec.policy.exploration import Exploration

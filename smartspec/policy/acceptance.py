@@ -383,8 +383,14 @@ class ChainAcceptance:
 
     def gains(self, request_ids: list[str], k: int) -> np.ndarray:
         """[B, k]: the expected tokens the j-th drafted token of each request's chain adds."""
+        return self.gains_and_ceiling(request_ids, k)[0]
+
+    def gains_and_ceiling(self, request_ids: list[str], k: int) -> tuple[np.ndarray, float]:
+        """gains, and the highest of the batch's estimates of either stage: every j-th token's gain is at most that
+        to the j-th power (0 for an empty batch)."""
         first, later = self.first.alphas(request_ids), self.later.alphas(request_ids)
-        return first[:, None] * later[:, None] ** np.arange(k)[None, :]
+        ceiling = max(float(first.max()), float(later.max())) if len(first) else 0.0
+        return first[:, None] * later[:, None] ** np.arange(k)[None, :], ceiling
 
     @property
     def evidence(self) -> float:

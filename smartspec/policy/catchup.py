@@ -80,8 +80,11 @@ class CatchupLedger:
                gains: np.ndarray | None = None) -> Starts:
         """gains [B, K]: the requests' uncharged gains (None: drafting is taken to end at the batch's next
         growth)."""
-        return Starts(cost.predict_draft(0, 0, self.tokens(step)),
-                      self._steps_to_growth(step, cost, depth, gains))
+        return Starts(self.starts_seconds(step, cost), self._steps_to_growth(step, cost, depth, gains))
+
+    def starts_seconds(self, step: StepNumbers, cost: StepCostModel) -> np.ndarray:
+        """[B] each request's catch-up in seconds (Starts.seconds) alone."""
+        return cost.predict_draft(0, 0, self.tokens(step))
 
     def charge(self, gains: np.ndarray, step: StepNumbers, starts: Starts, cost: StepCostModel) -> np.ndarray:
         """The gains with each request's catch-up charged (goodput.charge_start_costs)."""

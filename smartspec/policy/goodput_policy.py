@@ -205,13 +205,34 @@ class GoodputPolicy(Policy):
         predicted = float(self.cost.predict(step.forward_tokens(sum_k, depth), step.context + sum_k, depth, sum_k))
         return SpecPlan(ks, None, predicted, [rid for rid, k in zip(step.ids, ks) if k and rid in plan.probes])
 
-    def _nothing_can_pay(self, step: StepNumbers) -> bool:
-        """Whether the exact plan and every probe it could run are surely no speculation: no plan could pay were
-        every draft accepted at the estimator's ceiling (drafting_bound). Tried only after a step that drafted
-        nothing: where the last plan drafted, this one most likely does too, and the bound would be host time on
-        top of the full plan."""
+    def _nothing_can_pay(self, step: StepNumbers, alpha: float | None = None) -> bool:
+        """Whether no plan could pay were every draft accepted at `alpha` (drafting_bound): by default the
+        estimator's ceiling, where the exact plan and every probe it could run are then surely no speculation.
+        Tried so only after a step that drafted nothing: where the last plan drafted, this one most likely does
+        too, and the bound would be host time on top of the full plan."""
         context = step.decode_context if step.view.prefill_tokens else step.context
-        return context <= self._pays_above(step, self.acceptance.first.max_alpha)
+        return context <= self._pays_above(step, self.acceptance.first.max_alpha if alpha is None else alpha)
+
+    def _plan_of_no_drafts(self, step: StepNumbers, ceiling: float, at: int) -> tuple[SpecPlan, list[int]] | None:
+        """The full plan where, on this step's estimates, it is surely no speculation and no learning probe: no plan
+        could pay were every draft accepted at the batch's highest estimate (`ceiling`; catch-ups only lower what
+        drafts add), the prior is learned, and no request due a probe has a catch-up within its share of the plain
+        step (_probe_chains). The plan the full selection makes there, the draft's price checked as it would be,
+        without its catch-up charges, depth bounds and probes (a loaded batch at k = 0 is planned so every few
+        dozen steps, at a millisecond or two of host time each); None where it may draft."""
+        explore = self.exploration
+        if explore.learning(self.acceptance.evidence):
+            return None
+        start_s = self.catchup.starts_seconds(step, self.cost)
+        plain_s = float(self.cost.predict(step.forward_tokens(0, 0), step.context, 0, 0))
+        ks = [0] * len(step.ids)
+        due = explore.due_rows(step.ids, ks, step.caps, at)
+        # the cheaper test first: where a probe is affordable the bound would be work on top of the full plan
+        if due and (start_s[due] <= explore.fraction * plain_s).any() or not self._nothing_can_pay(step, ceiling):
+            return None
+        if self._check_draft_price(step, ks, start_s, at):
+            plain_s = self.cost.predict(step.forward_tokens(1, 1), step.context + 1, self._depth(1), 1)
+        return SpecPlan(ks, None, float(plain_s + sum(compress(start_s.tolist(), ks)))), [0] * len(ks)
 
     def _pays_above(self, step: StepNumbers, alpha: float) -> float:
         """drafting_bound.drafting_pays_above for this step, kept per batch shape and cost fit: a loaded batch's
@@ -236,7 +257,7 @@ class GoodputPolicy(Policy):
         one pay. Only the draft's price is checked now and then, at one token."""
         ks = [0] * len(step.requests)
         if not self.draft_check.is_due(self.step) or not self._check_draft_price(
-                step, ks, self.catchup.starts(step, self.cost, self._depth).seconds, self.step):
+                step, ks, self.catchup.starts_seconds(step, self.cost), self.step):
             return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(0, 0), step.context)))
         return SpecPlan(ks, None, float(self.cost.predict(step.forward_tokens(1, 1), step.context + 1, 1, 1)))
 
@@ -289,7 +310,9 @@ class GoodputPolicy(Policy):
         step the plan is for (plan_ahead's is the next one)."""
         k_max = step.view.k_max
         if self.tree_depth is None:
-            raw_gains = self.acceptance.gains(step.ids, k_max)
+            raw_gains, ceiling = self.acceptance.gains_and_ceiling(step.ids, k_max)
+            if (no_drafts := self._plan_of_no_drafts(step, ceiling, at)) is not None:
+                return (*no_drafts, NO_DRAFTS)
             depth_of = np.arange(1, k_max + 1)
         else:
             if self.tree_gains is None or self.tree_gains.k_max != k_max:
