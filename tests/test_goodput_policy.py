@@ -314,7 +314,8 @@ def random_chain_step(seed: int) -> tuple[GoodputPolicy, StepNumbers, int]:
     p = GoodputPolicy(key="t")
     p.cost.v = [rng.uniform(0.005, 0.05)] + [rng.choice([0.0, rng.uniform(1e-5, 2e-3)]) for _ in range(6)] + [
         rng.uniform(0.0, 2e-6)]
-    p.cost.d = [rng.uniform(1e-3, 0.05), rng.uniform(0.0, 1e-3), rng.choice([0.0, rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 1e-3)])]
+    p.cost.d = [rng.uniform(1e-3, 0.05), rng.uniform(0.0, 1e-3),
+                rng.choice([0.0, rng.uniform(1e-4, 1e-3), rng.uniform(1e-4, 1e-3)])]
     level = rng.choice([0.1, 0.3, 0.6, 0.9])
     for _ in range(80):
         p.observe_calibration([StepRecord(0, 1, [4], [4], [sum(rng.random() < level for _ in range(4))], ["c"], 5,
