@@ -6,11 +6,13 @@ wire, at the token rates a GPU produces, with an engine that emits tokens withou
     python scripts/bench_serving_path.py --streams 64 --steps-ms 40 20
     python scripts/bench_serving_path.py --channels on off    # with and without stream_channels, in turn
     python scripts/bench_serving_path.py --ingress proxy direct   # through Serve's proxy, then to the ingress itself
+    python scripts/bench_serving_path.py --ingress haproxy        # HAProxy on the proxy's port, to the ingress
 
 One Ray head (`ray start`), the application deployed per rate with `serve deploy` (the config `serve run` takes);
 closed-loop streams of chat completions over HTTP/SSE, each `--max-tokens` long, sent to Serve's proxy or, with
 `--ingress direct`, to the ingress replica's own HTTP server (Serve's direct ingress: docs/serving.md, "Direct
-ingress"; its port read from Serve's controller after each deploy). Per point: the tokens the clients received per
+ingress"; its port read from Serve's controller after each deploy), or with `--ingress haproxy` to the HAProxy
+that Serve's HAProxy mode runs on the proxy's port in front of the ingress replicas' own ports. Per point: the tokens the clients received per
 second, the p99 gap between two tokens of a stream, and the CPU microseconds per streamed token of
 Serve's processes (proxy, ingress, replica; the engine's own steps taken out), read from /proc. A point holds when
 its p99 gap is under 50 ms and it delivers at least 90% of the offered rate. The clients run on the same machine
@@ -42,7 +44,9 @@ PORT = OURS_PORT
 # from this range; the proxy keeps PORT
 DIRECT_PORTS = (PORT + 1, PORT + 11)
 HOLD_GAP_S, HOLD_SHARE = 0.050, 0.9
-SERVING = {"proxy": "ProxyActor", "ingress": "OpenAIIngress", "replica": "LLMServer"}
+# Serve's processes by role, by the actor class in a worker's title; Serve's HAProxy mode runs its proxy as a
+# manager actor and the haproxy binary it starts, both counted as the proxy
+SERVING = {"proxy": ("ProxyActor", "HAProxyManager"), "ingress": ("OpenAIIngress",), "replica": ("LLMServer",)}
 
 
 def serve_config(streams: int, step_s: float, interval_ms: float, channels: bool = True) -> dict:
@@ -80,9 +84,12 @@ def serving_processes() -> dict[str, list[psutil.Process]]:
     """Serve's processes by role, from their titles (Ray names a worker `ray::<actor class>...`)."""
     found: dict[str, list[psutil.Process]] = {}
     for proc in psutil.process_iter(["cmdline"]):
-        title = " ".join(proc.info["cmdline"] or [])
-        for role, marker in SERVING.items():
-            if title.startswith("ray::") and marker in title:
+        cmdline = proc.info["cmdline"] or []
+        title = " ".join(cmdline)
+        if cmdline and Path(cmdline[0]).name == "haproxy":
+            found.setdefault("proxy", []).append(proc)
+        for role, markers in SERVING.items():
+            if title.startswith("ray::") and any(marker in title for marker in markers):
                 found.setdefault(role, []).append(proc)
     return found
 
@@ -185,7 +192,7 @@ def run_point(streams: int, interval_ms: float, channels: bool, rate: float, ing
           f"{interval_ms:g}, channels {'on' if channels else 'off'}, through the {ingress} ingress: deploying",
           flush=True)
     deploy(streams, step_s, interval_ms, channels, out)
-    url = direct_base_url() if ingress == "direct" else f"http://127.0.0.1:{PORT}"
+    url = direct_base_url() if ingress == "direct" else answering(f"http://127.0.0.1:{PORT}")
     run = asyncio.run(closed_loop(url, streams, args.max_tokens, args.warmup_s, args.window_s))
     row = {**summarise(streams, interval_ms, channels, rate, run), "ingress": ingress}
     print(f"  delivered {row['delivered']:.0f} tok/s, p99 gap {row['p99_gap_ms']:.1f} ms, "
@@ -239,9 +246,10 @@ def main() -> int:
                     help="the replica's stream_interval_ms: 0 sends a stream's tokens as they come")
     ap.add_argument("--channels", choices=["on", "off"], nargs="+", default=["on"],
                     help="stream_channels: a message a step for all streams (on), or one a stream (off)")
-    ap.add_argument("--ingress", choices=["proxy", "direct"], nargs="+", default=["proxy"],
-                    help="where the clients connect: Serve's proxy, or the ingress replica itself (Serve's direct "
-                         "ingress); each its own Ray head, in turn")
+    ap.add_argument("--ingress", choices=["proxy", "direct", "haproxy"], nargs="+", default=["proxy"],
+                    help="where the clients connect: Serve's proxy, the ingress replica itself (Serve's direct "
+                         "ingress), or HAProxy on the proxy's port in front of it (Serve's HAProxy mode); each its "
+                         "own Ray head, in turn")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per completion")
     ap.add_argument("--warmup-s", type=float, default=8.0)
     ap.add_argument("--window-s", type=float, default=15.0)
@@ -269,12 +277,27 @@ def main() -> int:
 
 
 def ingress_env(ingress: str) -> dict:
-    """The environment the Ray head starts in: with `direct`, Serve's direct ingress on DIRECT_PORTS."""
+    """The environment the Ray head starts in: with `direct`, Serve's direct ingress on DIRECT_PORTS; with
+    `haproxy`, that and HAProxy on PORT, which Serve keeps pointed at the ingress replicas' ports."""
     if ingress == "proxy":
         return ray_env()
-    return {**ray_env(), "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS[0]),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS[1])}
+    direct = {**ray_env(), "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+              "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS[0]),
+              "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS[1])}
+    return direct if ingress == "direct" else {**direct, "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+def answering(url: str, timeout_s: float = 60.0) -> str:
+    """url, once its /health answers 200 (HAProxy learns of a new replica a moment after Serve reports it)."""
+    began = time.time()
+    while time.time() - began < timeout_s:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url}/health did not answer within {timeout_s:.0f} s")
 
 
 # Serve's controller knows where each ingress replica listens (its target groups, what a load balancer in front of
@@ -296,11 +319,9 @@ def direct_base_url(timeout_s: float = 60.0) -> str:
                                text=True)
         ports = json.loads(found.stdout.strip().splitlines()[-1]) if found.returncode == 0 else []
         if len(ports) == 1 and DIRECT_PORTS[0] <= ports[0] <= DIRECT_PORTS[1]:
-            url = f"http://127.0.0.1:{ports[0]}"
             try:
-                if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                    return url
-            except httpx.HTTPError:
+                return answering(f"http://127.0.0.1:{ports[0]}", timeout_s=10)
+            except TimeoutError:
                 pass
         time.sleep(2)
     raise TimeoutError(f"no ingress replica answered on its own port within {timeout_s:.0f} s")

@@ -20,6 +20,14 @@ def test_direct_ingress_starts_ray_with_serves_flag_on_ports_apart_from_the_prox
     high = int(direct["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"])
     assert bench_serving_path.PORT < low < high  # the proxy keeps its port: an ingress replica never takes it
     assert direct["RAY_AUTH_MODE"] == proxy["RAY_AUTH_MODE"] == "disabled"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in proxy and "RAY_SERVE_ENABLE_HA_PROXY" not in direct
+
+
+def test_haproxy_mode_puts_haproxy_on_the_proxys_port_in_front_of_direct_ingress():
+    """Serve's HAProxy mode needs direct ingress on (the ingress replicas' ports are its backends): both flags."""
+    haproxy, direct = bench_serving_path.ingress_env("haproxy"), bench_serving_path.ingress_env("direct")
+    assert haproxy["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert {k: v for k, v in haproxy.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"} == direct
 
 
 def point(ingress: str, streams: int, delivered: float, us: float, held: bool) -> dict:

@@ -11,7 +11,7 @@ from ray.serve._private.request_router.common import PendingRequest  # noqa: E40
 from ray.serve._private.test_utils import FAKE_REPLICA_DEPLOYMENT_ID, FakeRunningReplica  # noqa: E402
 
 from deployments.placement import router as router_module  # noqa: E402
-from deployments.placement.latency import CHUNK_CHARS, prefix_keys, prefix_text  # noqa: E402
+from deployments.placement.latency import prefix_keys, prefix_text  # noqa: E402
 from deployments.placement.router import GoodputRouter  # noqa: E402
 from deployments.wire import GenerateCall, RoutingStats  # noqa: E402
 from smartspec.types.sampling_params import SamplingParams  # noqa: E402

@@ -5,7 +5,6 @@ from engines import PARAMS, PROMPTS, AlternatingPolicy, MixedPolicy, StepPolicy,
 from lossless import token_logprob
 
 from smartspec import LLM, SamplingParams
-from smartspec.policy import Policy
 from smartspec.spec_decode.ngram import lookup
 
 @pytest.fixture(scope="module")
