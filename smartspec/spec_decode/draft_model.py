@@ -110,8 +110,7 @@ class DraftModelProposer(Proposer):
         rows (a row its controls reshaped takes its own), seeded rows drawn together with the noise the target's
         token will be drawn with there (seeded_draws), the others each from its own generator. Each sampled row's
         distribution q is kept in probs."""
-        best = logits.argmax(dim=-1)
-        own: list[torch.Tensor | None] = []  # a row's own token (None: best's)
+        own: list[torch.Tensor | None] = []  # a row's own token (None: the argmax over the model's rows)
         seeded: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (row, q, its noise's key)
         for row, (i, ds, _) in enumerate(live):
             req = requests[i]
@@ -129,6 +128,9 @@ class DraftModelProposer(Proposer):
             tokens = seeded_draws([q for _, q, _ in seeded], [key for _, _, key in seeded])
             for (row, _, _), token in zip(seeded, tokens.split(1)):
                 own[row] = token
+        if own and all(t is not None for t in own):  # every row has its own token: no argmax over all rows
+            return torch.cat(own)
+        best = logits.argmax(dim=-1)
         if all(t is None for t in own):
             return best
         # consecutive rows taking best's tokens as one slice
