@@ -60,8 +60,9 @@ def time_plan(batch: int, k_max: int, warm: bool, rng: random.Random) -> list[fl
 
 
 class RecordedPolicy(GoodputPolicy):
-    """The goodput policy, each call the engine makes kept with its arguments (a step's view with its columns read
-    at the call, as the policy would read them) to be replayed."""
+    """The goodput policy, each call an engine drafting chains makes kept with its arguments (a step's view with
+    its columns read at the call, as the policy would read them) to be replayed. Trees' and lookups' calls (prune,
+    observe_lookup_calibration) are not kept: this bench's engine makes none."""
 
     def __init__(self) -> None:
         super().__init__(key="bench")

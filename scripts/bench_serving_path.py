@@ -12,14 +12,14 @@ One Ray head (`ray start`), the application deployed per rate with `serve deploy
 closed-loop streams of chat completions over HTTP/SSE, each `--max-tokens` long, sent to Serve's proxy or, with
 `--ingress direct`, to the ingress replica's own HTTP server (Serve's direct ingress: docs/serving.md, "Direct
 ingress"; its port read from Serve's controller after each deploy), or with `--ingress haproxy` to the HAProxy
-that Serve's HAProxy mode runs on the proxy's port in front of the ingress replicas' own ports. Per point: the tokens the clients received per
-second, the p99 gap between two tokens of a stream, and the CPU microseconds per streamed token of
-Serve's processes (proxy, ingress, replica; the engine's own steps taken out), read from /proc. A point holds when
-its p99 gap is under 50 ms and it delivers at least 90% of the offered rate. The clients run on the same machine
-and take a share of its cores. Prints a table and writes results/bench_serving_path/{points.parquet, gaps.png};
-the last line: `us per streamed token X; rate held Y tok/s` for the setting (interval, channels, ingress) that costs
-least (X: the median over its points; Y: the lowest, over the stream counts, of the highest rate held), after a
-line for each."""
+that Serve's HAProxy mode runs on the proxy's port in front of the ingress replicas' own ports. Per point: the
+tokens the clients received per second, the p99 gap between two tokens of a stream, and the CPU microseconds per
+streamed token of Serve's processes (proxy, ingress, replica; the engine's own steps taken out), read from /proc.
+A point holds when its p99 gap is under 50 ms and it delivers at least 90% of the offered rate. The clients run on
+the same machine and take a share of its cores. Prints a table and writes
+results/bench_serving_path/{points.parquet, gaps.png}; the last line: `us per streamed token X; rate held Y tok/s`
+for the setting (interval, channels, ingress) that costs least (X: the median over its points; Y: the lowest, over
+the stream counts, of the highest rate held), after a line for each."""
 from __future__ import annotations
 
 import argparse
