@@ -33,6 +33,7 @@ from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.graph_buckets import BucketLimits
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
 from smartspec.runtime.page_arena import release_freed_memory
+from smartspec.runtime.token_counts import TokenCounts
 from smartspec.spec_decode.accept import Verdicts, accept_drafts
 from smartspec.spec_decode.config import SpeculativeConfig
 from smartspec.spec_decode.factory import DraftFactory, DraftRuntime, draft_blocks, make_draft_proposer, make_proposer
@@ -121,9 +122,9 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         self.grammars: dict[str, RequestGrammar] = {}
         self.hints = RequestHints()  # predicted outputs; each step, the drafts requests carry
+        self.token_counts = TokenCounts()  # penalized requests' histories, counted on the device between steps
         self.request_hints = spec.request_hints if spec else False
-        self._ids = itertools.count()
-        self._generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self._ids, self._generator = itertools.count(), torch.Generator(device=config.device).manual_seed(config.seed)
         self.num_steps, self.stats = 0, StepTotals()
         self.kept_check: KeptProfileCheck | None = None  # a kept profile, held against the first steps
         self.profile_due = False  # the kept profile was stale: measure it when idle (measure_profile_if_due)
@@ -300,11 +301,10 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        self.grammars.pop(request_id, None)
-        self.hints.release(request_id)
+        self._forget(request_id)
         finish_request(req, "abort", self.scheduler, self.speculation, time.monotonic())
         return output_of(req, [], take_text(req))
 
@@ -390,7 +390,8 @@ class LLMEngine:
         items, drafted, logits = verified
         prompt_faults: dict[str, RequestFault] = {}
         logits, sampled = take_prompt_logprobs(items, logits, prompt_faults)
-        verdicts = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars)
+        verdicts = accept_drafts(sampled, logits, drafted.drafts, self.stop_token_ids, self.grammars,
+                                 self.token_counts)
         verdicts.faults.update(prompt_faults)
         outputs, trees = self._commit(spec, items, sampled, logits, drafted, verdicts)
         t_end = time.perf_counter()
@@ -419,12 +420,17 @@ class LLMEngine:
         fault = RequestFault("forward", "the model's forward failed twice for the step this request was in")
         return [self._end_with_fault(s.request, fault, spec) for s in batch]
 
+    def _forget(self, request_id: str) -> None:
+        """A request that ends: what the engine keeps of it besides its blocks (its grammar, hints, counts) goes."""
+        self.requests.pop(request_id, None)
+        self.grammars.pop(request_id, None)
+        self.hints.release(request_id)
+        self.token_counts.release(request_id)
+
     def _end_with_fault(self, req: Request, fault: RequestFault, spec: Speculation) -> RequestOutput:
         """End one request whose part of a step failed: finish reason "error", the fault as its error, its KV back."""
         rid = req.request_id
-        self.requests.pop(rid, None)
-        self.grammars.pop(rid, None)
-        self.hints.release(rid)
+        self._forget(rid)
         req.error = str(fault)
         try:
             finish_request(req, "error", self.scheduler, spec, time.monotonic())
@@ -486,9 +492,7 @@ class LLMEngine:
         done = self.committer.commit(req, new, len(draft.tokens) if draft is not None else 0, spec, now,
                                      self.grammars.get(req.request_id), draft.source if draft is not None else None)
         if done.finish_reason is not None:
-            self.requests.pop(req.request_id, None)
-            self.grammars.pop(req.request_id, None)
-            self.hints.release(req.request_id)
+            self._forget(req.request_id)
             finish_request(req, done.finish_reason, self.scheduler, spec, time.monotonic())
         elif spec.proposer is not None:
             with stage("commit"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smartspec.runtime.token_counts import CountRequest, TokenCounts
 from smartspec.runtime.upload import HostBatch
 from smartspec.types.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class ControlledRows:
     prompt: list[int]
     output: list[int]
     prefixes: list[list[int]]
+    key: str | None = None  # its history's row in a TokenCounts kept between steps (the request id)
 
     def ends(self, eos_token_ids: Collection[int]) -> list[int]:
         """The tokens min_tokens holds back: its stop tokens and, unless it ignores them, the model's ends."""
@@ -44,12 +46,14 @@ class _Gathered:
     """What the controls read, gathered over the requests as flat lists (sent in one copy, integers and floats
     together): per request, its rows; per row, its request and its penalties."""
 
-    def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int) -> None:
-        self.vocab = vocab
+    def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int,
+                 kept: bool) -> None:
+        """kept: the histories are counted in rows kept between steps, by request key (else by position)."""
+        self.vocab, self.kept = vocab, kept
         self.row_request: list[int] = []
-        self.counted: tuple[list[int], list[int]] = ([], [])  # (request, token) of every output token
+        self.counted: list[CountRequest] = []  # the histories the penalties count (token_counts.py)
+        self.row_counted: list[int] = []  # per row: its request's history among `counted` (0: it counts none)
         self.drafted: tuple[list[int], list[int]] = ([], [])  # (row, token) of every draft token before a row
-        self.prompted: tuple[list[int], list[int]] = ([], [])  # (request, token): a repetition penalty's prompt
         self.biased: tuple[list[int], list[int]] = ([], [])  # (request, token) of logit_bias
         self.held: tuple[list[int], list[int]] = ([], [])  # (row, token) set to -inf by min_tokens
         self.bias: list[float] = []
@@ -65,16 +69,16 @@ class _Gathered:
         self.penalties += penalties * n
         used = {name for name, value, neutral in zip(("repetition", "frequency", "presence"), penalties, (1.0, 0, 0))
                 if value != neutral}
+        self.row_counted += [len(self.counted) if used else 0] * n
         if used:  # the penalties count what came before each row
             self.uses |= used
-            self.counted[0].extend([q] * len(r.output))
-            self.counted[1].extend(r.output)
+            key = r.key if self.kept else q
+            if key is None:
+                raise ValueError("a request whose history is kept between steps needs its key")
+            self.counted.append(CountRequest(key, r.prompt, r.output, "repetition" in used))
             for i, prefix in enumerate(r.prefixes):
                 self.drafted[0].extend([first + i] * len(prefix))
                 self.drafted[1].extend(prefix)
-        if "repetition" in used:
-            self.prompted[0].extend([q] * len(r.prompt))
-            self.prompted[1].extend(r.prompt)
         if bias := {t: b for t, b in p.logit_bias.items() if t < self.vocab}:
             self.biased[0].extend([q] * len(bias))
             self.biased[1].extend(bias)
@@ -87,17 +91,26 @@ class _Gathered:
 
 class StagedControls:
     """What reshaping a batch of requests' rows reads, gathered on the host and staged in a HostBatch: `rows` (the
-    step's logits rows that are theirs, or None: the logits given are theirs), the row -> request map, the five
-    (index, token) pairs, the penalties and the bias values. reshape_staged reads them once the batch is sent."""
+    step's logits rows that are theirs, or None: the logits given are theirs), the row -> request map, the
+    penalized histories' update (token_counts.py) with each row's history, the (index, token) pairs of drafts, bias
+    and min_tokens, the penalties and the bias values. reshape_staged reads them once the batch is sent.
+
+    counts: the histories kept between steps, each request's under its key (None: counted here from the whole
+    history, in rows of this call alone)."""
 
     def __init__(self, requests: list[ControlledRows], eos_token_ids: Collection[int], vocab: int,
-                 rows: list[int] | None, batch: HostBatch) -> None:
+                 rows: list[int] | None, batch: HostBatch, device: torch.device,
+                 counts: TokenCounts | None = None) -> None:
         self.requests, self.rows = requests, rows
-        self.gathered = g = _Gathered(requests, eos_token_ids, vocab)
+        self.gathered = g = _Gathered(requests, eos_token_ids, vocab, kept=counts is not None)
         if rows is not None and len(g.row_request) != len(rows):
             raise ValueError(f"{len(rows)} logits rows for requests whose prefixes make {len(g.row_request)}")
-        pairs = [g.counted, g.drafted, g.prompted, g.biased, g.held]
-        self.ints = [batch.ints(part) for part in [rows or [], g.row_request, *(p for pair in pairs for p in pair)]]
+        self.counts = counts if counts is not None else TokenCounts()
+        self.staged_counts = self.counts.stage(g.counted, vocab, device, batch) if g.uses else None
+        row_slots = [] if self.staged_counts is None else [self.staged_counts.slots[i] for i in g.row_counted]
+        pairs = [g.drafted, g.biased, g.held]
+        self.ints = [batch.ints(part) for part in [rows or [], g.row_request, row_slots,
+                                                   *(p for pair in pairs for p in pair)]]
         self.penalties, self.bias = batch.floats(g.penalties), batch.floats(g.bias)
 
 
@@ -106,9 +119,10 @@ def reshape_rows(logits: torch.Tensor, requests: list[ControlledRows], eos_token
     """logits [R, V]: the rows of `requests` in order (R = their prefixes together); or, with `rows`, the step's
     logits, whose rows `rows` are theirs (taken in the same copy as the controls' values). Returns the requests' rows
     reshaped, float32. Token ids past V (a draft whose vocabulary is padded shorter than the target's) are left out.
-    A stage that sends other values too stages these with them (StagedControls) and calls reshape_staged."""
+    Each history is counted whole (no counts kept). A stage that sends other values too stages these with them
+    (StagedControls) and calls reshape_staged."""
     batch = HostBatch()
-    staged = StagedControls(requests, eos_token_ids, logits.shape[1], rows, batch)
+    staged = StagedControls(requests, eos_token_ids, logits.shape[1], rows, batch, logits.device)
     return reshape_staged(logits, staged, batch.send(logits.device))
 
 
@@ -116,24 +130,24 @@ def reshape_staged(logits: torch.Tensor, staged: StagedControls, sent: list[torc
     """reshape_rows with its values staged (StagedControls) and sent (HostBatch.send's answer).
 
     Order as in vLLM and transformers: the penalties, then the bias, then min_tokens' mask; counts are exact
-    integers, so a row reshaped here is bitwise the row plain decoding reshapes at that position."""
+    integers, so a row reshaped here is bitwise the row plain decoding reshapes at that position. A row of a
+    request without penalties reads another's history with neutral penalties (x / 1, x * 1, x - 0: x itself)."""
     g, vocab, dev, n = staged.gathered, logits.shape[1], logits.device, len(staged.requests)
     if staged.rows is None and len(g.row_request) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for requests whose prefixes make {len(g.row_request)}")
     ints = [sent[key] for key in staged.ints]
     penalties, bias = sent[staged.penalties].view(-1, 3), sent[staged.bias]
     x = logits.to(torch.float32, copy=True) if staged.rows is None else logits[ints[0]].float()
-    row_request, counted, drafted, prompted, biased, held = ints[1], ints[2:4], ints[4:6], ints[6:8], ints[8:10], \
-        ints[10:12]
-    if g.uses:  # the history's tokens past V counted in a column of their own, cut off after
-        counts = _scattered(n, vocab, counted, len(g.counted[0]), 1.0, dev)[row_request]
+    row_request, row_slots, drafted, biased, held = ints[1], ints[2], ints[3:5], ints[5:7], ints[7:9]
+    if staged.staged_counts is not None:  # the history's tokens past V counted in a column of their own, cut off
+        output, prompt = staged.counts.apply(staged.staged_counts, sent, vocab)
+        counts = output[row_slots]
         if g.drafted[0]:
             counts.index_put_((drafted[0], drafted[1].clamp(max=vocab)), torch.ones((), device=dev), accumulate=True)
         counts = counts[:, :vocab]
         repetition, frequency, presence = (penalties[:, j:j + 1] for j in range(3))
         if "repetition" in g.uses:
-            in_prompt = _scattered(n, vocab, prompted, len(g.prompted[0]), True, dev, torch.bool)
-            seen = (counts > 0) | in_prompt[row_request, :vocab]
+            seen = (counts > 0) | prompt[row_slots, :vocab]
             x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         if "frequency" in g.uses:
             x -= frequency * counts
@@ -148,14 +162,3 @@ def reshape_staged(logits: torch.Tensor, staged: StagedControls, sent: list[torc
         x.index_put_(tuple(held), torch.full((), float("-inf"), device=dev))
     return x
 
-
-def _scattered(n: int, vocab: int, pairs: torch.Tensor, count: int, value, device, dtype=torch.float32) \
-        -> torch.Tensor:
-    """[n, V + 1]: `value` summed (float) or set (bool) at each of the `count` (index, token) pairs, zero / False
-    elsewhere; tokens past V land in the last column (the caller cuts it off). Clamped, not filtered: a filter's
-    size would be read back from the device."""
-    out = torch.zeros(n, vocab + 1, device=device, dtype=dtype)
-    if count:
-        out.index_put_((pairs[0], pairs[1].clamp(max=vocab)), torch.full((), value, device=device, dtype=dtype),
-                       accumulate=dtype != torch.bool)
-    return out

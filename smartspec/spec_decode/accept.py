@@ -21,6 +21,7 @@ import torch
 from smartspec.runtime.model_runner import ForwardItem
 from smartspec.runtime.sampler import (RowControls, StagedRowControls, draw_tokens, seeded_draws, target_probs,
                                        target_probs_rows)
+from smartspec.runtime.token_counts import TokenCounts
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.controlled import ControlledParts
 from smartspec.spec_decode.proposer import Draft
@@ -48,16 +49,17 @@ class _Rows(NamedTuple):
 
 
 def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
-                  eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None) -> Verdicts:
+                  eos_token_ids: Collection[int] = (), grammars: dict[str, RequestGrammar] | None = None,
+                  counts: TokenCounts | None = None) -> Verdicts:
     """items: the step's forward items whose logits rows are `logits`, in order (an item with no rows yields no
-    token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens.
+    token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens;
+    counts: penalized requests' histories kept between steps (runtime/token_counts.py; None: counted whole).
 
-    The stage's host values (the controls' values and the grammars' masks, the sampled rows' sampling controls,
-    the sampled chains' layout, the plain rows) are gathered first and sent in one copy; the sampled requests'
-    probabilities and chain verdicts are then made together. Every row's chosen token (argmax, or a seeded
-    request's), each sampled chain's verdict and the plain rows' draws stay on the logits' device and come to the
-    host in one read for the step, with each row's liveness; only a sampled token tree reads once per level of its
-    own (which children it tries at a level depends on the level above)."""
+    The stage's host values (controls' values, grammars' masks, sampled rows' controls, sampled chains' layout,
+    plain rows) go in one copy; the sampled requests' probabilities and chain verdicts are made together. Every
+    row's chosen token (argmax, or a seeded request's), each sampled chain's verdict and the plain rows' draws come
+    to the host in one read for the step, with each row's liveness; only a sampled token tree reads once per level
+    of its own (its choice at a level depends on the level above)."""
     faults: dict[str, RequestFault] = {}
     grammars = grammars or {}
     parts, row = [], 0
@@ -66,7 +68,8 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
             parts.append(_Rows(it.request, drafts.get(it.request.request_id), row, it.num_logits))
         row += it.num_logits
     batch = HostBatch()
-    controlled = ControlledParts(items, logits.shape[1], drafts, eos_token_ids, grammars, faults, batch)
+    controlled = ControlledParts(items, logits.shape[1], drafts, eos_token_ids, grammars, faults, batch,
+                                 logits.device, counts)
     plain = [p for p in parts if _is_plain(p) and p.request.request_id not in faults]
     plain_rows = batch.ints([p.start for p in plain]) if plain else None
     # one request's probabilities are made alone (target_probs): the batched pass's own operations would outweigh it

@@ -15,6 +15,7 @@ import torch
 
 from smartspec.runtime.logits_controls import ControlledRows, StagedControls, reshape_rows, reshape_staged
 from smartspec.runtime.model_runner import ForwardItem
+from smartspec.runtime.token_counts import TokenCounts
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.proposer import Draft
 from smartspec.structured.matcher import RequestGrammar, StagedMasks, apply_staged_masks, empty_masks
@@ -29,7 +30,9 @@ class ControlledParts:
 
     def __init__(self, items: list[ForwardItem], vocab: int, drafts: dict[str, Draft],
                  eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar],
-                 faults: dict[str, RequestFault], batch: HostBatch) -> None:
+                 faults: dict[str, RequestFault], batch: HostBatch, device: torch.device,
+                 counts: TokenCounts | None = None) -> None:
+        """counts: the penalized requests' histories kept between steps (None: each counted whole this step)."""
         self.parts: list[_Part] = []
         row = 0
         for it in items:
@@ -38,11 +41,12 @@ class ControlledParts:
                 self.parts.append((req, row, _prefixes(drafts.get(req.request_id), n)))
             row += n
         self.eos_token_ids, self.grammars = eos_token_ids, grammars
-        self.controls = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes)
-                         for req, _, prefixes in self.parts]
+        self.controls = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes,
+                                        req.request_id) for req, _, prefixes in self.parts]
         index = [i for _, start, prefixes in self.parts for i in range(start, start + len(prefixes))]
         try:
-            self.staged: StagedControls | None = StagedControls(self.controls, eos_token_ids, vocab, index, batch) \
+            self.staged: StagedControls | None = StagedControls(self.controls, eos_token_ids, vocab, index, batch,
+                                                                device, counts) \
                 if self.parts else None
         except Exception:  # told apart once sent, request by request (_reshaped)
             self.staged = None
