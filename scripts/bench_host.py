@@ -10,6 +10,7 @@ operations (kernel launches on a GPU) of a few more steps, untimed.
 
     python scripts/bench_host.py                    # ~2 min on 2 cores
     python scripts/bench_host.py --rows 64 --steps 20 --drafts chain
+    python scripts/bench_host.py --rows 64 --decoded 3000   # requests 3,000 tokens in: history-bound costs
 
 Prints a table (ms per step by stage) and writes results/bench_host/{stages.parquet, host.png}; the last line:
 `host ms per step: 1 row A; 64 rows B; 256 rows C`, each the slower of chains and trees."""
@@ -101,9 +102,10 @@ class StageClock:
         return ms
 
 
-def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed") \
+def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed", context: int = 512) \
         -> tuple[LLMEngine, InstantRunner]:
-    """An engine over the stand-in for `rows` requests at once: prompt lookup drafting chains or trees of k."""
+    """An engine over the stand-in for `rows` requests of up to `context` tokens at once: prompt lookup drafting
+    chains or trees of k."""
     spec = {"method": "ngram", "num_speculative_tokens": k, "policy": policy}
     if drafts == "tree":
         spec["tree"] = {"max_nodes": k, "max_depth": k, "branching": 2}
@@ -114,8 +116,9 @@ def engine_for(model: str, rows: int, drafts: str, k: int, policy: str = "fixed"
         made.append(InstantRunner(loaded.config.vocab_size, blocks, cycle))
         return made[0]
 
-    config = EngineConfig(model=model, num_kv_blocks=rows * 32 + 64, block_size=16, max_num_seqs=rows,
-                          max_num_batched_tokens=max(512, rows * (k + 1) + PROMPT_TOKENS), max_model_len=512,
+    config = EngineConfig(model=model, num_kv_blocks=rows * (context // 16 + 2) + 64, block_size=16,
+                          max_num_seqs=rows, max_num_batched_tokens=max(512, rows * (k + 1) + PROMPT_TOKENS),
+                          max_model_len=context,
                           quantization=None, use_kernels=False, cuda_graphs=False, speculative_config=spec)
     return LLMEngine(config, runner_factory=runner_factory), made[0]
 
@@ -133,13 +136,15 @@ class DeviceOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed", mix: str = "mixed") \
-        -> dict:
-    """ms per step by stage over `steps` decoding steps of `rows` requests, after every prompt is in."""
-    engine, runner = engine_for(model, rows, drafts, k, policy)
+def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str = "fixed", mix: str = "mixed",
+            decoded: int = 0) -> dict:
+    """ms per step by stage over `steps` decoding steps of `rows` requests, after every prompt is in and the
+    furthest request has decoded `decoded` tokens (the row's `decoded`: their mean)."""
+    context = context_for(k, steps, decoded)
+    engine, runner = engine_for(model, rows, drafts, k, policy, context)
     prompt = (CYCLE_TEXT * (PROMPT_TOKENS // len(CYCLE_TEXT) + 1))[:PROMPT_TOKENS]
     ids = engine.tokenizer(prompt)["input_ids"]
-    max_tokens = 512 - len(ids) - 1  # enough for every measured step at the deepest draft
+    max_tokens = context - len(ids) - 1  # enough for every measured step at the deepest draft
     for i in range(rows):
         engine.add_request(list(ids), params_of(i, max_tokens, mix), request_id=f"r{i}")
     clock = StageClock(engine, runner)
@@ -149,6 +154,9 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
                 engine.step()
             for _ in range(WARM_STEPS):  # first uses (a sampler's generator, a grammar's first masks) are not steady
                 engine.step()
+            while max(r.num_output_tokens for r in engine.requests.values()) < decoded:  # sampled ones trail
+                engine.step()
+            now_decoded = sum(r.num_output_tokens for r in engine.requests.values()) // rows
             clock.reset()
             ks_before, began = sum(engine.stats.chosen_k.values()), time.perf_counter()
             drafted_before = sum(k * n for k, n in engine.stats.chosen_k.items())
@@ -165,16 +173,25 @@ def measure(model: str, rows: int, drafts: str, k: int, steps: int, policy: str 
         raise RuntimeError(f"{rows - len(engine.requests)} requests finished inside the measured steps")
     mean_k = (sum(k * n for k, n in chosen.items()) - drafted_before) / max(1, sum(chosen.values()) - ks_before)
     engine.close()
-    return {"rows": rows, "drafts": drafts, "mix": mix, "k": k, "steps": steps, "mean_k": mean_k,
+    return {"rows": rows, "drafts": drafts, "mix": mix, "k": k, "steps": steps, "decoded": now_decoded,
+            "mean_k": mean_k,
             "host_ms": 1e3 * total_s / steps, **stages, "device_ops": ops.count / COUNTED_STEPS}
+
+
+def context_for(k: int, steps: int, decoded: int) -> int:
+    """The context that holds the prompt, `decoded` tokens and every step measured after them at the deepest
+    draft, in whole blocks."""
+    need = PROMPT_TOKENS + decoded + (k + 1) * (steps + WARM_STEPS + COUNTED_STEPS + 3)
+    return max(512, -(-need // 16) * 16)
 
 
 def print_table(results: list[dict]) -> None:
     columns = ["host_ms", *STAGES, "other"]
-    print(f"{'rows':>5s} {'drafts':>6s} {'mean k':>6s} " + " ".join(f"{c[:12]:>12s}" for c in columns)
+    print(f"{'rows':>5s} {'drafts':>6s} {'mean k':>6s} {'decoded':>7s} " + " ".join(f"{c[:12]:>12s}" for c in columns)
           + f" {'device ops':>10s}")
     for r in results:
-        print(f"{r['rows']:5d} {r['drafts']:>6s} {r['mean_k']:6.2f} " + " ".join(f"{r[c]:12.3f}" for c in columns)
+        print(f"{r['rows']:5d} {r['drafts']:>6s} {r['mean_k']:6.2f} {r['decoded']:7d} "
+              + " ".join(f"{r[c]:12.3f}" for c in columns)
               + f" {r['device_ops']:10.0f}")
 
 
@@ -210,19 +227,20 @@ def main(argv: list[str] | None = None) -> int:
                        help="every request greedy, no controls (the base the mix adds to)")
     kinds.add_argument("--sampled", action="store_true", help="every request sampled (temperature 0.8, top-p 0.9, "
                        "top-k 50, unseeded): chat traffic")
+    ap.add_argument("--decoded", type=int, default=0,
+                    help="tokens the furthest request has decoded before the timed steps (what grows with a request's "
+                         "history shows here)")
     ap.add_argument("--out", default="results/bench_host")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or \
-            args.k * (args.steps + WARM_STEPS + COUNTED_STEPS + 1) > 400:
-        ap.error(f"--rows, --steps and --k must be >= 1, and k x (steps + {WARM_STEPS + COUNTED_STEPS + 1}) at most "
-                 "400 (the context's room)")
+    if min(args.rows) < 1 or args.steps < 1 or args.k < 1 or not 0 <= args.decoded <= 32768:
+        ap.error("--rows, --steps and --k must be >= 1, --decoded from 0 to 32768")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(Path(tmp) / "tiny"))
+        model = str(build_tiny_model(Path(tmp) / "tiny", positions=context_for(args.k, args.steps, args.decoded)))
         for rows in args.rows:
             for drafts in args.drafts:
                 mix = "plain" if args.plain else "sampled" if args.sampled else "mixed"
-                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy, mix))
+                results.append(measure(model, rows, drafts, args.k, args.steps, args.policy, mix, args.decoded))
                 print(f"[{len(results)}/{len(args.rows) * len(args.drafts)}] {rows} rows, {drafts}s: "
                       f"{results[-1]['host_ms']:.2f} ms per step", file=sys.stderr, flush=True)
     print_table(results)

@@ -59,7 +59,7 @@ class LLM:
             m = out.metrics
             first = m.first_token_time
             results.append(CompletionOutput(
-                prompt, self.engine.tokenize(prompt), out.token_ids, out.text, out.finish_reason,
+                prompt, self.engine.tokenize(prompt), list(out.token_ids), out.text, out.finish_reason,
                 None if first is None else first - m.arrival_time, m.finish_time - m.arrival_time,
                 logprobs.get(rid, []) if out.new_logprobs is not None else None, out.prompt_logprobs,
                 m.spec_decode, out.error))

@@ -39,3 +39,29 @@ def test_the_counted_append_ends_where_token_by_token_appending_does():
         assert req.token_ids == before + expected[0]
         reasons.add(got[1])
     assert reasons == {"stop", "length", None}  # every way out was taken
+
+
+def test_each_output_keeps_the_tokens_it_had_after_later_steps(tiny_qwen):
+    """A step's RequestOutput hands on the request's output tokens as they were then, without copying them: after
+    the request has run on, each output still holds exactly the new tokens handed out up to it; it compares equal
+    to that list, slices as it, and pickles as a plain list (a view that kept reading the live tokens would fail)."""
+    import pickle
+
+    from smartspec.config import EngineConfig
+    from smartspec.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_qwen, num_kv_blocks=64, quantization=None, use_kernels=False,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    engine.add_request("abcabcabcabc", SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    engine.close()
+    so_far = []
+    for out in outputs:
+        so_far = so_far + out.new_token_ids
+        assert out.token_ids == so_far and list(out.token_ids) == so_far and len(out.token_ids) == len(so_far)
+        assert out.token_ids[1:-1] == so_far[1:-1] and out.token_ids[::-2] == so_far[::-2]
+        kept = pickle.loads(pickle.dumps(out))
+        assert type(kept.token_ids) is list and kept.token_ids == so_far
+    assert len(outputs) > 3 and len(so_far) == 30

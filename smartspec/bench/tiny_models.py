@@ -22,13 +22,14 @@ def byte_tokenizer():
     return fast
 
 
-def build_tiny_model(path, arch: str = "qwen2", seed: int = 0, tie: bool = False):
-    """A small random model with a real byte-level tokenizer, saved as a Hugging Face directory."""
+def build_tiny_model(path, arch: str = "qwen2", seed: int = 0, tie: bool = False, positions: int = 512):
+    """A small random model with a real byte-level tokenizer and a context of `positions`, saved as a Hugging Face
+    directory."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tokenizer = byte_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=tie,
                   # a wide init makes logits decisive, so reference and engine rarely meet a near-tie
                   initializer_range=0.3)

@@ -1,6 +1,7 @@
 """What a request's caller receives after each step (RequestOutput), and the logprobs taken from a step's rows."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,7 +19,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]  # all output tokens so far
+    token_ids: Sequence[int]  # all output tokens so far (types/request.py OutputTokens: a view, not a copy)
     text: str
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", "error" (the server failed at its part of a step)
@@ -79,6 +80,6 @@ def output_of(req: Request, added: list[int], new_text: str) -> RequestOutput:
     metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time, req.num_preemptions,
                              req.spec.copy())
     new_logprobs = req.logprobs[len(req.logprobs) - len(added):] if req.params.logprobs is not None else None
-    return RequestOutput(req.request_id, added, new_text, req.output_token_ids, req.text, req.finished,
+    return RequestOutput(req.request_id, added, new_text, req.output_tokens(), req.text, req.finished,
                          req.finish_reason, req.num_prompt_tokens, metrics, new_logprobs, req.prompt_logprobs,
                          req.error)

@@ -165,7 +165,7 @@ def calibrate_acceptance(engine, max_tokens: int = CALIBRATION_TOKENS) -> Calibr
     records, answers = [], {}
     while engine.has_unfinished():
         step = engine.run_step(run)
-        answers.update((out.request_id, out.token_ids) for out in step.outputs if out.finished)
+        answers.update((out.request_id, list(out.token_ids)) for out in step.outputs if out.finished)
         if step.record is not None and any(step.record.proposed):
             records.append(step.record)
     calibration = Calibration(records, [(prompts[rid], answers[rid]) for rid in prompts if rid in answers])

@@ -11,7 +11,7 @@ holds (a control a request does not use leaves its rows exactly as they were: x 
 that keeps x), and the step sends what the controls read to the device in one copy, not a few per request."""
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ class ControlledRows:
     prefix (row i follows prompt + output + prefixes[i])."""
     params: SamplingParams
     prompt: list[int]
-    output: list[int]
+    output: Sequence[int]
     prefixes: list[list[int]]
     key: str | None = None  # its history's row in a TokenCounts kept between steps (the request id)
 

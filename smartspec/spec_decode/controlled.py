@@ -41,7 +41,7 @@ class ControlledParts:
                 self.parts.append((req, row, _prefixes(drafts.get(req.request_id), n)))
             row += n
         self.eos_token_ids, self.grammars = eos_token_ids, grammars
-        self.controls = [ControlledRows(req.params, req.prompt_token_ids, req.output_token_ids, prefixes,
+        self.controls = [ControlledRows(req.params, req.prompt_token_ids, req.output_tokens(), prefixes,
                                         req.request_id) for req, _, prefixes in self.parts]
         index = [i for _, start, prefixes in self.parts for i in range(start, start + len(prefixes))]
         try:

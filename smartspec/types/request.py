@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,46 @@ from smartspec.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+
+class OutputTokens(Sequence[int]):
+    """A request's output tokens as of one moment, read from its own token list, not copied: a request's tokens are
+    only ever appended to while it lives, so the first `end` stay as they were. Equal to any sequence of the same
+    tokens; pickled as a list. Each step hands every request's output on: a copy each would grow with the output.
+    """
+    __slots__ = ("_tokens", "_start", "_end")
+
+    def __init__(self, tokens: list[int], start: int, end: int) -> None:
+        self._tokens, self._start, self._end = tokens, start, end
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            a, b, step = index.indices(len(self))
+            if step == 1:
+                return self._tokens[self._start + a:self._start + max(a, b)]
+            return [self._tokens[self._start + i] for i in range(a, b, step)]
+        if not -len(self) <= index < len(self):
+            raise IndexError("output token index out of range")
+        return self._tokens[self._start + index % len(self)]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._end)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (OutputTokens, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which have none
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +106,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def output_tokens(self) -> OutputTokens:
+        """Its output tokens as they are now, without copying them (output_token_ids copies)."""
+        return OutputTokens(self.token_ids, self.num_prompt_tokens, len(self.token_ids))
 
     @property
     def num_output_tokens(self) -> int:
