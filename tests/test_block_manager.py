@@ -122,3 +122,40 @@ def test_cached_tokens_is_what_match_prefix_takes_and_takes_nothing():
         assert looked == bm.match_prefix(late, late.num_tokens - 1) == 4 * shared
         bm.free(late)
     assert BlockManager(8, 4).cached_tokens(list(range(100, 113)), 12) == 0  # no prefix caching: nothing
+
+
+def test_a_block_table_reads_as_the_list_it_stands_for():
+    """Random appends (past its array's first size), pops and clears: the table reads as a list kept alongside
+    (length, truth, indexing from either end, slices, iteration both ways, equality, its array, a pickled copy);
+    an index past either end and a pop of an empty table raise as a list's do."""
+    import pickle
+    import random
+
+    from smartspec.types.block_table import BlockTable
+
+    rng = random.Random(0)
+    table, mirror = BlockTable([5, 6]), [5, 6]
+    for step in range(3000):
+        roll = rng.random()
+        if roll < 0.6:
+            block = rng.randrange(10 ** 6)
+            table.append(block)
+            mirror.append(block)
+        elif roll < 0.97 and mirror:
+            assert table.pop() == mirror.pop()
+        elif roll >= 0.97:
+            table.clear()
+            mirror.clear()
+        assert len(table) == len(mirror) and bool(table) == bool(mirror) and table == mirror and mirror == table
+        if mirror:
+            i = rng.randrange(-len(mirror), len(mirror))
+            a, b = sorted(rng.randrange(-len(mirror) - 2, len(mirror) + 2) for _ in range(2))
+            assert table[i] == mirror[i] and table[a:b] == mirror[a:b] and table[::-3] == mirror[::-3]
+            assert list(table) == mirror and list(reversed(table)) == mirror[::-1]
+            assert table.array().tolist() == mirror and pickle.loads(pickle.dumps(table)) == mirror
+    assert table != mirror + [1] and len(table.array()) == len(mirror)
+    with pytest.raises(IndexError):
+        table[len(mirror)]
+    table.clear()
+    with pytest.raises(IndexError):
+        table.pop()

@@ -66,7 +66,7 @@ def prepare_step(items: list[ForwardItem], blocks: BlockManager) -> StepInputs:
     widths = [len(item.request.block_table) for item in items]
     tables = np.zeros((rows, max(widths)), dtype=np.int32)
     for row, item in enumerate(items):
-        tables[row, :widths[row]] = item.request.block_table
+        tables[row, :widths[row]] = item.request.block_table.array()
     block = stored // blocks.block_size
     if (block >= np.asarray(widths, dtype=np.int64)[seq_of]).any():
         raise IndexError("a token is stored past its request's block table")

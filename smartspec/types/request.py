@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from smartspec.types.block_table import BlockTable
 from smartspec.types.logprobs import TokenLogprob
 from smartspec.types.metrics import SpecDecodeMetrics
 from smartspec.types.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt + output
     # Tokens whose KV is in the cache. A request is due for its next token when all but the last are computed.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # finish reason "error": what failed, for its caller (types/faults.py)
