@@ -53,6 +53,39 @@ def test_the_draft_keeps_what_the_target_committed_and_catches_up_on_the_rest(ta
     assert draft.blocks.num_free == draft.blocks.num_blocks and not draft.state
 
 
+def test_the_drafts_state_follows_the_target_step_after_step(target, tiny_qwen):
+    """Many steps of random outcomes (k from 0 to 4, a random number of drafts accepted, the target's own token
+    differing from the next draft), the target's token list sometimes replaced by an equal copy (as the draft
+    actor's mirror is), synced after some steps and otherwise at the next proposal: after each sync the draft's tokens are the target's, and the KV it keeps is exactly its fed
+    tokens up to the first the target did not take. Fails if the sync trusted more than it compared."""
+    import random
+
+    rng = random.Random(3)
+    draft = draft_of(target, tiny_qwen, num_blocks=128)
+    req = Request("r", list(PROMPT), SamplingParams(max_tokens=400, ignore_eos=True))
+    for step in range(60):
+        k = rng.choice([0, 1, 2, 4])
+        fed = len(req.token_ids)
+        drafts = draft.propose([req], [k]).tokens[0] if k else []
+        if drafts:
+            fed += len(drafts) - 1  # every draft but the last was fed
+        taken = rng.randrange(len(drafts) + 1)
+        own = rng.choice([t for t in range(50, 60) if taken == len(drafts) or t != drafts[taken]])
+        agreed = len(req.token_ids) + taken  # the target's tokens the draft's state shares
+        req.token_ids += drafts[:taken] + [own]
+        if rng.random() < 0.3:
+            req.token_ids = list(req.token_ids)
+        if rng.random() < 0.5:  # else the next proposal syncs it, several tokens on (the actor's mirror, at k = 0)
+            continue
+        draft.sync(req)
+        if "r" in draft.state:
+            ds = draft.state["r"]
+            assert ds.token_ids == req.token_ids, step
+            if drafts:
+                assert ds.num_computed_tokens == min(fed, agreed), step
+    assert "r" in draft.state and len(req.token_ids) > 80
+
+
 def test_a_long_context_is_caught_up_in_pieces_and_drafts_as_if_read_at_once(target, tiny_qwen, monkeypatch):
     """Pieces of 3 tokens (the real ones are 256): two requests of 7 and 11 tokens read in pieces, then their last
     token, and drafted the target's own tokens (the draft is the target); the catch-up counted is the whole."""

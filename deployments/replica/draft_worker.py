@@ -112,7 +112,7 @@ class DraftWorker:
             elif mirror is None or row.offset > mirror.num_tokens:
                 unknown.append(row.request_id)
                 continue
-            mirror.token_ids = mirror.token_ids[:row.offset] + list(row.new_tokens)
+            mirror.token_ids[row.offset:] = row.new_tokens  # in place: the part before offset is as it was
             requests.append(mirror)
             ks.append(row.k)
         proposal = self.proposer.propose(requests, ks) if requests else Proposal([], [])

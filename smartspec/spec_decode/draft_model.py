@@ -56,19 +56,30 @@ class DraftModelProposer(Proposer):
         # request -> the tokens of its context the prefix cache held when the policy first asked, until the draft
         # reads it: asked at every full plan, looked up in the cache once (its blocks hashed)
         self._cached_at_start: dict[str, int] = {}
+        self._synced: dict[str, int] = {}  # request -> its leading tokens the draft's state shares (_sync_state)
 
     @property
     def draft_available(self) -> bool:
         return self.available
 
     def _sync_state(self, req: Request) -> Request:
+        """The draft's state of `req`, its tokens made the target's. A target request's tokens are only appended
+        to, so the draft's agree with them up to where the two were last made equal (`_synced`): only the tokens
+        past that are compared (the drafts appended since, against the target's new tokens) and replaced, the same
+        work whatever the context's length."""
         ds = self.state.get(req.request_id)
         if ds is None:
             ds = self.state[req.request_id] = Request(req.request_id, req.prompt_token_ids, req.params)
             self._cached_at_start.pop(req.request_id, None)
-        valid = min(ds.num_computed_tokens, _common_prefix(ds.token_ids, req.token_ids))
+            self._synced.pop(req.request_id, None)
+        known = self._synced.get(req.request_id, 0)
+        if known > min(len(ds.token_ids), len(req.token_ids)):  # not the request it was synced to: from the start
+            known = 0
+        common = known + _common_prefix(ds.token_ids[known:], req.token_ids[known:])
+        valid = min(ds.num_computed_tokens, common)
         self.blocks.truncate(ds, valid)
-        ds.token_ids = list(req.token_ids)
+        ds.token_ids[common:] = req.token_ids[common:]
+        self._synced[req.request_id] = len(ds.token_ids)
         if not ds.block_table:  # new, or every token rejected: start from the cached blocks of its prefix
             self.blocks.match_prefix(ds, ds.num_tokens - 1)
         self.blocks.register(ds, valid)  # the target committed these: they are never rewritten
@@ -92,6 +103,7 @@ class DraftModelProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._cached_at_start.pop(request_id, None)
+        self._synced.pop(request_id, None)
         ds = self.state.pop(request_id, None)
         if ds is not None:
             self.blocks.free(ds)
