@@ -28,7 +28,7 @@ def counted_afresh(prompt: list[int], output: list[int]) -> tuple[torch.Tensor, 
 def update(kept: TokenCounts, requests: list[CountRequest]):
     batch = HostBatch()
     staged = kept.stage(requests, V, CPU, batch)
-    return staged, kept.apply(staged, batch.send(CPU), V)
+    return staged, kept.apply(staged, batch.send(CPU))
 
 
 def test_each_row_is_its_whole_history_through_a_random_life_of_requests():
@@ -58,7 +58,7 @@ def test_each_row_is_its_whole_history_through_a_random_life_of_requests():
             broken = staged.counted if fate < 0.15 else staged.prompted
             sent[broken[0]], sent[broken[1]] = torch.tensor([10 ** 6]), torch.tensor([0])
             with pytest.raises(IndexError):
-                kept.apply(staged, sent, V)
+                kept.apply(staged, sent)
         else:
             staged, (output, marks) = update(kept, requests)
             for r, slot in zip(requests, staged.slots):

@@ -140,7 +140,7 @@ def reshape_staged(logits: torch.Tensor, staged: StagedControls, sent: list[torc
     x = logits.to(torch.float32, copy=True) if staged.rows is None else logits[ints[0]].float()
     row_request, row_slots, drafted, biased, held = ints[1], ints[2], ints[3:5], ints[5:7], ints[7:9]
     if staged.staged_counts is not None:  # the history's tokens past V counted in a column of their own, cut off
-        output, prompt = staged.counts.apply(staged.staged_counts, sent, vocab)
+        output, prompt = staged.counts.apply(staged.staged_counts, sent)
         counts = output[row_slots]
         if g.drafted[0]:
             counts.index_put_((drafted[0], drafted[1].clamp(max=vocab)), torch.ones((), device=dev), accumulate=True)

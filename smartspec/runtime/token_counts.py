@@ -81,13 +81,13 @@ class TokenCounts:
         return StagedCounts(slots, batch.ints(fresh), (batch.ints(counted[0]), batch.ints(counted[1])),
                             (batch.ints(prompted[0]), batch.ints(prompted[1])), done)
 
-    def apply(self, staged: StagedCounts, sent: list[torch.Tensor], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, staged: StagedCounts, sent: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a staged update (`sent`: the step's batch on the device): fresh rows cleared and filled, the new
         tokens counted. Returns (output counts, prompt marks), every row [rows, V + 1]. An update that fails
         forgets its rows (filled from nothing next time) and raises."""
         assert self.output is not None and self.prompt is not None
         try:
-            fresh, dev = sent[staged.fresh], self.output.device
+            fresh, dev, vocab = sent[staged.fresh], self.output.device, self.output.shape[1] - 1
             if fresh.numel():
                 self.output.index_fill_(0, fresh, 0.0)
                 self.prompt.index_fill_(0, fresh, False)

@@ -68,8 +68,7 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
             parts.append(_Rows(it.request, drafts.get(it.request.request_id), row, it.num_logits))
         row += it.num_logits
     batch = HostBatch()
-    controlled = ControlledParts(items, logits.shape[1], drafts, eos_token_ids, grammars, faults, batch,
-                                 logits.device, counts)
+    controlled = ControlledParts(items, logits, drafts, eos_token_ids, grammars, faults, batch, counts)
     plain = [p for p in parts if _is_plain(p) and p.request.request_id not in faults]
     plain_rows = batch.ints([p.start for p in plain]) if plain else None
     # one request's probabilities are made alone (target_probs): the batched pass's own operations would outweigh it

@@ -28,11 +28,11 @@ _Part = tuple[Request, int, list[list[int]]]  # a request, its first row in the 
 class ControlledParts:
     """The step's controlled requests, staged on the host (`__init__`), reshaped and masked once sent (`rows`)."""
 
-    def __init__(self, items: list[ForwardItem], vocab: int, drafts: dict[str, Draft],
+    def __init__(self, items: list[ForwardItem], logits: torch.Tensor, drafts: dict[str, Draft],
                  eos_token_ids: Collection[int], grammars: dict[str, RequestGrammar],
-                 faults: dict[str, RequestFault], batch: HostBatch, device: torch.device,
-                 counts: TokenCounts | None = None) -> None:
-        """counts: the penalized requests' histories kept between steps (None: each counted whole this step)."""
+                 faults: dict[str, RequestFault], batch: HostBatch, counts: TokenCounts | None = None) -> None:
+        """logits: the step's, read here for their width and device only (their rows once sent: `rows`); counts:
+        the penalized requests' histories kept between steps (None: each counted whole this step)."""
         self.parts: list[_Part] = []
         row = 0
         for it in items:
@@ -45,8 +45,8 @@ class ControlledParts:
                                         req.request_id) for req, _, prefixes in self.parts]
         index = [i for _, start, prefixes in self.parts for i in range(start, start + len(prefixes))]
         try:
-            self.staged: StagedControls | None = StagedControls(self.controls, eos_token_ids, vocab, index, batch,
-                                                                device, counts) \
+            self.staged: StagedControls | None = StagedControls(self.controls, eos_token_ids, logits.shape[1], index,
+                                                                batch, logits.device, counts) \
                 if self.parts else None
         except Exception:  # told apart once sent, request by request (_reshaped)
             self.staged = None

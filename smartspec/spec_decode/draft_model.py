@@ -71,7 +71,6 @@ class DraftModelProposer(Proposer):
         if ds is None:
             ds = self.state[req.request_id] = Request(req.request_id, req.prompt_token_ids, req.params)
             self._cached_at_start.pop(req.request_id, None)
-            self._synced.pop(req.request_id, None)
         known = self._synced.get(req.request_id, 0)
         if known > min(len(ds.token_ids), len(req.token_ids)):  # not the request it was synced to: from the start
             known = 0
