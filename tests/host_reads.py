@@ -5,9 +5,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class HostReads(TorchDispatchMode):
     """The operations that bring a value to the host, or a host value to the tensor's device: inside a CUDA graph
-    capture each is an error (or a value frozen at capture)."""
+    capture each is an error (or a value frozen at capture). multinomial: one operation here, but it reads its
+    input's checks back to the host twice a call (ATen's Distributions.cpp: `.item()` twice) before it draws."""
     SYNCS = {"item", "_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_consecutive",
-             "_unique2", "unique_dim", "lift_fresh", "allclose"}
+             "_unique2", "unique_dim", "lift_fresh", "allclose", "multinomial"}
 
     def __init__(self):
         super().__init__()

@@ -47,6 +47,57 @@ def test_best_first_keeps_a_tree_and_sibling_order():
     assert tree.tokens == [1, 2]
 
 
+def test_a_trees_walks_match_a_scan_of_its_parents():
+    """children, child, follow and the greedy path (kept indexes) against a scan of every node, on random trees
+    of every shape best_first and select make, walked by token sequences that stop anywhere."""
+    import random
+
+    from smartspec.spec_decode.rejection_sampler import greedy_path
+    from smartspec.types.tree import count_trie
+
+    def scanned_follow(tree, tokens):
+        path, node = [], -1
+        for tok in tokens:
+            nxt = next((c for c in range(len(tree)) if tree.parents[c] == node and tree.tokens[c] == tok), None)
+            if nxt is None:
+                return path
+            path.append(nxt)
+            node = nxt
+        return path
+
+    rng = random.Random(7)
+    for _ in range(300):
+        follows = [[rng.randrange(5) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 9))]
+        tokens, parents, counts = count_trie(follows, rng.choice([None, 2, 3]))
+        tree = best_first(tokens, parents, [rng.random() for _ in tokens], [1.0] * len(tokens),
+                          limit=rng.randint(1, 12))
+        if len(tree) > 2 and rng.random() < 0.5:
+            keep = sorted({i for i in rng.sample(range(len(tree)), 2) for i in _with_ancestors(tree, i)})
+            tree = tree.select(keep)
+        for node in range(-1, len(tree)):
+            assert list(tree.children(node)) == [i for i, p in enumerate(tree.parents) if p == node]
+            for tok in range(6):
+                found = [i for i in tree.children(node) if tree.tokens[i] == tok]
+                assert tree.child(node, tok) == (found[0] if found else None)
+        for walk in follows + [[rng.randrange(6) for _ in range(6)] for _ in range(3)]:
+            path = scanned_follow(tree, walk)
+            assert tree.follow(walk) == path
+            best = [rng.randrange(6) for _ in range(len(tree) + 1)]
+            greedy, node = [], -1
+            while True:
+                greedy.append(best[node + 1])
+                node = next((c for c in tree.children(node) if tree.tokens[c] == best[node + 1]), None)
+                if node is None:
+                    break
+            assert greedy_path(best, tree) == greedy
+
+
+def _with_ancestors(tree, node):
+    while node >= 0:
+        yield node
+        node = tree.parents[node]
+
+
 def test_ngram_tree_merges_matches():
     proposer = NgramTreeProposer(max_depth=3, branching=4, n_max=2, n_min=1)
     tokens = [7, 1, 2, 9, 7, 1, 3, 9, 7, 1, 2, 8, 7, 1]

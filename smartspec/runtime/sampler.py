@@ -86,26 +86,78 @@ def target_probs_rows(logits: torch.Tensor, controls: RowControls) -> torch.Tens
     return probs
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """torch.multinomial(probs, 1, generator=generator): a token per row of probs [..., V] (shape [..., 1]) by the
+    same exponential race on the same stream (on a CPU, the same tokens), without multinomial's checks of its input:
+    two host reads at every call (ATen's Distributions.cpp), each a wait for a GPU. The step checks its rows itself,
+    in its one read: a row with no finite logit ends its request, whatever is drawn from it. An exponential draw of
+    exactly 0 (p / 0: inf, or NaN at p = 0, which argmax would take) counts as the smallest normal float."""
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1, keepdim=True)
+
+
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[R] a token per row of probs [R, V], row i's from generators[i]: each run of rows sharing one generator in
+    one draw (unseeded requests share the engine's), the same tokens as a draw a row, in order, on a CPU."""
+    return torch.cat([draw(probs[start:end], gen).view(-1) for start, end, gen in _runs(generators)])
+
+
+def _runs(keys: list) -> list[tuple[int, int, object]]:
+    """(start, end, key) of each run of consecutive equal keys (the same object)."""
+    runs, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] is not keys[start]:
+            runs.append((start, i, keys[start]))
+            start = i
+    return runs
+
+
+_ARGMAX = object()  # draw_tokens' key of a row that keeps its argmax
+
+
 def draw_tokens(logits: torch.Tensor, best: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], probs: torch.Tensor | None = None) \
         -> tuple[torch.Tensor, dict[int, Exception]]:
     """One token per row of logits [R, V], left on the logits' device (the step reads its tokens back once, not a
     row at a time): best, the rows' argmax, for the greedy rows; each sampled row drawn from its own generator, from
-    probs [R, V] where the rows' target probabilities were made together (target_probs_rows), else its own.
-    A row whose draw raises keeps its argmax and is returned by row with its exception: one request's failure is
-    its own, never its neighbours'."""
-    tokens, failed = [], {}
+    probs [R, V] where the rows' target probabilities were made together (target_probs_rows), else its own. Rows
+    sharing a generator are drawn together (draw_rows), by slices of the rows: no index to send, nothing read.
+    A row whose probabilities or draw raise keeps its argmax and is returned by row with its exception: one
+    request's failure is its own, never its neighbours'."""
+    failed: dict[int, Exception] = {}
+    own: list[torch.Tensor | None] = [None] * len(params)
     for row, p in enumerate(params):
-        token = best[row:row + 1]
-        if not p.greedy:
+        if not p.greedy and probs is None:
             try:
-                row_probs = target_probs(logits[row], p) if probs is None else probs[row]
-                token = torch.multinomial(row_probs, 1, generator=generators[row])
+                own[row] = target_probs(logits[row], p)
             except Exception as exc:
                 failed[row] = exc
-        tokens.append(token)
-    # the rows' tokens in place, put together on the device (no index of the drawn rows to send)
-    return (torch.cat(tokens) if tokens else best), failed
+    keys = [_ARGMAX if p.greedy or row in failed else generators[row] for row, p in enumerate(params)]
+    pieces = []
+    for start, end, gen in _runs(keys):
+        if gen is _ARGMAX:
+            pieces.append(best[start:end])
+            continue
+        block = probs[start:end] if probs is not None else torch.stack(own[start:end])
+        try:
+            pieces.append(draw(block, gen).view(-1))
+        except Exception:  # told apart row by row
+            pieces.extend(_drawn_alone(block, best[start:end], gen, start, failed))
+    # the rows' tokens in place, put together on the device
+    return (torch.cat(pieces) if pieces else best), failed
+
+
+def _drawn_alone(block: torch.Tensor, best: torch.Tensor, generator: torch.Generator | None, start: int,
+                 failed: dict[int, Exception]) -> list[torch.Tensor]:
+    """A run's rows drawn one at a time, a row whose draw raises keeping its argmax (entered in failed)."""
+    out = []
+    for i in range(len(block)):
+        try:
+            out.append(draw(block[i], generator))
+        except Exception as exc:
+            failed[start + i] = exc
+            out.append(best[i:i + 1])
+    return out
 
 
 _MASK64 = (1 << 64) - 1

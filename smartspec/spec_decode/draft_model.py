@@ -14,7 +14,7 @@ from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
-from smartspec.runtime.sampler import seeded_draws, target_probs
+from smartspec.runtime.sampler import draw, seeded_draws, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
 from smartspec.spec_decode.draft_sampling import DraftSampling
 from smartspec.spec_decode.proposer import Proposal, Proposer
@@ -134,7 +134,7 @@ class DraftModelProposer(Proposer):
                 seeded.append((row, q, (req.params.seed, ds.num_tokens)))
                 own.append(None)  # filled below, drawn with the other seeded rows
             else:
-                own.append(torch.multinomial(q, 1, generator=req.generator))
+                own.append(draw(q, req.generator))
         if seeded:
             tokens = seeded_draws([q for _, q, _ in seeded], [key for _, _, key in seeded])
             for (row, _, _), token in zip(seeded, tokens.split(1)):

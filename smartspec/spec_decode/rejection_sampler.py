@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from smartspec.runtime.sampler import target_probs
+from smartspec.runtime.sampler import draw, target_probs
 from smartspec.runtime.upload import upload_lists
 from smartspec.types.sampling_params import SamplingParams
 from smartspec.types.tree import TokenTree
@@ -65,7 +65,7 @@ def sampled_verdict(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         last_or_residual = torch.where(n < q.shape[0], torch.clamp(last - q_n, min=0.0), last)
     # p == q up to rounding leaves no residual: the rejection had probability ~0, so draw from p
     residual = torch.where(last_or_residual.sum() > 0.0, last_or_residual, last)
-    return torch.cat([n.view(1), torch.multinomial(residual, 1, generator=generator)])
+    return torch.cat([n.view(1), draw(residual, generator)])
 
 
 def accept_tree_greedy(target_logits: torch.Tensor, tree: TokenTree) -> list[int]:
@@ -79,7 +79,7 @@ def greedy_path(best: list[int], tree: TokenTree) -> list[int]:
     out, node = [], -1
     while True:
         tok = best[node + 1]
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == tok), None)
+        nxt = tree.child(node, tok)
         out.append(tok)
         if nxt is None:
             return out
@@ -120,7 +120,7 @@ def accept_tree_sampled(p: torch.Tensor, tree: TokenTree, generator: torch.Gener
                 q = torch.where(q_mass > 0, q / q_mass, q)
             mass = nxt.sum()  # 0: r == q' up to rounding, the rejection had probability ~0; r stays
             residual = torch.where(mass > 0.0, nxt / mass, residual)
-        drawn = torch.multinomial(residual, 1, generator=generator)
+        drawn = draw(residual, generator)
         *accepted, token = torch.cat([torch.stack(trials).long(), drawn] if trials else [drawn]).tolist()
         first = next((j for j, a in enumerate(accepted) if a), None)
         if first is None:

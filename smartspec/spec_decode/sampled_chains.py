@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from smartspec.runtime.sampler import draw_rows
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.proposer import Draft
 
@@ -75,5 +76,5 @@ class StagedChains:
             residual = torch.where(has_q[:, None], with_q, residual)
         # p == q up to rounding leaves no residual: the rejection had probability ~0, so draw from p
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0.0, residual, last)
-        drawn = torch.cat([torch.multinomial(residual[i], 1, generator=g) for i, g in enumerate(generators)])
+        drawn = draw_rows(residual, generators)
         return torch.stack([n, drawn], dim=1)

@@ -7,6 +7,7 @@ distribution without the ones before it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,8 +55,30 @@ class TokenTree:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
-    def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+    def children(self, node: int) -> tuple[int, ...]:
+        """The node's children (-1: the root's) in draw order."""
+        return self._children.get(node, ())
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` (-1: the root) that holds `token`, if one does (siblings' tokens are distinct)."""
+        return self._child_by_token.get((node, token))
+
+    # A tree is built whole and never grown: its indexes are made at the first walk down it and kept (verifying
+    # and committing walk each tree several times a step; a scan of every parent per level was a tenth of a
+    # 256-request step of prompt-lookup trees).
+    @cached_property
+    def _children(self) -> dict[int, tuple[int, ...]]:
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+        return {p: tuple(nodes) for p, nodes in out.items()}
+
+    @cached_property
+    def _child_by_token(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for i, (p, tok) in enumerate(zip(self.parents, self.tokens)):
+            out.setdefault((p, tok), i)  # the first of equal siblings, as a scan in draw order finds
+        return out
 
     def ancestor_masks(self) -> list[int]:
         """For the root and every node, as signed 64-bit ints: bit 0 is the root, bit i + 1 is node i; a token sees
@@ -74,9 +97,9 @@ class TokenTree:
 
     def follow(self, tokens: list[int]) -> list[int]:
         """The nodes a sequence of accepted tokens walks down from the root (siblings' tokens are distinct)."""
-        path, node = [], -1
+        path, node, child = [], -1, self._child_by_token
         for tok in tokens:
-            nxt = next((c for c in self.children(node) if self.tokens[c] == tok), None)
+            nxt = child.get((node, tok))
             if nxt is None:
                 break
             path.append(nxt)
