@@ -50,3 +50,25 @@ def test_draft_distributions_made_together_give_the_same_drafts_and_outputs(tiny
     for (tokens, probs), (tokens_alone, probs_alone) in zip(proposed, proposed_alone):
         assert tokens == tokens_alone
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(probs, probs_alone))
+
+
+def test_unseeded_draft_rows_are_drawn_in_one_race_as_a_row_at_a_time(tiny_qwen, tiny_qwen_draft, monkeypatch):
+    """The unseeded sampled rows of a depth (sharing the engine's generator) drawn in one race give the drafts and
+    outputs that a draw a row gives, in order (torch.multinomial's, the same stream)."""
+    import smartspec.spec_decode.draft_model as draft_model
+
+    races, real = [], draft_model.draw_rows
+
+    def counted(probs, generators):
+        races.append(len(probs))
+        return real(probs, generators)
+    monkeypatch.setattr(draft_model, "draw_rows", counted)
+    together, proposed = run(tiny_qwen, tiny_qwen_draft, monkeypatch)
+    assert proposed and max(races) == 3  # the three unseeded sampled requests' rows of a depth in one call
+
+    def a_row_at_a_time(probs, generators):
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    monkeypatch.setattr(draft_model, "draw_rows", a_row_at_a_time)
+    alone, proposed_alone = run(tiny_qwen, tiny_qwen_draft, monkeypatch)
+    assert together == alone
+    assert [tokens for tokens, _ in proposed] == [tokens for tokens, _ in proposed_alone]

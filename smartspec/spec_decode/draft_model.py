@@ -14,7 +14,7 @@ from smartspec.models import load_model
 from smartspec.runtime.block_manager import BlockManager
 from smartspec.runtime.logits_controls import ControlledRows, reshape_rows
 from smartspec.runtime.model_runner import ForwardItem, ModelRunner
-from smartspec.runtime.sampler import draw, seeded_draws, target_probs
+from smartspec.runtime.sampler import draw_rows, seeded_draws, target_probs
 from smartspec.spec_decode.draft_runtime import DraftRuntime
 from smartspec.spec_decode.draft_sampling import DraftSampling
 from smartspec.spec_decode.proposer import Proposal, Proposer
@@ -119,10 +119,12 @@ class DraftModelProposer(Proposer):
               probs: list[list[torch.Tensor] | None]) -> torch.Tensor:
         """A depth's tokens, one a row of `live`, on the device: greedy rows' argmax in one pass over the model's
         rows (a row its controls reshaped takes its own), seeded rows drawn together with the noise the target's
-        token will be drawn with there (seeded_draws), the others each from its own generator. Each sampled row's
-        distribution q is kept in probs."""
+        token will be drawn with there (seeded_draws), the others each from its own generator, rows sharing one
+        drawn together (draw_rows: unseeded requests share the engine's). Each sampled row's distribution q is
+        kept in probs."""
         own: list[torch.Tensor | None] = []  # a row's own token (None: the argmax over the model's rows)
         seeded: list[tuple[int, torch.Tensor, tuple[int, int]]] = []  # (row, q, its noise's key)
+        unseeded: list[tuple[int, torch.Tensor, torch.Generator | None]] = []  # (row, q, its generator)
         for row, (i, ds, _) in enumerate(live):
             req = requests[i]
             if req.params.greedy:
@@ -134,10 +136,15 @@ class DraftModelProposer(Proposer):
                 seeded.append((row, q, (req.params.seed, ds.num_tokens)))
                 own.append(None)  # filled below, drawn with the other seeded rows
             else:
-                own.append(draw(q, req.generator))
+                unseeded.append((row, q, req.generator))
+                own.append(None)  # filled below, drawn with the other unseeded rows
         if seeded:
             tokens = seeded_draws([q for _, q, _ in seeded], [key for _, _, key in seeded])
             for (row, _, _), token in zip(seeded, tokens.split(1)):
+                own[row] = token
+        if unseeded:
+            tokens = draw_rows(torch.stack([q for _, q, _ in unseeded]), [g for _, _, g in unseeded])
+            for (row, _, _), token in zip(unseeded, tokens.split(1)):
                 own[row] = token
         if own and all(t is not None for t in own):  # every row has its own token: no argmax over all rows
             return torch.cat(own)
