@@ -27,6 +27,7 @@ from smartspec.spec_decode.controlled import ControlledParts
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
 from smartspec.spec_decode.sampled_chains import StagedChains
+from smartspec.spec_decode.sampled_trees import StagedTrees
 from smartspec.structured.matcher import RequestGrammar
 from smartspec.types.faults import RequestFault, fault_of, stage
 from smartspec.types.logprobs import rows_of_new_tokens
@@ -55,11 +56,11 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     token); drafts: request -> its draft; grammars: structured requests' grammars at their committed tokens;
     counts: penalized requests' histories kept between steps (runtime/token_counts.py; None: counted whole).
 
-    The stage's host values (controls' values, grammars' masks, sampled rows' controls, sampled chains' layout,
-    plain rows) go in one copy; the sampled requests' probabilities and chain verdicts are made together. Every
-    row's chosen token (argmax, or a seeded request's), each sampled chain's verdict and the plain rows' draws come
-    to the host in one read for the step, with each row's liveness; only a sampled token tree reads once per level
-    of its own (its choice at a level depends on the level above)."""
+    The stage's host values (controls' values, grammars' masks, sampled rows' controls, sampled chains' and trees'
+    layouts, plain rows) go in one copy; the sampled requests' probabilities, chain verdicts and tree walks are made
+    together. Every row's chosen token (argmax, or a seeded request's), each sampled chain's verdict, each sampled
+    tree's tokens and the plain rows' draws come to the host in one read for the step, with each row's liveness
+    (a sampled tree verified alone, where the walk together failed, reads once a level of its own)."""
     faults: dict[str, RequestFault] = {}
     grammars = grammars or {}
     parts, row = [], 0
@@ -77,12 +78,7 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     sampled = [p for p in parts if _is_sampled(p) and p.request.request_id not in faults]
     controls = StagedRowControls([p.request.params for p in sampled for _ in range(p.count)], logits.shape[1],
                                  batch) if len(sampled) > 1 else None
-    chains = [p for p in sampled if _is_sampled_chain(p)]
-    staged_chains = None
-    if chains:  # each chain's first row among the sampled parts' rows
-        at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
-                                                                                     initial=0)))
-        staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch)
+    chains, staged_chains, trees, staged_trees = _staged_drafts(sampled, batch)
     sent = batch.send(logits.device)
     step = _StepRows(logits, controlled.rows(logits, sent, faults), faults, plain,
                      None if plain_rows is None else sent[plain_rows],
@@ -91,12 +87,28 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
         step.sample_probs(sampled, controls.on(sent))
     if staged_chains is not None:
         step.verify_chains(chains, staged_chains, sent)
+    if staged_trees is not None:
+        step.verify_trees(trees, staged_trees, sent)
     for part in parts:
         if part.request.request_id not in faults and not _is_plain(part):
             step.take(part)
     step.draw_seeded()
     step.draw_plain()
     return step.verdicts(step.read(), grammars)
+
+
+def _staged_drafts(sampled: list[_Rows], batch: HostBatch) \
+        -> tuple[list[_Rows], StagedChains | None, list[_Rows], StagedTrees | None]:
+    """The sampled chains and trees verified together, and their layouts staged in the step's batch."""
+    chains = [p for p in sampled if _is_sampled_chain(p)]
+    trees = [p for p in sampled if _is_sampled_tree(p)]
+    # each part's first row among the sampled parts' rows
+    at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
+                                                                                 initial=0)))
+    return (chains, StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch)
+            if chains else None,
+            trees, StagedTrees([p.draft.tree for p in trees], [at[p.request.request_id] for p in trees], batch)
+            if trees else None)
 
 
 def _is_plain(part: _Rows) -> bool:
@@ -117,6 +129,12 @@ def _is_sampled_chain(part: _Rows) -> bool:
     params, draft = part.request.params, part.draft
     return draft is not None and draft.tree is None and bool(draft.tokens) and not params.greedy \
         and params.seed is None
+
+
+def _is_sampled_tree(part: _Rows) -> bool:
+    """An unseeded sampled request with a token tree: walked with the step's other such trees (sampled_trees.py)."""
+    params, draft = part.request.params, part.draft
+    return draft is not None and draft.tree is not None and not params.greedy and params.seed is None
 
 
 class _StepRows:
@@ -147,6 +165,8 @@ class _StepRows:
         self.sampled_p: torch.Tensor | None = None  # the sampled parts' target probabilities, made together,
         self.probs: dict[str, torch.Tensor] = {}  # and each part's rows of them (sample_probs)
         self.chain_at: dict[str, int] = {}  # where each sampled chain's verdict, made together, sits in the read
+        # where the sampled trees' answer, walked together, sits in the read; its trees and each one's column
+        self.trees: tuple[int, StagedTrees, dict[str, int]] | None = None
 
     def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
         """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
@@ -186,6 +206,25 @@ class _StepRows:
         self.chain_at = {p.request.request_id: self.at + 2 * i for i, p in enumerate(chains)}
         self.at += 2 * len(chains)
 
+    def verify_trees(self, trees: list[_Rows], staged: StagedTrees, sent: list[torch.Tensor]) -> None:
+        """The sampled trees walked together (sampled_trees.py), their answer put in the read; where the
+        probabilities were not made together or the walk fails, each tree is verified alone as it is taken (a
+        failure there is its own)."""
+        try:
+            if self.sampled_p is not None:
+                probs = self.sampled_p
+            elif len(trees) == 1:  # the one sampled part: its own probabilities, its root at row 0 as staged
+                with stage("sampling"):
+                    probs = self._probs(trees[0])
+            else:
+                return
+            tokens, going = staged.verdicts(probs, [p.request.generator for p in trees], sent)
+        except Exception:  # told apart in take, request by request
+            return
+        self.on_device += [tokens.flatten(), going.flatten().long()]
+        self.trees = (self.at, staged, {p.request.request_id: i for i, p in enumerate(trees)})
+        self.at += 2 * tokens.numel()
+
     def _probs(self, part: _Rows) -> torch.Tensor:
         rid, start, n = part.request.request_id, part.start, part.count
         if rid in self.probs:
@@ -202,6 +241,8 @@ class _StepRows:
                     self.seeded.append((part, self._probs(part)))
                 self.later.append(part)
             elif req.params.greedy:
+                self.later.append(part)
+            elif self.trees is not None and rid in self.trees[2]:  # walked with the step's other sampled trees
                 self.later.append(part)
             elif draft.tree is not None:
                 with stage("sampling"):
@@ -280,7 +321,8 @@ class _StepRows:
             rid = part.request.request_id
             try:
                 with stage("acceptance"):
-                    tokens[rid] = self.out[rid] if rid in self.out else _verdict(part, host)
+                    tokens[rid] = self.out[rid] if rid in self.out else self._tree_tokens(rid, host) \
+                        if self.trees is not None and rid in self.trees[2] else _verdict(part, host)
             except Exception as exc:
                 faults[rid] = fault_of(exc, rid, "acceptance")
         live = host[r:2 * r]
@@ -294,6 +336,10 @@ class _StepRows:
         for rid in faults:
             tokens.pop(rid, None)
         return Verdicts(tokens, faults)
+
+    def _tree_tokens(self, rid: str, host: list[int]) -> list[int]:
+        at, staged, columns = self.trees
+        return staged.tokens_of(host, at, columns[rid])
 
 
 def _verdict(part: _Rows, host: list[int]) -> list[int]:
