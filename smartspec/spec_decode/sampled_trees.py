@@ -28,8 +28,15 @@ class StagedTrees:
 
     def __init__(self, trees: list[TokenTree], starts: list[int], batch: HostBatch) -> None:
         self.trees = trees
-        self.levels = 1 + max(max(t.depths(), default=0) for t in trees)  # the last: a leaf's residual, drawn
-        self.width = max(1, max(len(t.children(n)) for t in trees for n in range(-1, len(t))))
+        depths = [t.depths() for t in trees]
+        self.levels = 1 + max(max(d, default=0) for d in depths)  # the last: a leaf's residual, drawn
+        # the most children a node has at each level (the root's: 0): how many trials the level makes
+        self.widths = [0] * self.levels
+        for tree, depth in zip(trees, depths):
+            for node in range(-1, len(tree)):
+                level = 0 if node < 0 else depth[node]
+                self.widths[level] = max(self.widths[level], len(tree.children(node)))
+        self.width = max(1, max(self.widths))
         tokens, at, kids, p_rows, q_rows, roots = [], [], [], [], [], []
         self.child_probs: list[torch.Tensor] = []
         for tree, start in zip(trees, starts):
@@ -60,12 +67,15 @@ class StagedTrees:
         node = sent[self.roots]
         going = torch.ones(len(node), dtype=torch.bool, device=dev)
         tokens, goings = [], []
-        for _ in range(self.levels):
+        for width in self.widths:
+            goings.append(going)
+            if not width:  # leaves only: the residual is the target's row, and every tree stops here
+                tokens.append(draw_rows(p[p_rows[node]], generators))
+                continue
             took, child, residual = self._level(p[p_rows[node]], q_all, q_rows[node], child_tokens[node],
-                                                kids[node], uniform_rows(w, generators, dev))
+                                                kids[node], uniform_rows(width, generators, dev))
             drawn = draw_rows(residual, generators)
             tokens.append(torch.where(took, child_tokens[node].gather(1, child[:, None])[:, 0], drawn))
-            goings.append(going)
             node = torch.where(took, child_at[node].gather(1, child[:, None])[:, 0], node)
             going = going & took
         return torch.stack(tokens), torch.stack(goings)
@@ -73,20 +83,24 @@ class StagedTrees:
     def _level(self, residual: torch.Tensor, q_all: torch.Tensor, q_rows: torch.Tensor, tokens: torch.Tensor,
                kids: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One level of every tree: its node's children tried in draw order (the rule's trials, each tree's own
-        numbers in its row). Returns whether a child was accepted, the first accepted (column), and the residual
-        after all of them."""
-        has_q = (q_rows >= 0)[:, None]
-        q = torch.where(has_q, q_all[q_rows.clamp(min=0)], torch.zeros((), device=residual.device))
+        numbers in its row; u [trees, the level's most children]). Returns whether a child was accepted, the first accepted (column), and the residual
+        after all of them. Trees without draft distributions (prompt lookup's: fixed tokens) skip their operations."""
+        has_q = (q_rows >= 0)[:, None] if self.child_probs else None
+        q = torch.where(has_q, q_all[q_rows.clamp(min=0)], 0.0) if has_q is not None else None
         trials = []
-        for j in range(self.width):
+        for j in range(u.shape[1]):
             tok, tries = tokens[:, j:j + 1], (kids > j)[:, None]
-            q_tok = torch.where(has_q, q.gather(1, tok), 1.0)
-            trials.append(tries & (u[:, j:j + 1] * q_tok < residual.gather(1, tok)))
-            # the rejected child's draft mass leaves the residual: q's (renormalised without it), or its token's
-            left = torch.where(has_q, torch.clamp(residual - q, min=0.0), residual.scatter(1, tok, 0.0))
-            q_left = q.scatter(1, tok, 0.0)
-            q_mass = q_left.sum(dim=-1, keepdim=True)
-            q = torch.where(tries & has_q, torch.where(q_mass > 0, q_left / q_mass, q_left), q)
+            r_tok = residual.gather(1, tok)
+            # the rejected child's draft mass leaves the residual: its token's, or q's (renormalised without it)
+            left = residual.scatter(1, tok, 0.0)
+            if q is None:
+                trials.append(tries & (u[:, j:j + 1] < r_tok))
+            else:
+                trials.append(tries & (u[:, j:j + 1] * torch.where(has_q, q.gather(1, tok), 1.0) < r_tok))
+                left = torch.where(has_q, torch.clamp(residual - q, min=0.0), left)
+                q_left = q.scatter(1, tok, 0.0)
+                q_mass = q_left.sum(dim=-1, keepdim=True)
+                q = torch.where(tries & has_q, torch.where(q_mass > 0, q_left / q_mass, q_left), q)
             mass = left.sum(dim=-1, keepdim=True)  # 0: r == q' up to rounding, the rejection had probability ~0
             residual = torch.where(tries & (mass > 0.0), left / mass, residual)
         trials = torch.cat(trials, dim=1)
