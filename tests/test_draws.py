@@ -7,7 +7,7 @@ from host_reads import HostReads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from smartspec.runtime import sampler
-from smartspec.runtime.sampler import draw, draw_rows, draw_tokens
+from smartspec.runtime.sampler import draw, draw_rows, draw_tokens, uniforms
 from smartspec.types.sampling_params import SamplingParams
 
 V = 211
@@ -23,15 +23,15 @@ def some_probs(rows: int, seed: int) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-class Races(TorchDispatchMode):
-    """Counts the exponential races drawn (exponential_ calls) while active."""
+class Draws(TorchDispatchMode):
+    """Counts the random draws of one kind (exponential_: races; rand: uniforms) made while active."""
 
-    def __init__(self):
+    def __init__(self, kind: str = "exponential_"):
         super().__init__()
-        self.count = 0
+        self.kind, self.count = kind, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name.endswith("exponential_")
+        self.count += func._schema.name.endswith(self.kind)
         return func(*args, **(kwargs or {}))
 
 
@@ -54,7 +54,7 @@ def test_rows_sharing_a_generator_are_drawn_together_as_a_row_at_a_time():
     probs = some_probs(7, 3)
     shared, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     generators = [shared, shared, other, shared, shared, shared, other]
-    with HostReads() as reads, Races() as races:
+    with HostReads() as reads, Draws() as races:
         drawn = draw_rows(probs, generators)
     assert races.count == 4  # a race a run of rows sharing a generator: [0, 1], [2], [3, 4, 5], [6]
     again = {id(shared): torch.Generator().manual_seed(1), id(other): torch.Generator().manual_seed(2)}
@@ -124,3 +124,14 @@ def test_draw_tokens_draws_what_each_row_draws_alone(with_probs):
                 int(torch.multinomial(sampler.target_probs(logits[i], params[i]), 1, generator=alone[s]))
                 for i, s in enumerate(seeds)]
     assert failed == {} and tokens.tolist() == expected and reads.seen == []
+
+
+def test_uniforms_of_rows_sharing_a_generator_are_drawn_together_as_a_row_at_a_time():
+    shared, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    counts, generators = [3, 1, 4, 2, 5], [shared, shared, other, shared, shared]
+    with Draws("rand") as draws:
+        got = uniforms(counts, generators, torch.device("cpu"))
+    assert draws.count == 3  # [0, 1], [2], [3, 4]
+    again = {id(shared): torch.Generator().manual_seed(1), id(other): torch.Generator().manual_seed(2)}
+    expected = torch.cat([torch.rand(n, generator=again[id(g)]) for n, g in zip(counts, generators)])
+    assert torch.equal(got, expected)

@@ -102,6 +102,13 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     return torch.cat([draw(probs[start:end], gen).view(-1) for start, end, gen in _runs(generators)])
 
 
+def uniforms(counts: list[int], generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[sum(counts)] uniforms in [0, 1), counts[i] of them from generators[i], in order: each run sharing one
+    generator in one draw (draw_rows' runs; on a CPU the same numbers as a draw each)."""
+    return torch.cat([torch.rand(sum(counts[start:end]), generator=gen, device=device)
+                      for start, end, gen in _runs(generators)])
+
+
 def uniform_rows(width: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """[R, width] uniforms in [0, 1), row i's from generators[i]: each run of rows sharing one generator in one
     draw (draw_rows' runs)."""

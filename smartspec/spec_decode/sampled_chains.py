@@ -2,8 +2,8 @@
 rejection_sampler.sampled_verdict's rule, in one pass over all of them, each request's draws taken from its
 generator in the rule's order (its uniforms, then its residual's draw). With a generator of its own, each verdict
 is bitwise the rule's alone; requests that share one (the engine's, for unseeded requests) take their uniforms
-before any takes its draw, other numbers of the same law. A few device operations a step and two a request, where
-the rule alone takes some twenty a request.
+before any takes its draw, other numbers of the same law. A few device operations a step (a chain with a
+generator of its own: two more), where the rule alone takes some twenty a request.
 
 In two halves around the step's one copy of host values (runtime/upload.py HostBatch): the chains' layout (their
 rows among the step's sampled probabilities, padded to the longest chain, their tokens, their draft
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from smartspec.runtime.sampler import draw_rows
+from smartspec.runtime.sampler import draw_rows, uniforms
 from smartspec.runtime.upload import HostBatch
 from smartspec.spec_decode.proposer import Draft
 
@@ -59,9 +59,9 @@ class StagedChains:
             q_tok = torch.where(has_q[:, None], q[sent[self.q_rows].view(b, width), tokens], 1.0)
         else:
             q_tok = torch.ones_like(p_tok)
-        # each chain's uniforms from its own generator, in the rule's order (before its residual's draw)
-        u_flat = torch.cat([torch.rand(len(d.tokens), generator=g, device=dev)
-                            for d, g in zip(self.drafts, generators)])
+        # each chain's uniforms from its own generator, in the rule's order (before its residual's draw); chains
+        # sharing one (the engine's) take theirs in one draw
+        u_flat = uniforms([len(d.tokens) for d in self.drafts], generators, dev)
         u = torch.ones(b, width, device=dev).index_put(tuple(sent[key] for key in self.u_at), u_flat)
         accepted = (u * q_tok < p_tok) & (torch.arange(width, device=dev)[None, :] < k[:, None])
         n = accepted.long().cumprod(1).sum(1)  # the accepted run before the first rejection

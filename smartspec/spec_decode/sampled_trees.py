@@ -83,8 +83,9 @@ class StagedTrees:
     def _level(self, residual: torch.Tensor, q_all: torch.Tensor, q_rows: torch.Tensor, tokens: torch.Tensor,
                kids: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One level of every tree: its node's children tried in draw order (the rule's trials, each tree's own
-        numbers in its row; u [trees, the level's most children]). Returns whether a child was accepted, the first accepted (column), and the residual
-        after all of them. Trees without draft distributions (prompt lookup's: fixed tokens) skip their operations."""
+        numbers in its row; u [trees, the level's most children]). Returns whether a child was accepted, the first
+        accepted (column), and the residual after all of them. Trees without draft distributions (prompt lookup's:
+        fixed tokens) skip their operations."""
         has_q = (q_rows >= 0)[:, None] if self.child_probs else None
         q = torch.where(has_q, q_all[q_rows.clamp(min=0)], 0.0) if has_q is not None else None
         trials = []
