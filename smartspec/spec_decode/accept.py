@@ -137,6 +137,16 @@ def _is_sampled_tree(part: _Rows) -> bool:
     return draft is not None and draft.tree is not None and not params.greedy and params.seed is None
 
 
+class _WalkedTrees(NamedTuple):
+    """The sampled trees walked together: where their answer sits in the step's read, and each one's column."""
+    at: int
+    staged: StagedTrees
+    columns: dict[str, int]
+
+    def tokens_of(self, rid: str, host: list[int]) -> list[int]:
+        return self.staged.tokens_of(host, self.at, self.columns[rid])
+
+
 class _StepRows:
     """A step's rows on their way to its one host read: each row's liveness and chosen token (argmax, a
     controlled request's from its reshaped rows, a seeded request's draw), the sampled chains' verdicts and the
@@ -165,8 +175,7 @@ class _StepRows:
         self.sampled_p: torch.Tensor | None = None  # the sampled parts' target probabilities, made together,
         self.probs: dict[str, torch.Tensor] = {}  # and each part's rows of them (sample_probs)
         self.chain_at: dict[str, int] = {}  # where each sampled chain's verdict, made together, sits in the read
-        # where the sampled trees' answer, walked together, sits in the read; its trees and each one's column
-        self.trees: tuple[int, StagedTrees, dict[str, int]] | None = None
+        self.walked: _WalkedTrees | None = None  # the sampled trees walked together
 
     def rows_of(self, rid: str, start: int, n: int) -> torch.Tensor:
         """A request's logits rows as its sampling reads them: reshaped by its controls, else the model's."""
@@ -222,7 +231,7 @@ class _StepRows:
         except Exception:  # told apart in take, request by request
             return
         self.on_device += [tokens.flatten(), going.flatten().long()]
-        self.trees = (self.at, staged, {p.request.request_id: i for i, p in enumerate(trees)})
+        self.walked = _WalkedTrees(self.at, staged, {p.request.request_id: i for i, p in enumerate(trees)})
         self.at += 2 * tokens.numel()
 
     def _probs(self, part: _Rows) -> torch.Tensor:
@@ -242,7 +251,7 @@ class _StepRows:
                 self.later.append(part)
             elif req.params.greedy:
                 self.later.append(part)
-            elif self.trees is not None and rid in self.trees[2]:  # walked with the step's other sampled trees
+            elif self.walked is not None and rid in self.walked.columns:  # walked with the step's other trees
                 self.later.append(part)
             elif draft.tree is not None:
                 with stage("sampling"):
@@ -321,8 +330,8 @@ class _StepRows:
             rid = part.request.request_id
             try:
                 with stage("acceptance"):
-                    tokens[rid] = self.out[rid] if rid in self.out else self._tree_tokens(rid, host) \
-                        if self.trees is not None and rid in self.trees[2] else _verdict(part, host)
+                    tokens[rid] = self.out[rid] if rid in self.out else self.walked.tokens_of(rid, host) \
+                        if self.walked is not None and rid in self.walked.columns else _verdict(part, host)
             except Exception as exc:
                 faults[rid] = fault_of(exc, rid, "acceptance")
         live = host[r:2 * r]
@@ -336,10 +345,6 @@ class _StepRows:
         for rid in faults:
             tokens.pop(rid, None)
         return Verdicts(tokens, faults)
-
-    def _tree_tokens(self, rid: str, host: list[int]) -> list[int]:
-        at, staged, columns = self.trees
-        return staged.tokens_of(host, at, columns[rid])
 
 
 def _verdict(part: _Rows, host: list[int]) -> list[int]:
