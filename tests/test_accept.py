@@ -91,11 +91,11 @@ def test_batched_verdicts_equal_each_rule_alone():
 def test_a_seeded_draw_that_fails_ends_its_request_alone(monkeypatch):
     """The step's seeded parts draw together; where that pass fails, each draws alone, and the one whose draw fails
     ends with a fault at sampling while the other seeded request keeps the tokens it gets without it."""
-    import smartspec.spec_decode.accept as accept
+    import smartspec.spec_decode.step_rows as step_rows
 
     seed = 7
     expected = accept_drafts(*a_step(seed)).tokens
-    real, calls = accept.seeded_draws, []
+    real, calls = step_rows.seeded_draws, []
 
     def failing_for_the_chain(probs, keys):  # the seeded chain alone reaches position 6 (the tree: 3, 4, 4, 5)
         calls.append(len(keys))
@@ -103,7 +103,7 @@ def test_a_seeded_draw_that_fails_ends_its_request_alone(monkeypatch):
             raise RuntimeError("no noise at position 6")
         return real(probs, keys)
 
-    monkeypatch.setattr(accept, "seeded_draws", failing_for_the_chain)
+    monkeypatch.setattr(step_rows, "seeded_draws", failing_for_the_chain)
     got = accept_drafts(*a_step(seed))
     assert calls == [8, 4, 4]  # together, then each alone
     assert set(got.faults) == {"seeded"}

@@ -10,7 +10,7 @@ import smartspec.engine.commit as commit_module
 import smartspec.engine.llm_engine as engine_module
 import smartspec.runtime.logits_controls as logits_controls_module
 import smartspec.runtime.sampler as sampler_module
-import smartspec.spec_decode.accept as accept_module
+import smartspec.spec_decode.step_rows as step_rows_module
 import smartspec.spec_decode.controlled as controlled_module
 from smartspec import SamplingParams
 from smartspec.structured.matcher import RequestGrammar
@@ -119,9 +119,10 @@ FAULTS = {
     "logits controls": [(controlled_module, "reshape_staged", rows_owner),
                         (logits_controls_module, "reshape_staged", rows_owner)],
     "grammar": [(RequestGrammar, "fill_masks", GrammarOf)],
-    "sampling": [(accept_module, "target_probs_rows", row_params_owner), (accept_module, "target_probs", params_owner),
+    "sampling": [(step_rows_module, "target_probs_rows", row_params_owner),
+                 (step_rows_module, "target_probs", params_owner),
                  (sampler_module, "target_probs", params_owner)],
-    "acceptance": [(accept_module, "_verdict", lambda engine: lambda part, host: part.request)],
+    "acceptance": [(step_rows_module, "verdict_of", lambda engine: lambda part, host: part.request)],
     "commit": [(commit_module.TokenCommitter, "commit", lambda engine: lambda committer, req, *a: req)],
     "detokenizing": [(commit_module, "append_token_text", lambda engine: lambda tokenizer, req: req),
                      (commit_module, "append_step_text", lambda engine: lambda tokenizer, req, count: req)],
