@@ -249,3 +249,25 @@ def test_a_steps_sampled_chains_and_plain_rows_made_together_equal_each_rule_alo
             else:
                 expected = [int(torch.multinomial(target_probs(logits[0], p), 1, generator=generator))]
             assert out[rid] == expected, rid
+
+
+def test_controlled_rows_whose_staging_fails_are_reshaped_alone_to_the_same_tokens(monkeypatch):
+    """Where the controls' values cannot be staged with the step's others, each controlled request is reshaped alone
+    and the rows' places are made on the device: every request gets the tokens it gets when staging works."""
+    import smartspec.spec_decode.controlled as controlled_module
+
+    items, logits, drafts = a_wide_step(2)
+    again, _, drafts_again = a_wide_step(2)  # the same requests with fresh generators (the logits: the first's)
+    biased = SamplingParams(logit_bias={3: 50.0}, repetition_penalty=1.2)  # greedy: its tokens are its rows' argmax
+    for its, dr in ((items, drafts), (again, drafts_again)):
+        its.append(ForwardItem(Request("biased", [1, 2, 3], biased), [0] * 3, 3, 3))
+        dr["biased"] = Draft([3, 3], None)
+    logits = torch.cat([logits, torch.randn(3, V, generator=torch.Generator().manual_seed(9))])
+    expected = accept_drafts(items, logits, drafts).tokens
+    assert expected["biased"] == [3, 3, 3]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no staging")
+    monkeypatch.setattr(controlled_module, "StagedControls", failing)
+    got = accept_drafts(again, logits, drafts_again)
+    assert got.faults == {} and got.tokens == expected

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -59,37 +60,49 @@ def accept_drafts(items: list[ForwardItem], logits: torch.Tensor, drafts: dict[s
     sampled = [p for p in parts if _is_sampled(p) and p.request.request_id not in faults]
     controls = StagedRowControls([p.request.params for p in sampled for _ in range(p.count)], logits.shape[1],
                                  batch) if len(sampled) > 1 else None
-    chains, staged_chains, trees, staged_trees = _staged_drafts(sampled, batch)
+    layout = _SampledLayout.of(sampled, batch)
     sent = batch.send(logits.device)
     step = StepRows(logits, controlled.rows(logits, sent, faults), faults, plain,
-                     None if plain_rows is None else sent[plain_rows],
-                     None if plain_controls is None else plain_controls.on(sent))
+                    None if plain_rows is None else sent[plain_rows],
+                    None if plain_controls is None else plain_controls.on(sent))
     if controls is not None:
         step.sample_probs(sampled, controls.on(sent))
-    if staged_chains is not None:
-        step.verify_chains(chains, staged_chains, sent)
-    if staged_trees is not None:
-        step.verify_trees(trees, staged_trees, sent)
+    if layout.chains is not None:
+        step.verify_chains(layout.chain_parts, layout.chains, sent)
+    if layout.trees is not None:
+        step.verify_trees(layout.tree_parts, layout.trees, sent)
     for part in parts:
         if part.request.request_id not in faults and not _is_plain(part):
             step.take(part)
-    step.draw_seeded()
+    step.draw_seeded(layout.seeded_parts, None if layout.seeded is None else sent[layout.seeded])
     step.draw_plain()
     return step.verdicts(step.read(), grammars)
 
 
-def _staged_drafts(sampled: list[Part], batch: HostBatch) \
-        -> tuple[list[Part], StagedChains | None, list[Part], StagedTrees | None]:
-    """The sampled chains and trees verified together, and their layouts staged in the step's batch."""
-    chains = [p for p in sampled if _is_sampled_chain(p)]
-    trees = [p for p in sampled if _is_sampled_tree(p)]
-    # each part's first row among the sampled parts' rows
-    at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
-                                                                                 initial=0)))
-    return (chains, StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch)
-            if chains else None,
-            trees, StagedTrees([p.draft.tree for p in trees], [at[p.request.request_id] for p in trees], batch)
-            if trees else None)
+class _SampledLayout(NamedTuple):
+    """The step's sampled parts verified or drawn together, and their layouts staged in the step's batch: the
+    chains', the trees', and the seeded parts' rows' places in the step's logits (a key of the batch)."""
+    chain_parts: list[Part]
+    chains: StagedChains | None
+    tree_parts: list[Part]
+    trees: StagedTrees | None
+    seeded_parts: list[Part]
+    seeded: int | None
+
+    @classmethod
+    def of(cls, sampled: list[Part], batch: HostBatch) -> _SampledLayout:
+        chains = [p for p in sampled if _is_sampled_chain(p)]
+        trees = [p for p in sampled if _is_sampled_tree(p)]
+        seeded = [p for p in sampled if p.request.params.seed is not None]
+        # each part's first row among the sampled parts' rows
+        at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
+                                                                                     initial=0)))
+        staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch) \
+            if chains else None
+        staged_trees = StagedTrees([p.draft.tree for p in trees], [at[p.request.request_id] for p in trees], batch) \
+            if trees else None
+        places = batch.ints([r for p in seeded for r in range(p.start, p.start + p.count)]) if seeded else None
+        return cls(chains, staged_chains, trees, staged_trees, seeded, places)
 
 
 def _is_plain(part: Part) -> bool:

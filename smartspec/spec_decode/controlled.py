@@ -10,6 +10,7 @@ never read)."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,15 @@ from smartspec.types.faults import RequestFault, StageError, fault_of, stage
 from smartspec.types.request import Request
 
 _Part = tuple[Request, int, list[list[int]]]  # a request, its first row in the step's logits, its rows' prefixes
+
+
+class Reshaped(NamedTuple):
+    """The controlled rows once reshaped and masked: by request, (its first row in the step's logits, its rows
+    [n, V] fp32), a request with a fault left out; and every part's rows together (faulted ones too, never read)
+    with their places in the step's logits, on the device (None where their staging failed)."""
+    by_request: dict[str, tuple[int, torch.Tensor]]
+    rows: torch.Tensor | None
+    places: torch.Tensor | None
 
 
 class ControlledParts:
@@ -53,12 +63,10 @@ class ControlledParts:
         self.masks = _staged_masks(self.parts, grammars, faults, batch) \
             if any(req.request_id in grammars for req, _, _ in self.parts) else None
 
-    def rows(self, logits: torch.Tensor, sent: list[torch.Tensor],
-             faults: dict[str, RequestFault]) -> dict[str, tuple[int, torch.Tensor]]:
-        """By request, (its first row in logits, its rows [n, V] fp32) reshaped and masked; `sent`: the step's
-        batch on the device."""
+    def rows(self, logits: torch.Tensor, sent: list[torch.Tensor], faults: dict[str, RequestFault]) -> Reshaped:
+        """The parts' rows reshaped and masked (Reshaped); `sent`: the step's batch on the device."""
         if not self.parts:
-            return {}
+            return Reshaped({}, None, None)
         rows = self._reshaped(logits, sent, faults)
         if self.masks is not None:
             try:
@@ -68,8 +76,9 @@ class ControlledParts:
                     if req.request_id in self.grammars and req.request_id not in faults:
                         faults[req.request_id] = fault_of(StageError("grammar", exc), req.request_id, "grammar")
         blocks = rows.split([len(prefixes) for _, _, prefixes in self.parts])
-        return {req.request_id: (start, block) for (req, start, _), block in zip(self.parts, blocks)
-                if req.request_id not in faults}
+        return Reshaped({req.request_id: (start, block) for (req, start, _), block in zip(self.parts, blocks)
+                         if req.request_id not in faults},
+                        rows, None if self.staged is None else sent[self.staged.ints[0]])
 
     def _reshaped(self, logits: torch.Tensor, sent: list[torch.Tensor],
                   faults: dict[str, RequestFault]) -> torch.Tensor:

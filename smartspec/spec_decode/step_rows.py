@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from smartspec.runtime.sampler import RowControls, draw_tokens, seeded_draws, target_probs, target_probs_rows
+from smartspec.spec_decode.controlled import Reshaped
 from smartspec.spec_decode.proposer import Draft
 from smartspec.spec_decode.rejection_sampler import accept_tree_sampled, greedy_path, greedy_run, sampled_verdict
 from smartspec.spec_decode.sampled_chains import StagedChains
@@ -50,18 +51,20 @@ class StepRows:
     controlled request's from its reshaped rows, a seeded request's draw), the sampled chains' verdicts and the
     plain rows' draws; and what reads each request's part of the read."""
 
-    def __init__(self, logits: torch.Tensor, reshaped: dict[str, tuple[int, torch.Tensor]],
-                 faults: dict[str, RequestFault], plain: list[Part], plain_rows: torch.Tensor | None,
-                 plain_controls: RowControls | None) -> None:
-        """plain: the parts drawn together (unseeded, sampled, no draft), plain_rows their first rows on the device and
-        plain_controls their sampling controls (sent with the step's values)."""
-        self.logits, self.reshaped, self.faults = logits, reshaped, faults
+    def __init__(self, logits: torch.Tensor, reshaped: Reshaped, faults: dict[str, RequestFault], plain: list[Part],
+                 plain_rows: torch.Tensor | None, plain_controls: RowControls | None) -> None:
+        """reshaped: the controlled rows (ControlledParts.rows); plain: the parts drawn together (unseeded, sampled,
+        no draft), plain_rows their first rows on the device and plain_controls their sampling controls (sent with
+        the step's values)."""
+        self.logits, self.reshaped, self.faults = logits, reshaped.by_request, faults
         self.live = torch.isfinite(logits.amax(dim=-1))  # False: a NaN, a +inf, or no finite logit at all
         self.chosen = logits.argmax(dim=-1)
-        if reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
-            at_rows = torch.cat([torch.arange(start, start + len(block), device=self.chosen.device)
-                                 for start, block in reshaped.values()])
-            blocks = torch.cat([block for _, block in reshaped.values()])
+        if self.reshaped:  # the controlled requests' rows: their own liveness and argmax, in their places
+            at_rows, blocks = reshaped.places, reshaped.rows
+            if at_rows is None:  # their places were not staged: made here, a range a request
+                at_rows = torch.cat([torch.arange(start, start + len(block), device=self.chosen.device)
+                                     for start, block in self.reshaped.values()])
+                blocks = torch.cat([block for _, block in self.reshaped.values()])
             self.live = self.live.index_put((at_rows,), torch.isfinite(blocks.amax(dim=-1)))
             self.chosen = self.chosen.index_put((at_rows,), blocks.argmax(dim=-1))
         self.seeded: list[tuple[Part, torch.Tensor]] = []  # seeded parts and their probabilities, drawn together
@@ -169,10 +172,11 @@ class StepRows:
         except Exception as exc:
             self.faults[rid] = fault_of(exc, rid, "sampling")
 
-    def draw_seeded(self) -> None:
+    def draw_seeded(self, staged: list[Part], places: torch.Tensor | None) -> None:
         """The seeded parts' tokens (Gumbel-max by their noise, seeded_draws), drawn together and put in the chosen
         tokens; where that pass fails, each part's alone (a failure there is its own: a fault, its rows left as
-        they were, never read)."""
+        they were, never read). staged: the seeded parts as the step staged them, and `places` their rows' places
+        in the step's logits on the device (sent with the step's values): where every one of them was drawn."""
         if not self.seeded:
             return
         keys = [[(part.request.params.seed, pos) for pos in positions(part.request, part.draft, part.count)]
@@ -190,8 +194,10 @@ class StepRows:
                 except Exception as exc:
                     self.faults[part.request.request_id] = fault_of(exc, part.request.request_id, "sampling")
         if drawn:
-            rows = torch.cat([torch.arange(part.start, part.start + part.count, device=self.chosen.device)
-                              for (part, _), _ in drawn])
+            # the drawn parts are the staged ones in order, less any that faulted since: all of them, or a range each
+            rows = places if places is not None and len(drawn) == len(staged) else \
+                torch.cat([torch.arange(part.start, part.start + part.count, device=self.chosen.device)
+                           for (part, _), _ in drawn])
             self.chosen = self.chosen.index_put((rows,), torch.cat([tokens for _, tokens in drawn]))
 
     def draw_plain(self) -> None:
