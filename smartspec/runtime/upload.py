@@ -7,6 +7,7 @@ This is the one place a step's host values cross to the device (tests/test_model
 tests/test_accept.py the accept stage's)."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 
 import torch
@@ -34,9 +35,15 @@ def upload_lists(arrays: list[list[int] | list[float] | torch.Tensor], device: t
     their bits) and host integer tensors on `device`, in one copy (upload): a stage's host inputs, lists made
     tensors here, so that this module is where every host value a step sends crosses (tests/test_accept.py counts
     it)."""
-    staged = [a if isinstance(a, torch.Tensor) else
-              torch.tensor(a, dtype=torch.float32).view(torch.int32) if i in floats else
-              torch.tensor(a, dtype=torch.int64) for i, a in enumerate(arrays)]
+    staged: list[torch.Tensor | None] = [a if isinstance(a, torch.Tensor) else None for a in arrays]
+    # the lists of each kind made one host tensor, and split: a tensor a list was most of a stage's host operations
+    for kind, dtype in ((False, torch.int64), (True, torch.float32)):
+        keys = [i for i, a in enumerate(arrays) if staged[i] is None and (i in floats) == kind]
+        if keys:
+            joined = torch.tensor(list(itertools.chain.from_iterable(arrays[i] for i in keys)), dtype=dtype)
+            parts = joined.view(torch.int32) if kind else joined  # numbers travel as their bits
+            for i, part in zip(keys, parts.split([len(arrays[i]) for i in keys])):
+                staged[i] = part
     sent = upload(staged, device)
     return [t.view(torch.float32) if i in floats else t for i, t in enumerate(sent)]
 
