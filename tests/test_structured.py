@@ -361,3 +361,31 @@ def test_masks_applied_eagerly_match_llguidance_kernel(vocab):
         expected[[0, 2]] = some
         apply_masks(ours, mask, [True, False, True])
         assert torch.equal(ours, expected)
+
+
+def test_masks_filled_at_row_addresses_equal_llguidances_own_fill(plain):
+    """fill_masks writes each row at its address: the rows llguidance.torch.fill_next_token_bitmask fills, after
+    every prefix (valid or cut by a forbidden token), in a bitmask shared with other rows; rows past it refused."""
+    import llguidance.torch
+
+    from smartspec.structured.matcher import empty_masks
+
+    engine = plain.engine
+    grammar = engine.grammar_compiler.matcher(StructuredOutput(regex="[a-c]{1,6}x"))
+    ids = {c: engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in "abcxz"}
+    prefixes = [[], [ids["a"]], [ids["a"], ids["b"]], [ids["z"]], [ids["a"], ids["z"], ids["b"]], [ids["x"]]]
+    ours = empty_masks(len(prefixes) + 3, engine.grammar_compiler.vocab_size)
+    valid = grammar.fill_masks(prefixes, ours, 2)
+    theirs = empty_masks(len(prefixes) + 3, engine.grammar_compiler.vocab_size)
+    expected = []
+    for i, prefix in enumerate(prefixes):
+        taken = grammar.matcher.try_consume_tokens(prefix) if prefix else 0
+        expected.append(taken == len(prefix))
+        if expected[-1]:
+            llguidance.torch.fill_next_token_bitmask(grammar.matcher, theirs, 2 + i)
+        if taken:
+            grammar.matcher.rollback(taken)
+    assert valid == expected == [True, True, True, False, False, False]  # x needs a letter before it
+    assert torch.equal(ours, theirs) and bool((ours[2] != -1).any())  # the grammar did mask rows
+    with pytest.raises(IndexError):
+        grammar.fill_masks(prefixes, ours, 4)

@@ -113,12 +113,20 @@ class RequestGrammar:
     def fill_masks(self, prefixes: list[list[int]], bitmask: torch.Tensor, first: int) -> list[bool]:
         """masks() into rows first, first + 1, ... of a bitmask that holds other requests' rows too (a step's
         structured requests are unpacked and applied together: apply_masks); whether each prefix is valid."""
+        # each row filled at its address (what llguidance.torch.fill_next_token_bitmask computes from a row view:
+        # a view and its checks a row were most of this loop's host operations), the bounds checked here once
+        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or not bitmask.is_cpu:
+            raise ValueError("bitmasks are a contiguous int32 [rows, words] host tensor")
+        if not 0 <= first <= first + len(prefixes) <= bitmask.shape[0]:
+            raise IndexError(f"rows {first}..{first + len(prefixes) - 1} past a bitmask of {bitmask.shape[0]} rows")
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
+        base = bitmask.data_ptr() + first * row_bytes
         valid = []
         for i, prefix in enumerate(prefixes):
             taken = self.matcher.try_consume_tokens(prefix) if prefix else 0  # stops at a forbidden token
             valid.append(taken == len(prefix))
             if valid[-1]:
-                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, first + i)
+                self.matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
             if taken:
                 self.matcher.rollback(taken)
         return valid
