@@ -200,8 +200,8 @@ def seeded_noise_rows(keys: list[tuple[int, int]], vocab: int, device: torch.dev
     position). Rows of several requests are made together: a row's values are its key's whatever the others are
     (elementwise operations on its own uniforms), and the operations after the draws run once for all of them."""
     noise = torch.empty(len(keys), vocab, dtype=torch.float64, device=device)
-    for i, (seed, pos) in enumerate(keys):
-        noise[i].uniform_(generator=torch.Generator(device=device).manual_seed(noise_seed(seed, pos)))
+    for row, (seed, pos) in zip(noise.unbind(0), keys):  # the rows' views in one operation, not one a row
+        row.uniform_(generator=torch.Generator(device=device).manual_seed(noise_seed(seed, pos)))
     return noise.neg_().log1p_().neg_().to(torch.float32).clamp_(min=torch.finfo(torch.float32).tiny)
 
 
