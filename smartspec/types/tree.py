@@ -64,8 +64,7 @@ class TokenTree:
         return self._child_by_token.get((node, token))
 
     # A tree is built whole and never grown: its indexes are made at the first walk down it and kept (verifying
-    # and committing walk each tree several times a step; a scan of every parent per level was a tenth of a
-    # 256-request step of prompt-lookup trees).
+    # and committing walk each tree several times a step: a lookup a level, not a scan of every parent).
     @cached_property
     def _children(self) -> dict[int, tuple[int, ...]]:
         out: dict[int, list[int]] = {}
