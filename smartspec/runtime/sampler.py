@@ -109,13 +109,6 @@ def uniforms(counts: list[int], generators: list[torch.Generator | None], device
                       for start, end, gen in _runs(generators)])
 
 
-def uniform_rows(width: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """[R, width] uniforms in [0, 1), row i's from generators[i]: each run of rows sharing one generator in one
-    draw (draw_rows' runs)."""
-    return torch.cat([torch.rand(end - start, width, generator=gen, device=device)
-                      for start, end, gen in _runs(generators)])
-
-
 def _runs(keys: list) -> list[tuple[int, int, object]]:
     """(start, end, key) of each run of consecutive equal keys (the same object)."""
     runs, start = [], 0

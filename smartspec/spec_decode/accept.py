@@ -94,9 +94,10 @@ class _SampledLayout(NamedTuple):
         chains = [p for p in sampled if _is_sampled_chain(p)]
         trees = [p for p in sampled if _is_sampled_tree(p)]
         seeded = [p for p in sampled if p.request.params.seed is not None]
-        # each part's first row among the sampled parts' rows
+        # each part's first row among the sampled parts' rows (where a chain or a tree reads them)
         at = dict(zip((p.request.request_id for p in sampled), itertools.accumulate((p.count for p in sampled),
-                                                                                     initial=0)))
+                                                                                     initial=0))) \
+            if chains or trees else {}
         staged_chains = StagedChains([p.draft for p in chains], [at[p.request.request_id] for p in chains], batch) \
             if chains else None
         staged_trees = StagedTrees([p.draft.tree for p in trees], [at[p.request.request_id] for p in trees], batch) \

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from smartspec.runtime.sampler import draw_rows, uniform_rows
+from smartspec.runtime.sampler import draw_rows, uniforms
 from smartspec.runtime.upload import HostBatch
 from smartspec.types.tree import TokenTree
 
@@ -72,8 +72,8 @@ class StagedTrees:
             if not width:  # leaves only: the residual is the target's row, and every tree stops here
                 tokens.append(draw_rows(p[p_rows[node]], generators))
                 continue
-            took, child, residual = self._level(p[p_rows[node]], q_all, q_rows[node], child_tokens[node],
-                                                kids[node], uniform_rows(width, generators, dev))
+            u = uniforms([width] * len(generators), generators, dev).view(-1, width)  # each tree's row its own
+            took, child, residual = self._level(p[p_rows[node]], q_all, q_rows[node], child_tokens[node], kids[node], u)
             drawn = draw_rows(residual, generators)
             tokens.append(torch.where(took, child_tokens[node].gather(1, child[:, None])[:, 0], drawn))
             node = torch.where(took, child_at[node].gather(1, child[:, None])[:, 0], node)
